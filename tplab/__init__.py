@@ -1,0 +1,43 @@
+"""tplab: a lab for learning tensor parallelism with PyTorch DTensor by running it.
+
+The public API (see DESIGN.md). Names are imported lazily so that `import tplab`
+stays cheap on both sides: the notebook kernel and every rank process.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tplab.errors import CollectiveHang, LabError, PlanError, RankDied, RankError
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "launch": "tplab.lab.launch",
+    "Lab": "tplab.lab.launch",
+    "simulate": "tplab.lab.simulate",
+    "Simulation": "tplab.lab.simulate",
+    "LocalShard": "tplab.lab.transfer",
+    "grad_check": "tplab.check",
+    "make_mesh": "tplab.mesh",
+    "apply_plan": "tplab.plans",
+    "describe_plan": "tplab.plans",
+    "trace": "tplab.trace",
+    "megatron": None,
+    "models": None,
+    "plans": None,
+    "cost": None,
+    "viz": None,
+    "widgets": None,
+}
+
+__all__ = ["CollectiveHang", "LabError", "PlanError", "RankDied", "RankError", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tplab' has no attribute {name!r}")
+    module = _LAZY[name]
+    if module is None:
+        return importlib.import_module(f"tplab.{name}")
+    return getattr(importlib.import_module(module), name)

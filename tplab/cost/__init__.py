@@ -1,0 +1,34 @@
+"""What a TP plan would cost at scale: an alpha-beta model of collectives, a transformer
+block's bytes and FLOPs, hardware presets, and a calibration of this machine.
+
+    from tplab import cost
+    cost.collective_time("all_reduce", 64 * 2**20, 8, cost.HARDWARE["H100 SXM"])
+    cost.sweep(cost.MODELS["Llama-3 70B"], cost.HARDWARE["H100 SXM"])
+    cal = cost.calibrate(lab)          # real ranks only; cal.hardware is "this machine"
+
+Sources are cited in each submodule: `hardware` (datasheets), `collectives` (ring and
+tree algorithms), `transformer` (Megatron-LM, Korthikanti et al. 2022, the Ultra-Scale
+Playbook, the JAX scaling book), `calibrate` (the fit).
+"""
+
+from tplab.cost.calibrate import Calibration, calibrate
+from tplab.cost.collectives import OPS, collective_terms, collective_time, records_time
+from tplab.cost.hardware import HARDWARE, LINKS, Hardware, Link
+from tplab.cost.transformer import (
+    MODELS,
+    BlockShape,
+    best_tp,
+    block_collectives,
+    block_flops,
+    comm_bound_tp,
+    mlp_comm_ratio,
+    step_time,
+    sweep,
+)
+
+__all__ = [
+    "HARDWARE", "LINKS", "MODELS", "OPS", "BlockShape", "Calibration", "Hardware", "Link",
+    "best_tp", "block_collectives", "block_flops", "calibrate", "collective_terms",
+    "collective_time", "comm_bound_tp", "mlp_comm_ratio", "records_time", "step_time",
+    "sweep",
+]

@@ -1,0 +1,63 @@
+"""Errors raised by tplab. Every one is a `LabError`, so a notebook can catch them all."""
+
+from __future__ import annotations
+
+
+class LabError(Exception):
+    """Base class of everything tplab raises on purpose."""
+
+
+class RankError(LabError):
+    """Code raised an exception on one or more ranks.
+
+    `tracebacks` maps rank -> that rank's full traceback text; identical tracebacks
+    are printed once with the list of ranks that raised them.
+    """
+
+    def __init__(self, tracebacks: dict[int, str], world_size: int | None = None,
+                 ename: dict[int, str] | None = None):
+        self.tracebacks = dict(sorted(tracebacks.items()))
+        self.world_size = world_size
+        self.enames = ename or {}
+        super().__init__(self._message())
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.tracebacks)
+
+    def _message(self) -> str:
+        from tplab.lab.output import format_rank_list
+
+        groups: dict[str, list[int]] = {}
+        for rank, tb in self.tracebacks.items():
+            groups.setdefault(tb, []).append(rank)
+        n = len(self.tracebacks)
+        of = f" of {self.world_size}" if self.world_size else ""
+        head = f"{n} rank{'s' if n != 1 else ''}{of} raised an exception"
+        parts = [head]
+        for tb, ranks in groups.items():
+            parts.append(f"--- [{format_rank_list(ranks)}] ---\n{tb.rstrip()}")
+        return "\n".join(parts)
+
+
+class RankDied(LabError):
+    """A rank process exited while the lab was using it (crash, signal, os._exit, OOM)."""
+
+    def __init__(self, message: str, ranks: dict[int, str] | None = None):
+        self.ranks = ranks or {}
+        super().__init__(message)
+
+
+class CollectiveHang(LabError):
+    """A cell did not finish in time; the message says which rank waits where."""
+
+    def __init__(self, message: str, where: dict[int, dict] | None = None,
+                 recovered: bool = False, recovery_s: float | None = None):
+        self.where = where or {}
+        self.recovered = recovered
+        self.recovery_s = recovery_s
+        super().__init__(message)
+
+
+class PlanError(LabError, ValueError):
+    """A tensor-parallel plan that does not fit the model or the mesh."""

@@ -1,0 +1,1 @@
+"""The notebook side: starting ranks, sending them work, bringing results back."""

@@ -1,0 +1,285 @@
+"""The rank side of a lab: what runs inside each rank process (an ipyparallel engine).
+
+The notebook sends these functions by reference (this module is installed on every
+rank). `init_rank` joins the process group; `call` and `execute` run the user's code
+for one cell and hand back either its result, packed for the trip (see transfer.py),
+or a `RankFailure` with the full traceback. A small reporter thread writes where the
+rank is (which cell, which collective, which line of user code) to the rendezvous
+store, so the notebook can say what hangs without asking the busy rank.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import linecache
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from tplab.lab.transfer import pack
+
+WHERE_KEY = "tplab/where/{rank}"
+REPORT_INTERVAL_S = 0.1
+
+# Functions (innermost first) whose frame on the stack means "waiting in a collective".
+# torch.distributed's own collectives, then DTensor's redistribution steps, whose
+# functional collectives end in wait_tensor.
+COLLECTIVE_FRAMES = {
+    "all_reduce": "all_reduce", "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather", "all_gather_tensor": "all_gather",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast", "send": "send", "recv": "recv", "barrier": "barrier",
+    "gather": "gather", "scatter": "scatter", "reduce": "reduce",
+    "_reduce_value": "all_reduce", "_reduce_shard_value": "reduce_scatter",
+    "_to_replicate_tensor": "all_gather", "_to_new_shard_dim": "all_to_all",
+    "wait_tensor": "wait_tensor",
+}
+_LIBRARY_PARTS = (os.sep + "torch" + os.sep, os.sep + "tplab" + os.sep + "lab" + os.sep,
+                  os.sep + "ipyparallel" + os.sep, os.sep + "IPython" + os.sep,
+                  os.sep + "ipykernel" + os.sep, "threading.py", "<frozen")
+
+
+@dataclass
+class RankFailure:
+    """An exception raised by user code on a rank, sent back instead of raised."""
+
+    ename: str
+    evalue: str
+    traceback: str
+
+
+class _RankState:
+    def __init__(self):
+        self.rank = -1
+        self.world_size = 0
+        self.cell: int | None = None  # the cell running now
+        self.cell_started = 0.0
+        self.seq_at_start = 0
+        self.last_cell: int | None = None
+        self.last_cell_collectives = 0
+        self.main_thread = threading.main_thread().ident
+        self.store = None
+
+
+STATE = _RankState()
+
+
+def _user_ns() -> dict:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell.user_ns if shell is not None else sys.modules["__main__"].__dict__
+
+
+def _wait_for_port(host: str, port: int, timeout: float) -> None:
+    """Poll until rank 0's store listens: a TCPStore client that connects too early
+    backs off for 0.3-0.7 s (DESIGN.md)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.01)
+
+
+def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master_port: int,
+              threads: int, local_rank: int, timeout_s: float = 120.0) -> int:
+    """Join the process group as `rank` and fill the rank's namespace. Returns the pid."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+                      OMP_NUM_THREADS=str(threads))
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.tensor  # noqa: F401  (warmed up in the background at start)
+
+    import tplab
+
+    torch.set_num_threads(threads)
+    from datetime import timedelta
+
+    if rank != 0:
+        _wait_for_port(master_addr, master_port, timeout_s)
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s),
+                            **kwargs)
+    STATE.rank, STATE.world_size, STATE.store = rank, world_size, store
+    _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, tplab=tplab)
+    threading.Thread(target=_report_loop, daemon=True, name="tplab-reporter").start()
+    return os.getpid()
+
+
+def _collective_seq() -> int:
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    except Exception:
+        return 0
+
+
+@contextmanager
+def _cell(cell: int):
+    STATE.seq_at_start = _collective_seq()
+    STATE.cell_started = time.monotonic()
+    STATE.cell = cell
+    try:
+        yield
+    finally:
+        STATE.last_cell_collectives = _collective_seq() - STATE.seq_at_start
+        STATE.last_cell = cell
+        STATE.cell = None
+
+
+def _failure(exc: BaseException) -> RankFailure:
+    tb = exc.__traceback__
+    # Drop the frames of this module: the learner's code starts below them.
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return RankFailure(type(exc).__name__, str(exc), text)
+
+
+def _expose_namespace(fn) -> None:
+    """Let a function sent from the notebook see the rank's names (rank, world_size,
+    pushed values) as globals, as code in a %%ranks cell does."""
+    g = getattr(fn, "__globals__", None)
+    if g is not None and g is not _user_ns():
+        for name, value in _user_ns().items():
+            g.setdefault(name, value)
+
+
+class Missing:
+    """What `pull` returns for a name the rank does not have."""
+
+
+def call_pickled(payload: bytes, cell: int):
+    """Run fn(*args, **kwargs) for `lab.run`; payload is cloudpickle of (fn, args, kwargs)."""
+    import cloudpickle
+
+    with _cell(cell):
+        try:
+            fn, args, kwargs = cloudpickle.loads(payload)
+            _expose_namespace(fn)
+            result = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
+            return _failure(exc)
+    return pack(result, STATE.rank)
+
+
+def execute(code: str, cell: int):
+    """Run a cell's code in the rank's namespace; return the last expression's value."""
+    filename = f"<ranks cell {cell}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    ns = _user_ns()
+    with _cell(cell):
+        try:
+            tree = ast.parse(code, filename)
+            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            exec(compile(tree, filename, "exec"), ns)
+            value = None
+            if last is not None:
+                value = eval(compile(ast.Expression(last.value), filename, "eval"), ns)
+        except BaseException as exc:  # noqa: BLE001
+            return _failure(exc)
+    return pack(value, STATE.rank)
+
+
+def push_pickled(payload: bytes, cell: int) -> None:
+    import cloudpickle
+
+    try:
+        _user_ns().update(cloudpickle.loads(payload))
+    except BaseException as exc:  # noqa: BLE001
+        return _failure(exc)
+
+
+def pull(name: str, cell: int):
+    ns = _user_ns()
+    return pack(ns[name], STATE.rank) if name in ns else Missing()
+
+
+def shutdown_rank() -> None:
+    """End the process at once after leaving the process group (SIGTERM costs ~3 s)."""
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        os._exit(0)
+
+
+# --- where is this rank? -------------------------------------------------------------
+
+
+def _shape_of(frame) -> list[int] | None:
+    for name in ("tensor", "input", "input_tensor", "output_tensor", "self", "local_tensor"):
+        value = frame.f_locals.get(name)
+        shape = getattr(value, "shape", None)
+        if shape is not None:
+            try:
+                return [int(s) for s in shape]
+            except TypeError:
+                continue
+    return None
+
+
+def where_now() -> dict:
+    """Snapshot of the main thread: running which cell, in which collective, at which line."""
+    state = STATE
+    snap: dict = {"rank": state.rank, "time": time.time()}
+    if state.cell is None:
+        snap.update(state="finished", cell=state.last_cell,
+                    collectives=state.last_cell_collectives)
+        return snap
+    snap.update(state="running", cell=state.cell,
+                seconds=round(time.monotonic() - state.cell_started, 2),
+                collectives=_collective_seq() - state.seq_at_start)
+    frame = sys._current_frames().get(state.main_thread)
+    op = shape = line = None
+    while frame is not None:
+        code = frame.f_code
+        filename = code.co_filename
+        if op is None and code.co_name in COLLECTIVE_FRAMES and "torch" in filename:
+            op, shape = COLLECTIVE_FRAMES[code.co_name], _shape_of(frame)
+        if line is None and not any(part in filename for part in _LIBRARY_PARTS):
+            text = linecache.getline(filename, frame.f_lineno).strip()
+            line = f"{filename}:{frame.f_lineno} {text}".strip()
+        frame = frame.f_back
+    if op is not None:
+        snap.update(state="in_collective", op=op, shape=shape,
+                    seq=snap["collectives"] + (0 if op == "wait_tensor" else 1))
+    snap["line"] = line
+    return snap
+
+
+def _report_loop() -> None:
+    key = WHERE_KEY.format(rank=STATE.rank)
+    last = None
+    while True:
+        time.sleep(REPORT_INTERVAL_S)
+        running_long = (STATE.cell is not None
+                        and time.monotonic() - STATE.cell_started > REPORT_INTERVAL_S)
+        marker = ("finished", STATE.last_cell) if STATE.cell is None else None
+        if not running_long and marker == last:
+            continue
+        try:
+            STATE.store.set(key, json.dumps(where_now()))
+        except Exception:  # the store went away: the lab is shutting down
+            return
+        last = marker

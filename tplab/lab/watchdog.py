@@ -1,0 +1,200 @@
+"""Waiting for a cell on every rank, and saying what went wrong when it does not finish.
+
+Every `lab.run` / `lab.execute` / `%%ranks` cell goes through `Watchdog.wait`, which
+returns the per-rank results or raises one of:
+- `RankError`: user code raised on some ranks (ranks left waiting for them in a
+  collective are restarted, so the lab stays usable);
+- `RankDied`: a rank process ended mid-cell (crash, signal, os._exit, OOM killer);
+- `CollectiveHang`: the cell ran past its timeout; the message is a per-rank table of
+  where each rank is, read from the reports ranks write to the rendezvous store.
+After each of these the lab restarts its ranks and is ready again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+from ipyparallel import error as ipp_error
+
+from tplab.errors import CollectiveHang, LabError, RankDied, RankError
+from tplab.lab import diagnose
+from tplab.lab import rank as rank_side
+from tplab.lab.output import print_grouped
+from tplab.lab.transfer import unpack
+
+STUCK_AFTER_FAILURE_S = 2.0  # ranks still running this long after another rank failed are stuck
+POLL_S = 0.05
+
+
+class Watchdog:
+    def __init__(self, lab):
+        self.lab = lab
+        self._store = None
+
+    # --- the rendezvous store, where ranks report where they are ------------------------
+
+    def connect_store(self, host: str, port: int) -> None:
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                    timeout=timedelta(seconds=5))
+
+    def disconnect_store(self) -> None:
+        self._store = None
+
+    def where(self) -> dict[int, dict]:
+        """rank -> the latest report of that rank (see rank.where_now)."""
+        found = {}
+        if self._store is None:
+            return found
+        for r in range(self.lab.world_size):
+            key = rank_side.WHERE_KEY.format(rank=r)
+            try:
+                if self._store.check([key]):
+                    found[r] = json.loads(self._store.get(key))
+            except Exception:
+                continue
+        return found
+
+    # --- waiting -----------------------------------------------------------------------
+
+    def wait_for_init(self, ars: list) -> list[int]:
+        deadline = time.monotonic() + max(60.0, self.lab.timeout)
+        pids = []
+        for r, ar in enumerate(ars):
+            while not ar.ready():
+                self.lab._check_engines_alive(starting=True)
+                if time.monotonic() > deadline:
+                    raise LabError(f"rank {r} did not join the process group in time")
+                ar.wait(POLL_S)
+            try:
+                pids.append(ar.get(0))
+            except ipp_error.RemoteError as exc:
+                detail = "\n".join(exc.render_traceback())
+                raise LabError(f"rank {r} could not join the process group "
+                               f"({self.lab.backend}):\n{detail}") from None
+        return pids
+
+    def wait(self, ars: dict, cell: int, timeout: float) -> list:
+        started = time.monotonic()
+        failed_at = None
+        try:
+            while True:
+                pending = [r for r, ar in ars.items() if not ar.ready()]
+                if not pending:
+                    break
+                now = time.monotonic()
+                dead = self.lab._check_engines_alive()
+                if dead or any(_engine_died(ars[r]) for r in ars if ars[r].ready()):
+                    self._rank_died(dead, ars)
+                if failed_at is None and any(_failed(ar) for ar in ars.values() if ar.ready()):
+                    failed_at = now
+                if failed_at is not None and now - failed_at > STUCK_AFTER_FAILURE_S:
+                    break
+                if now - started > timeout:
+                    self._hang(ars, cell, timeout)
+                ars[pending[0]].wait(POLL_S)
+        except KeyboardInterrupt:
+            self._interrupt(ars)
+            raise
+        return self._collect(ars, cell)
+
+    def _collect(self, ars: dict, cell: int) -> list:
+        results, stuck = {}, []
+        for r, ar in ars.items():
+            if not ar.ready():
+                stuck.append(r)
+                continue
+            try:
+                results[r] = ar.get(0)
+            except ipp_error.EngineError:
+                self._rank_died({}, ars)
+        _show_output({r: ar for r, ar in ars.items() if r in results})
+        failures = {r: v for r, v in results.items() if isinstance(v, rank_side.RankFailure)}
+        if failures:
+            if all(f.ename == "KeyboardInterrupt" for f in failures.values()):
+                raise KeyboardInterrupt
+            note = ""
+            if stuck:
+                where = self.where()
+                took = self.lab.restart()
+                note = diagnose.stuck_note(stuck, where, cell, took)
+            error = RankError({r: f.traceback for r, f in failures.items()},
+                              self.lab.world_size)
+            if note:
+                error.args = (f"{error.args[0]}\n{note}",)
+            raise error
+        return [unpack(results[r]) for r in sorted(results)]
+
+    # --- when things go wrong ------------------------------------------------------------
+
+    def _hang(self, ars: dict, cell: int, timeout: float):
+        time.sleep(3 * rank_side.REPORT_INTERVAL_S)  # let every rank's reporter write
+        finished = [r for r, ar in ars.items() if ar.ready()]
+        where = self.where()
+        table = diagnose.hang_report(where, cell, finished, list(ars), timeout)
+        took = self.lab.restart()
+        raise CollectiveHang(
+            f"{table}\nThe lab restarted its {self.lab.world_size} ranks in {took:.1f} s and is "
+            "ready again; names defined on the ranks are gone, so rerun the cells that set "
+            "them up.", where=where, recovered=True, recovery_s=took)
+
+    def _rank_died(self, dead: dict[int, str], ars: dict):
+        if not dead:
+            dead = {-1: "stopped (its engine was reported dead)"}
+        lines = [f"rank {r} {how}" if r >= 0 else f"a rank {how}" for r, how in dead.items()]
+        logs = [self.lab._rank_log_tail(r) for r in dead if r >= 0]
+        took = self.lab.restart()
+        detail = "".join(f"\n--- last output of rank {r} ---\n{log}"
+                         for r, log in zip([r for r in dead if r >= 0], logs, strict=True) if log)
+        raise RankDied(f"{'; '.join(lines)} while running the cell.{detail}\nThe lab restarted "
+                       f"its {self.lab.world_size} ranks in {took:.1f} s and is ready again.",
+                       ranks=dead)
+
+    def _interrupt(self, ars: dict) -> None:
+        """Interrupt every rank still running; restart those stuck in a collective."""
+        pending = [r for r, ar in ars.items() if not ar.ready()]
+        for r in pending:
+            try:
+                os.kill(self.lab._rank_pids[r], signal.SIGINT)
+            except (OSError, IndexError):
+                pass
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and any(not ars[r].ready() for r in pending):
+            time.sleep(POLL_S)
+        if any(not ars[r].ready() for r in pending):
+            took = self.lab.restart()
+            print(f"[tplab] interrupted; ranks waiting in a collective were restarted in "
+                  f"{took:.1f} s, and the lab is ready again", file=sys.stderr)
+
+
+def _failed(ar) -> bool:
+    try:
+        return isinstance(ar.get(0), rank_side.RankFailure)
+    except Exception:
+        return False
+
+
+def _engine_died(ar) -> bool:
+    try:
+        ar.get(0)
+    except ipp_error.EngineError:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def _show_output(ars: dict) -> None:
+    for ar in ars.values():
+        try:
+            ar.wait_for_output(timeout=1.0)
+        except Exception:
+            pass
+    print_grouped({r: ar.stdout or "" for r, ar in ars.items()}, sys.stdout)
+    print_grouped({r: ar.stderr or "" for r, ar in ars.items()}, sys.stderr)
