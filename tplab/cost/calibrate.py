@@ -1,7 +1,7 @@
 """Measure this machine's collectives and fit alpha and beta to them.
 
-`calibrate(lab)` times gloo collectives on the lab's own ranks (barrier, then repeated
-timed calls; per call the slowest rank counts, then the median over calls), fits
+`calibrate(lab)` times gloo collectives on the lab's own ranks (barrier, then a timed call,
+repeated; per call the rank that left the barrier last counts, then the median), fits
 t = a + b x per op by least squares, where x is the op's bytes factor from
 `tplab.cost.collectives` (2 nbytes (N-1)/N for all_reduce, nbytes (N-1)/N for the others),
 and checks the fit on message sizes it held out. alpha = a / ring steps, bandwidth = 1 / b.
@@ -33,7 +33,9 @@ def _rank_timings(ops, sizes, repeats, warmup, matmul_n):
     import torch.distributed as dist
 
     n = dist.get_world_size()
+    # torch 2.13 renamed the tensor forms (the old names warn on every call)
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
     def make(op, numel):
         x = torch.ones(numel)
@@ -41,7 +43,7 @@ def _rank_timings(ops, sizes, repeats, warmup, matmul_n):
             return lambda: dist.all_reduce(x)
         if op == "all_gather":   # nbytes is the gathered output
             shard, out = torch.ones(numel // n), torch.empty(numel)
-            return lambda: dist.all_gather_into_tensor(out, shard)
+            return lambda: all_gather(out, shard)
         if op == "reduce_scatter":   # nbytes is the input
             out = torch.empty(numel // n)
             return lambda: reduce_scatter(out, x)
@@ -50,27 +52,29 @@ def _rank_timings(ops, sizes, repeats, warmup, matmul_n):
             return lambda: dist.all_to_all_single(out, x)
         raise ValueError(f"calibrate cannot time {op!r}")
 
-    timings = {}
+    calls = {}
     for op in ops:
         for size in sizes:
             numel = max(n, size // 4 // n * n)   # float32, divisible by the group
-            call = make(op, numel)
+            calls[(op, size)] = (numel * 4, make(op, numel))
             for _ in range(warmup):
-                call()
-            times = []
-            for _ in range(repeats):
-                dist.barrier()
-                start = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - start)
-            timings[(op, size)] = (numel * 4, times)
+                calls[(op, size)][1]()
+    timings = {key: (nbytes, []) for key, (nbytes, _) in calls.items()}
+    # Rounds over every (op, size): a burst of load from elsewhere then spreads over all
+    # sizes instead of spoiling every call of one of them.
+    for _ in range(repeats):
+        for key, (_, call) in calls.items():
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            timings[key][1].append(time.perf_counter() - start)
     a, b = torch.randn(matmul_n, matmul_n), torch.randn(matmul_n, matmul_n)
     a @ b
-    dist.barrier()
+    dist.barrier()   # all ranks multiply at once, as they would in a step
     start = time.perf_counter()
-    for _ in range(4):
+    for _ in range(8):
         a @ b
-    flops = 4 * 2 * matmul_n**3 / (time.perf_counter() - start)
+    flops = 8 * 2 * matmul_n**3 / (time.perf_counter() - start)
     return {"timings": timings, "flops": flops, "backend": dist.get_backend()}
 
 
@@ -134,7 +138,7 @@ def _check_real(lab) -> None:
 
 
 def calibrate(lab, sizes=DEFAULT_SIZES, ops=DEFAULT_OPS, repeats: int = 7,
-              warmup: int = 2, holdout: int = 2, matmul_n: int = 256) -> Calibration:
+              warmup: int = 2, holdout: int = 2, matmul_n: int = 512) -> Calibration:
     """Time `ops` on the lab's ranks at each of `sizes` (bytes), fit alpha and beta per op
     on all but every `holdout`-th size (from the second; 0 holds out nothing), and report
     how well the fit predicts the sizes it did not see. Raises LabError on a simulated lab.
@@ -152,9 +156,10 @@ def calibrate(lab, sizes=DEFAULT_SIZES, ops=DEFAULT_OPS, repeats: int = 7,
         points = []   # (size, nbytes, x, seconds)
         for size in sizes:
             nbytes = results[0]["timings"][(op, size)][0]
-            # per call the slowest rank decides when the collective is done everywhere
+            # Per call, the rank that left the barrier last measures the collective alone
+            # (the others also wait for it): the model assumes all ranks start together.
             calls = zip(*(r["timings"][(op, size)][1] for r in results), strict=True)
-            t = statistics.median(max(c) for c in calls)
+            t = statistics.median(min(c) for c in calls)
             points.append((size, nbytes, _bytes_factor(op, nbytes, n)[1], t))
         a, slope = _fit([x for s, _, x, _ in points if s not in held],
                         [t for s, _, _, t in points if s not in held])

@@ -8,12 +8,14 @@ One `Lab` object owns the processes' whole life: start, restart, shutdown.
 from __future__ import annotations
 
 import itertools
+import linecache
 import logging
 import os
 import shutil
 import socket
 import sys
 import tempfile
+import sysconfig
 import time
 import weakref
 
@@ -33,6 +35,7 @@ _log.setLevel(logging.ERROR)  # keep ipyparallel's log noise out of notebook out
 _log.propagate = False
 _log.addHandler(logging.StreamHandler(sys.stderr))
 
+_STDLIB = sysconfig.get_paths()["stdlib"]
 DEFAULT_TIMEOUT_S = 60.0  # a cell that runs longer than this in a workshop is a hang
 
 
@@ -270,7 +273,9 @@ class Lab:
             raise TypeError(f"lab.run needs a function as its first argument, got {fn!r}")
         timeout = check_timeout(timeout, "timeout")
         name = getattr(fn, "__qualname__", repr(fn))
-        payload = self._dumps((fn, args, kwargs), f"function {name!r} or its arguments")
+        _send_by_value(fn)
+        payload = self._dumps((fn, args, kwargs, _source_of(fn)),
+                              f"function {name!r} or its arguments")
         return self._dispatch(rank_side.call_pickled, payload, timeout=timeout, ranks=ranks)
 
     def execute(self, code: str, timeout: float | None = None, ranks=None) -> list:
@@ -305,6 +310,28 @@ class Lab:
         ars = {r: self._client[self._engine_ids[r]].apply_async(remote_fn, payload, cell)
                for r in ranks}
         return self.watchdog.wait(ars, cell, timeout or self.timeout)
+
+
+def _source_of(fn) -> tuple[str, list[str]] | None:
+    """fn's file name and source lines, so that a rank's traceback shows the code
+    (cloudpickle drops file names of code it sends by value)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    return code.co_filename, linecache.getlines(code.co_filename)
+
+
+def _send_by_value(obj) -> None:
+    """Functions and classes from the notebook (__main__) travel by value anyway; do the
+    same for modules that are not installed (a test file, a helper .py next to a notebook),
+    which the ranks may not be able to import."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__":
+        return
+    path = getattr(module, "__file__", None) or ""
+    installed = any(part in path for part in ("site-packages", "dist-packages", _STDLIB))
+    if path and not installed and not module.__name__.startswith("tplab"):
+        cloudpickle.register_pickle_by_value(module)
 
 
 def launch(world_size: int = 4, backend: str = "auto", engines: str = "local",

@@ -166,13 +166,30 @@ class Missing:
     """What `pull` returns for a name the rank does not have."""
 
 
+def _refile(code, filename: str):
+    consts = tuple(_refile(c, filename) if hasattr(c, "co_code") else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def _restore_source(fn, source) -> None:
+    """Give a function sent by value its file name and source back, for tracebacks."""
+    code = getattr(fn, "__code__", None)
+    if source is None or code is None or code.co_filename != "<dynamic-code>":
+        return
+    filename, lines = source
+    fn.__code__ = _refile(code, filename)
+    if lines:
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+
+
 def call_pickled(payload: bytes, cell: int):
     """Run fn(*args, **kwargs) for `lab.run`; payload is cloudpickle of (fn, args, kwargs)."""
     import cloudpickle
 
     with _cell(cell):
         try:
-            fn, args, kwargs = cloudpickle.loads(payload)
+            fn, args, kwargs, source = cloudpickle.loads(payload)
+            _restore_source(fn, source)
             _expose_namespace(fn)
             result = fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook

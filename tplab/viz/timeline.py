@@ -47,6 +47,13 @@ HOVER = ("<b>%{customdata[0]}</b> (%{customdata[1]})<br>module: %{customdata[2]}
          "<br>time: %{customdata[6]}<extra>%{y}</extra>")
 
 
+def _box_text(rec: dict, wide: bool) -> str:
+    if not wide:
+        return op_label(rec.get("op", "?"))
+    module = ".".join((rec.get("module") or "").split(".")[-2:])
+    return f"{op_words(rec.get('op', '?'))}<br>{module}" if module else op_words(rec.get("op"))
+
+
 def _phase_runs(recs: list[dict], starts: list[float], ends: list[float]) -> list[tuple]:
     """[(start, end, phase)] for consecutive records of one phase on one rank."""
     runs: list[list] = []
@@ -83,6 +90,8 @@ def comm_timeline(trace, *, x: str = "seq", title: str | None = None) -> go.Figu
             widths = [max(float(rec.get("duration_ms") or 0.0), 1e-3) for rec in rl]
             starts = [sum(widths[:i]) for i in range(len(rl))]
         pos[r] = (starts, widths)
+    columns = max((len(rl) for rl in by_rank.values()), default=0)
+    wide = x == "seq" and columns <= 8  # room for the op's name and module in each box
     for phase in (*PHASES, *sorted({rec.get("phase") for rec in recs} - set(PHASES))):
         ys, xs, bases, text, custom, meta = [], [], [], [], [], []
         for r, rl in by_rank.items():
@@ -92,7 +101,7 @@ def comm_timeline(trace, *, x: str = "seq", title: str | None = None) -> go.Figu
                 ys.append(f"rank {r}")
                 bases.append(s)
                 xs.append(w)
-                text.append(op_label(rec.get("op", "?")))
+                text.append(_box_text(rec, wide))
                 custom.append(_hover_row(rec))
                 meta.append({"rank": r, "seq": rec.get("seq"), "op": rec.get("op"),
                              "module": rec.get("module")})
@@ -115,9 +124,10 @@ def comm_timeline(trace, *, x: str = "seq", title: str | None = None) -> go.Figu
     if runs and same and x == "seq":
         for start, end, phase in next(iter(runs.values())):
             fig.add_vrect(x0=start - 0.05, x1=end + 0.05, fillcolor=PHASE_COLORS.get(phase),
-                          opacity=0.07, line_width=0, annotation_text=phase,
-                          annotation_position="top left",
-                          annotation_font={"color": PHASE_COLORS.get(phase), "size": 13})
+                          opacity=0.07, line_width=0)
+            fig.add_annotation(x=start, y=1.0, xref="x", yref="paper", yanchor="bottom",
+                               xanchor="left", showarrow=False, text=f"<b>{phase}</b>",
+                               font={"color": PHASE_COLORS.get(phase), "size": 13})
     # A square in the rank's own colour at the head of each lane, as in the other figures.
     left = -0.8 if x == "seq" else -0.03 * max((sum(w) for _, w in pos.values()), default=1)
     fig.add_trace(go.Scatter(
@@ -126,13 +136,25 @@ def comm_timeline(trace, *, x: str = "seq", title: str | None = None) -> go.Figu
     n = {p: sum(1 for rec in recs if rec.get("phase") == p) for p in PHASES}
     sub = (f"{len(recs)} collectives on {len(by_rank)} ranks: {n['forward']} forward, "
            f"{n['backward']} backward · hover a box for op, shape, bytes and module")
+    counts = {r: len(rl) for r, rl in by_rank.items()}
+    if len(set(counts.values())) > 1:
+        most = max(set(counts.values()), key=list(counts.values()).count)
+        odd = ", ".join(f"rank {r}: {c}" for r, c in counts.items() if c != most)
+        sub += (f"<br><span style='color:#c62828'>ranks disagree: {odd}, the others {most}. "
+                "A collective that some ranks skip makes the others wait forever.</span>")
+    if not wide and recs:
+        ops = sorted({rec.get("op", "?") for rec in recs})
+        sub += "<br>" + ", ".join(f"{op_label(o)} = {op_words(o)}" for o in ops)
+    fig.update_xaxes(tickvals=list(range(columns)) if x == "seq" else None)
     style(fig, title or "Collectives on each rank, in the order issued", sub,
           barmode="overlay", height=max(320, 140 + 70 * len(lanes)), width=1100,
-          legend={"title": {"text": "phase"}}, margin={"t": 110, "l": 80, "r": 40, "b": 60},
+          legend={"title": {"text": "phase"}}, margin={"t": 130, "l": 80, "r": 40, "b": 60},
           bargap=0.35)
     fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], title_text="")
     fig.update_xaxes(
         title_text=("n-th collective on the rank" if x == "seq"
                     else "time inside collectives, end to end (ms)"),
-        dtick=1 if x == "seq" else None, zeroline=False)
+        dtick=1 if x == "seq" else None, zeroline=False, tick0=0,
+        range=[left - 0.25 if x == "seq" else 1.4 * left, (columns - 0.5) if x == "seq"
+               else -0.2 * left + max((sum(w) for _, w in pos.values()), default=1)])
     return fig

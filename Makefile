@@ -1,0 +1,19 @@
+# The two commands a new user needs. Both create .venv on first use.
+#   make lab    JupyterLab on notebooks/, on 127.0.0.1 with a token
+#   make test   the whole test suite, notebooks included (what CI runs)
+.PHONY: lab test lint bench
+
+PORT ?= 8888
+
+lab:
+	scripts/env.sh jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) \
+	  --ServerApp.root_dir=notebooks --ServerApp.open_browser=False
+
+test:
+	scripts/env.sh python -m pytest -q $(PYTEST_ARGS)
+
+lint:
+	scripts/env.sh ruff check tplab tests benchmarks
+
+bench:
+	scripts/env.sh python benchmarks/launch.py

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment in .venv, then run a command in it.
+# Usage: scripts/env.sh COMMAND [ARGS...]   e.g. scripts/env.sh pytest -q
+# Re-installs only when pyproject.toml changed since the last install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${TPLAB_VENV:-.venv}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[tplab] creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.tplab-installed"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[tplab] installing tplab and its dependencies into $VENV (torch==2.13.0, CPU wheel where available)"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet -e ".[dev]"
+  echo "$want" > "$stamp"
+fi
+
+# Keep Jupyter/IPython state out of the user's home: it lives in .tplab-state/ here.
+state="$PWD/.tplab-state"
+mkdir -p "$state" && chmod 700 "$state"
+export IPYTHONDIR="$state/ipython" JUPYTER_CONFIG_DIR="$state/jupyter-config" \
+  JUPYTER_RUNTIME_DIR="$state/jupyter-runtime" JUPYTER_DATA_DIR="$state/jupyter-data" \
+  JUPYTERLAB_SETTINGS_DIR="$state/lab-settings" JUPYTERLAB_WORKSPACES_DIR="$state/lab-workspaces" \
+  MPLCONFIGDIR="$state/matplotlib"
+export PATH="$PWD/$VENV/bin:$PATH"
+exec "$@"
