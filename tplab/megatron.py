@@ -67,7 +67,10 @@ def _reduce_scatter(x, group, size, dim):
 
 def _split(x, size, rank, dim):
     n = x.shape[dim] // size
-    return x.narrow(dim, rank * n, n).contiguous()  # narrow: rank may be a per-rank SymInt
+    # index_select rather than narrow: in tplab.simulate `rank` holds every rank's value, and
+    # an index tensor built from it carries them into the op (narrow needs one int)
+    index = torch.arange(n, device=x.device) + rank * n
+    return x.index_select(dim, index)
 
 
 def _check_divisible(what, length, size):
@@ -292,7 +295,9 @@ class VocabParallelEmbedding(nn.Module):
         _check_divisible("num_embeddings (vocab)", embedding.num_embeddings, size)
         self.mesh, self.sequence_parallel = mesh, sequence_parallel
         self.rows = embedding.num_embeddings // size
-        self.start = rank * self.rows
+        # a tensor, not an int, so that it can hold a different value per simulated rank
+        self.register_buffer("start", torch.zeros((), dtype=torch.long) + rank * self.rows,
+                             persistent=False)
         self.weight = _shard(embedding.weight, size, rank, 0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

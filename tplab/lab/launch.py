@@ -39,6 +39,15 @@ _STDLIB = sysconfig.get_paths()["stdlib"]
 DEFAULT_TIMEOUT_S = 60.0  # a cell that runs longer than this in a workshop is a hang
 
 
+def _loopback_interface() -> str | None:
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -91,6 +100,9 @@ class Lab:
             "OMP_NUM_THREADS": str(self.threads_per_rank),
             "PYTHONUNBUFFERED": "1",
         }
+        loopback = _loopback_interface() if self.ip.startswith("127.") else None
+        if loopback:
+            env["GLOO_SOCKET_IFNAME"] = loopback  # gloo would bind to the hostname's address
         config = Config()
         config.BaseLauncher.environment = env
         config.EngineLauncher.engine_cmd = [sys.executable, "-m", "tplab.lab.entry", "engine"]
@@ -102,6 +114,7 @@ class Lab:
             n=self.world_size, engines=engines, controller_ip=self.ip,
             controller_args=["--HeartMonitor.period=100", "--log-level=ERROR"],
             profile_dir=os.path.join(self._state_dir, "profile"), cluster_id="tplab",
+            cluster_file="",  # not needed: this Lab object is the only handle on the cluster
             delay=0.0, send_engines_connection_env=False, shutdown_atexit=False,
             load_profile=False, log=_log, config=config,
         )

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
+
 from tplab.errors import LabError
 
-_active = {"lab": None}
+_active = {"lab": None}  # a weak reference: the magics must not keep a lab alive
 
 
 def active_lab():
-    lab = _active["lab"]
+    ref = _active["lab"]
+    lab = ref() if ref is not None else None
     if lab is None or lab._closed:
         raise LabError("no lab is running: start one with lab = tplab.launch(world_size=4)")
     return lab
@@ -62,7 +65,7 @@ def rank_magic(line: str, cell: str) -> None:
 
 def register_magics(lab) -> None:
     """Make `lab` the one %%ranks talks to, and register the magics in IPython."""
-    _active["lab"] = lab
+    _active["lab"] = weakref.ref(lab)
     try:
         from IPython import get_ipython
     except ImportError:

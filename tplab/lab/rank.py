@@ -107,8 +107,18 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
 
     if rank != 0:
         _wait_for_port(master_addr, master_port, timeout_s)
+    listen_fd = None
+    if rank == 0:
+        # Bind the store to master_addr ourselves: TCPStore alone listens on every
+        # interface ("::"), and the lab listens on loopback unless told otherwise.
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((master_addr, master_port))
+        listener.listen(128)
+        listen_fd = listener.detach()
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+                          master_listen_fd=listen_fd)
     kwargs = {}
     if backend == "nccl":
         torch.cuda.set_device(local_rank)

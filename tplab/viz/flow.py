@@ -49,17 +49,22 @@ def side(rec: dict) -> str:
 
 
 def _match(module: str, names: Sequence[str]) -> list[int]:
-    """Indices of the listed modules that `module` is, sits inside, or contains."""
+    """Indices of the listed modules that `module` is, sits inside, or contains.
+
+    "" (the root, e.g. a hook on the whole model) contains every listed module.
+    """
+    if not module:
+        return list(range(len(names)))
     if module in names:
         return [names.index(module)]
     inside = [i for i, n in enumerate(names) if n and module.startswith(n + ".")]
     if inside:
         return [max(inside, key=lambda i: len(names[i]))]
     suffix = [i for i, n in enumerate(names)
-              if n and module and (module.endswith("." + n) or n.endswith("." + module))]
+              if n and (module.endswith("." + n) or n.endswith("." + module))]
     if suffix:
         return suffix[:1]
-    return [i for i, n in enumerate(names) if module and n.startswith(module + ".")]
+    return [i for i, n in enumerate(names) if n.startswith(module + ".")]
 
 
 def _merge(forward: list[str], backward: list[str]) -> list[str]:

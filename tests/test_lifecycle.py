@@ -1,0 +1,118 @@
+"""Nothing is left behind, and everything listens on loopback: checked by pid."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import tplab
+
+
+def alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(pids)
+
+
+@pytest.fixture(scope="module")
+def own_lab():
+    """A lab of this module's own (these tests end it)."""
+    lab = tplab.launch(2)
+    yield lab
+    lab.shutdown()
+
+
+def test_listening_sockets_are_on_loopback(own_lab):
+    listening = []
+    for pid in own_lab.pids:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        listening += [(pid, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN]
+    assert listening, "the lab should listen somewhere (controller, store)"
+    assert {ip for _, ip in listening} <= {"127.0.0.1"}, listening
+
+
+def test_state_is_private_to_the_owner(own_lab):
+    state = own_lab._state_dir
+    assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
+    security = os.path.join(state, "profile", "security")
+    files = [os.path.join(security, f) for f in os.listdir(security)]
+    assert any(f.endswith(".json") for f in files)
+    for f in files:
+        assert stat.S_IMODE(os.stat(f).st_mode) & 0o077 == 0, f
+
+
+def test_restart_replaces_ranks_and_keeps_settings(own_lab):
+    before = list(own_lab._rank_pids)
+    own_lab.execute("x = 1")
+    took = own_lab.restart()
+    assert took > 0
+    assert set(before).isdisjoint(own_lab._rank_pids)
+    assert wait_gone(before, 5) == []
+    assert own_lab.execute("'x' in dir()") == [False, False]
+    assert own_lab.run(lambda: world_size) == [2, 2]  # noqa: F821
+
+
+def test_shutdown_leaves_no_process(own_lab):
+    pids = own_lab.pids
+    assert len(pids) >= 3  # controller + 2 ranks at least
+    own_lab.shutdown()
+    assert wait_gone(pids, 5) == []
+    assert not os.path.exists(own_lab._state_dir)
+    with pytest.raises(tplab.LabError, match="shut down"):
+        own_lab.run(lambda: 1)
+
+
+def test_garbage_collected_lab_ends_its_processes():
+    lab = tplab.launch(2)
+    pids = lab.pids
+    del lab
+    gc.collect()
+    assert wait_gone(pids, 5) == []
+
+
+OWNER = """
+import json, sys, time
+import tplab
+lab = tplab.launch({n})
+print(json.dumps(lab.pids), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_processes_exit_when_the_owner_is_sigkilled(world_size, tmp_path):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER.format(n=world_size)],
+                             stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        pids = json.loads(owner.stdout.readline())
+        assert len(pids) >= world_size + 1
+        assert alive(pids) == sorted(pids)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        assert wait_gone(pids, 10) == [], "lab processes outlived their owner by 10 s"
+    finally:
+        owner.kill()

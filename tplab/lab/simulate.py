@@ -1,0 +1,211 @@
+"""N ranks inside the notebook's own process: `sim = tplab.simulate(4)`.
+
+Built on torch's LocalTensorMode (`torch.distributed._local_tensor`) and the "fake" process
+group (`torch.testing._internal.distributed.fake_pg.FakeStore`): every tensor holds one value
+per rank (a LocalTensor), every op runs once per rank, and collectives are done exactly, by
+arithmetic on those values. `sim.run(fn)` keeps the contract of `tplab.launch(...).run(fn)`:
+item r is fn's result on rank r, tensors as CPU tensors, DTensors as `LocalShard`.
+
+Limits (say them in a lesson that uses it):
+- It rests on private torch APIs, which may change between torch releases.
+- fn runs ONCE for all ranks. Python control flow on the rank (`if dist.get_rank() == 0`)
+  cannot branch per rank: a rank-dependent value is a SymInt holding every rank's value,
+  `==` on it is False unless all ranks agree, and `int()` on it fails. Keep rank-dependent
+  work in tensor ops (`x.narrow(0, rank * n, n)` works), or use real processes.
+- `dist.get_rank()` (no group) gives that per-rank SymInt; for a sub-group use
+  `mesh.get_local_rank("tp")`.
+- Random ops through the default generator start from the same state on every rank, but a
+  random op on an explicit `torch.Generator` gives each rank different values: make inputs
+  outside `run` (pass them as arguments) or with `tplab.models.make_input`.
+- Ops that a DTensor plan leaves as AsyncCollectiveTensors are waited on before results
+  come back. There is no timeout and no hang detection: a collective cannot hang here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from tplab.errors import LabError, RankError
+from tplab.lab.transfer import LocalShard, describe_dtensor
+
+
+def simulate(world_size: int = 4) -> Simulation:
+    """A simulated lab of `world_size` ranks in this process (same `.run` as `tplab.launch`)."""
+    return Simulation(world_size)
+
+
+class Simulation:
+    """Runs fn once, SPMD over `world_size` simulated ranks; see the module docstring."""
+
+    backend = "simulated"
+
+    def __init__(self, world_size: int = 4):
+        if world_size < 1:
+            raise LabError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.pids: list[int] = []
+        self._namespace: dict = {}
+        self._ensure_process_group()
+
+    def __repr__(self) -> str:
+        return f"Simulation(world_size={self.world_size})"
+
+    def __enter__(self) -> Simulation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Nothing to stop: no processes were started."""
+
+    def restart(self) -> None:
+        self._namespace.clear()
+
+    # --- the .run contract ---------------------------------------------------------------
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """fn(*args, **kwargs) on every rank -> [result on rank 0, ..., rank n-1]."""
+        return self._per_rank(self._call(fn, args, kwargs))
+
+    def execute(self, code: str, timeout: float | None = None) -> None:
+        """Run a cell's code on every rank (what `%%ranks` calls), in a shared namespace."""
+        self._call(exec, (code, self._namespace), {})
+
+    def push(self, mapping: dict) -> None:
+        self._namespace.update(mapping)
+
+    def pull(self, name: str) -> list:
+        return self._per_rank(self._namespace[name])
+
+    # --- inside ---------------------------------------------------------------------------
+
+    def _ensure_process_group(self) -> None:
+        # one process has one default group: switch it when another world size is asked for
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            if dist.get_backend() != "fake":
+                raise LabError("this process already has a real process group "
+                               f"({dist.get_backend()}); simulate needs a process without one")
+            if dist.get_world_size() == self.world_size:
+                return
+            dist.destroy_process_group()
+            from torch.distributed.tensor import _random
+
+            _random._rng_tracker = None  # it remembers the old mesh
+        dist.init_process_group("fake", rank=0, world_size=self.world_size, store=FakeStore())
+
+    def _call(self, fn, args, kwargs):
+        from torch.distributed._local_tensor import LocalTensorMode
+
+        self._ensure_process_group()
+        try:
+            with _rank_aware_get_rank(), LocalTensorMode(self.world_size):
+                return _settle(fn(*args, **kwargs))
+        except LabError:
+            raise
+        except Exception as exc:
+            tb = traceback.format_exc()
+            name = type(exc).__name__
+            raise RankError({r: tb for r in range(self.world_size)}, self.world_size,
+                            {r: name for r in range(self.world_size)}) from exc
+
+    def _per_rank(self, out) -> list:
+        return [_for_rank(out, r) for r in range(self.world_size)]
+
+
+@contextlib.contextmanager
+def _rank_aware_get_rank():
+    """`dist.get_rank()` answers for every simulated rank at once (a per-rank SymInt)."""
+    from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_mode
+
+    original = dist.get_rank
+
+    def get_rank(group=None):
+        mode = enabled_local_tensor_mode()
+        if mode is None:
+            return original(group)
+        if group is not None and group is not dist.GroupMember.WORLD:
+            if dist.get_world_size(group) != dist.get_world_size():
+                raise LabError("in tplab.simulate, dist.get_rank(group) is only known for the "
+                               "whole world; use mesh.get_local_rank('tp') instead")
+        return torch.SymInt(LocalIntNode({r: r for r in mode.ranks}))
+
+    dist.get_rank = get_rank
+    try:
+        yield
+    finally:
+        dist.get_rank = original
+
+
+class _DTensorResult:
+    """A DTensor whose local value is settled (no AsyncCollectiveTensor left)."""
+
+    def __init__(self, dt, local):
+        self.dt, self.local = dt, local
+
+
+def _settle(obj):
+    """Wait on AsyncCollectiveTensors (RowwiseParallel outputs) while still in the mode."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        local = obj._local_tensor
+        if isinstance(local, AsyncCollectiveTensor):
+            local = local.wait()
+        return _DTensorResult(obj, local)
+    if isinstance(obj, AsyncCollectiveTensor):
+        return obj.wait()
+    if isinstance(obj, list):
+        return [_settle(o) for o in obj]
+    if isinstance(obj, tuple):
+        items = [_settle(o) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, dict):
+        return {k: _settle(v) for k, v in obj.items()}
+    return obj
+
+
+def _rank_value(t, rank: int):
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(t, LocalTensor):
+        t = t._local_tensors[rank]
+    return t.detach()
+
+
+def _for_rank(obj, rank: int):
+    """Rank `rank`'s view of a result: LocalTensor -> its tensor, SymInt -> its int, ..."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    if isinstance(obj, _DTensorResult):
+        dt = obj.dt
+        mesh = dt.device_mesh
+        coord = [int(c[0]) for c in (mesh.mesh == rank).nonzero(as_tuple=True)]
+        _, offsets = _compute_local_shape_and_global_offset(
+            dt.shape, mesh.shape, coord, dt.placements)
+        shard = describe_dtensor(dt, rank, local=_rank_value(obj.local, rank))
+        shard.coordinate = tuple(coord)
+        shard.offsets = tuple(int(o) for o in offsets)
+        return shard
+    if isinstance(obj, torch.Tensor):
+        return _rank_value(obj, rank)
+    if isinstance(obj, torch.SymInt):
+        node = obj.node
+        return node._local_ints[rank] if hasattr(node, "_local_ints") else int(obj)
+    if isinstance(obj, LocalShard):
+        return obj
+    if isinstance(obj, list):
+        return [_for_rank(o, rank) for o in obj]
+    if isinstance(obj, tuple):
+        items = [_for_rank(o, rank) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if isinstance(obj, dict):
+        return {k: _for_rank(v, rank) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,257 @@
+"""Tensor-parallel plans as data, in the style of torchtitan's `parallelize.py`.
+
+A plan is a plain dict {module path: ParallelStyle} for `parallelize_module`; keys may use
+fnmatch wildcards per path token ("layers.*.attention.wq"). `apply_plan` checks the plan
+against the model and the mesh first, because `parallelize_module` only warns on a key that
+matches nothing and skips it, and shards an indivisible dimension unevenly without a word.
+`describe_plan` turns a plan into rows for a table.
+"""
+
+from __future__ import annotations
+
+import difflib
+from fnmatch import fnmatch
+
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from tplab.errors import PlanError
+
+# --- the named plans ---------------------------------------------------------------------
+
+
+def mlp() -> dict:
+    """Megatron's MLP: w1 column-wise (its output stays sharded), w2 row-wise (summed)."""
+    return {
+        "w1": ColwiseParallel(),
+        "w2": RowwiseParallel(),
+    }
+
+
+def attention() -> dict:
+    """Heads split across ranks: q, k, v column-wise, the output projection row-wise."""
+    return {
+        "wq": ColwiseParallel(),
+        "wk": ColwiseParallel(),
+        "wv": ColwiseParallel(),
+        "wo": RowwiseParallel(),
+    }
+
+
+def block(sequence_parallel: bool = False, *, standalone: bool = True) -> dict:
+    """A transformer block. With sequence parallelism the norms and residuals run on sequence
+    shards (Shard(1)): all-gather entering attention and feed-forward, reduce-scatter leaving.
+    `standalone` adds the shard/unshard of the block's own input and output.
+    """
+    if not sequence_parallel:
+        return {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }
+    plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=Shard(1),
+                                           desired_input_layouts=Replicate()),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if standalone:
+        whole = {"": PrepareModuleInputOutput(
+            input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_input=True,
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)}
+        plan = whole | plan
+    return plan
+
+
+def lm(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
+    """TinyLM: a vocab-parallel embedding (RowwiseParallel shards its rows), every block,
+    and an lm head whose logits stay sharded on the vocab for `loss_parallel()`.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)}
+    for key, style in block(sequence_parallel, standalone=False).items():
+        plan[f"layers.*.{key}"] = style
+    if sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    plan["output"] = ColwiseParallel(input_layouts=seq,
+                                     output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                     use_local_output=not loss_parallel)
+    return plan
+
+
+# --- applying and checking ---------------------------------------------------------------
+
+
+def match(model: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
+    """The (path, module) pairs a plan key selects, with parallelize_module's fnmatch rule."""
+    found = [("", model)]
+    for token in key.split(".") if key else []:
+        found = [(f"{path}.{name}" if path else name, child)
+                 for path, module in found for name, child in module.named_children()
+                 if fnmatch(name, token)]
+    return found
+
+
+def _shard_rule(style, module: nn.Module) -> list[tuple[str, int]]:
+    """(what, length) pairs that the style splits over the tp ranks."""
+    colwise = isinstance(style, ColwiseParallel)
+    if isinstance(module, nn.Linear):
+        return [("out_features (weight dim 0)", module.out_features)] if colwise else [
+            ("in_features (weight dim 1)", module.in_features)]
+    if isinstance(module, nn.Embedding):
+        return [("embedding_dim (weight dim 1)", module.embedding_dim)] if colwise else [
+            ("num_embeddings (weight dim 0)", module.num_embeddings)]
+    return []
+
+
+def check_plan(model: nn.Module, plan: dict, tp: int) -> None:
+    """Raise PlanError if a key matches no module, a style does not fit its module, or a
+    sharded dimension (or the number of heads) is not divisible by the tp size."""
+    if not isinstance(plan, dict):
+        raise PlanError(f"a plan is a dict {{module path: ParallelStyle}}, got {type(plan)}")
+    paths = [path for path, _ in model.named_modules() if path]
+    for key, style in plan.items():
+        found = match(model, key)
+        if not found:
+            close = difflib.get_close_matches(key, paths, n=3, cutoff=0.5) or paths[:6]
+            raise PlanError(f"plan key {key!r} matches no module of {type(model).__name__}; "
+                            f"closest module paths: {', '.join(map(repr, close))}")
+        for path, module in found:
+            name = path or type(model).__name__
+            if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                continue
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
+                raise PlanError(f"{name} is a {type(module).__name__}; {type(style).__name__} "
+                                "only splits nn.Linear and nn.Embedding")
+            for what, length in _shard_rule(style, module):
+                if length % tp:
+                    raise PlanError(f"{name}: {type(style).__name__} splits {what} = {length} "
+                                    f"over tp = {tp} ranks, and {length} is not divisible by "
+                                    f"{tp}")
+            parent = model.get_submodule(path.rpartition(".")[0])
+            heads = getattr(parent, "n_heads", None)
+            if isinstance(style, ColwiseParallel) and heads is not None and heads % tp:
+                pname = path.rpartition(".")[0] or type(model).__name__
+                raise PlanError(f"{pname}: n_heads = {heads} is not divisible by tp = {tp}, "
+                                f"so {name} would split a head across ranks")
+
+
+def apply_plan(model: nn.Module, mesh, plan: dict) -> nn.Module:
+    """`parallelize_module(model, mesh["tp"], plan)` after `check_plan`; returns the model."""
+    from tplab.mesh import tp_mesh
+
+    mesh = tp_mesh(mesh)
+    check_plan(model, plan, mesh.size())
+    return parallelize_module(model, mesh, plan)
+
+
+# --- describing --------------------------------------------------------------------------
+
+
+def _fmt(layouts) -> str:
+    if layouts is None:
+        return "-"
+    items = [str(p) if p is not None else "-" for p in layouts]
+    return ", ".join(items)
+
+
+def _arrow(before, after, local: bool) -> str:
+    text = _fmt(before) if before == after or after is None else f"{_fmt(before)} -> {_fmt(after)}"
+    return f"{text} (local)" if local else text
+
+
+def _describe(style, module: nn.Module) -> tuple[dict, str, str]:
+    """(parameter placements, inputs, outputs) that the style gives the module."""
+    params: dict[str, str] = {}
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        colwise = isinstance(style, ColwiseParallel)
+        embedding = isinstance(module, nn.Embedding)
+        weight_dim = (1 if embedding else 0) if colwise else (0 if embedding else 1)
+        for name, _ in module.named_parameters(recurse=False):
+            bias_layout = Shard(0) if colwise else Replicate()
+            params[name] = str(Shard(weight_dim) if name == "weight" else bias_layout)
+        if colwise:
+            desired = style.desired_input_layouts
+            partial_out = "Shard(-1)"
+        else:
+            desired = (Replicate(),) if embedding else (Shard(-1),)
+            partial_out = "Partial(sum)"
+        inputs = _arrow(style.input_layouts, desired, False)
+        outputs = f"{partial_out} -> {_fmt(style.output_layouts)}"
+        if partial_out == _fmt(style.output_layouts):
+            outputs = partial_out
+        return params, inputs, outputs + (" (local)" if style.use_local_output else "")
+    if isinstance(style, SequenceParallel):
+        params = {name: "Replicate()" for name, _ in module.named_parameters(recurse=False)}
+        layout = _fmt(style.sequence_sharding)
+        return params, layout, layout + (" (local)" if style.use_local_output else "")
+    if isinstance(style, PrepareModuleInputOutput):
+        p_in, p_out = style.prepare_module_input, style.prepare_module_output
+        return ({}, _arrow(p_in.input_layouts, p_in.desired_input_layouts, p_in.use_local_output),
+                _arrow(p_out.output_layouts, p_out.desired_output_layouts, p_out.use_local_output))
+    if isinstance(style, PrepareModuleInput):
+        return {}, _arrow(style.input_layouts, style.desired_input_layouts,
+                          style.use_local_output), "-"
+    if isinstance(style, PrepareModuleOutput):
+        return {}, "-", _arrow(style.output_layouts, style.desired_output_layouts,
+                               style.use_local_output)
+    return {}, "?", "?"
+
+
+class PlanTable(list):
+    """describe_plan's rows; a table in Jupyter and in print()."""
+
+    columns = ("module", "style", "parameters", "inputs", "outputs")
+
+    def _cells(self):
+        for row in self:
+            params = ", ".join(f"{k}: {v}" for k, v in row["parameters"].items()) or "-"
+            yield [row["module"], row["style"], params, row["inputs"], row["outputs"]]
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        return tabulate(list(self._cells()), headers=self.columns)
+
+    def _repr_html_(self) -> str:
+        from tabulate import tabulate
+
+        return tabulate(list(self._cells()), headers=self.columns, tablefmt="html")
+
+
+def describe_plan(model: nn.Module, plan: dict) -> PlanTable:
+    """One row per (plan key, matched module): module, style, parameter placements, and the
+    input and output layouts ("A -> B" where the style redistributes; "(local)" where the
+    module hands on a plain tensor). Works on the unparallelised model, on either side."""
+    rows = PlanTable()
+    for key, style in plan.items():
+        for path, module in match(model, key) or [(key, None)]:
+            if module is None:
+                rows.append({"module": path, "style": type(style).__name__, "parameters": {},
+                             "inputs": "no such module", "outputs": "-"})
+                continue
+            params, inputs, outputs = _describe(style, module)
+            rows.append({"module": path or "(root)", "style": type(style).__name__,
+                         "parameters": params, "inputs": inputs, "outputs": outputs})
+    return rows

@@ -1,0 +1,318 @@
+"""Record every collective a rank issues: `with tplab.trace() as t: ...; t.counts()`.
+
+Built on torch's dispatcher, like DTensor's CommDebugMode: a TorchDispatchMode sees each
+collective op as it is dispatched, both DTensor's functional collectives
+(`_c10d_functional.all_reduce`, ...) and plain `torch.distributed` calls (`c10d.allreduce_`,
+...), so the hand-written f and g of `tplab.megatron` show up too. Unlike CommDebugMode it
+keeps one record per call, with the message size and the time, in the format of
+docs/CONTRACTS.md (plain dicts that travel back to the notebook).
+
+The module path comes from module hooks: the innermost module whose forward is running
+(including its own hooks, where parallelize_module redistributes outputs), and in the
+backward pass the innermost module whose gradients are being computed.
+
+Timing: `duration_ms` of a functional collective runs from its issue to its wait (DTensor
+waits lazily, so this includes any compute it overlapped); a c10d call is waited on by the
+trace itself (so an async_op=True call becomes synchronous while traced). On CUDA these are
+host-side times. Send and recv are not waited on (that could deadlock a pair of ranks).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_c10d = torch.ops.c10d
+_funcol = torch.ops._c10d_functional
+
+
+def _numel(t) -> int:
+    return t.numel() if isinstance(t, torch.Tensor) else sum(_numel(x) for x in t)
+
+
+def _first(t):
+    return t if isinstance(t, torch.Tensor) else _first(t[0])
+
+
+# What each collective sends. Each entry: normalised op name, and a function
+# (args, group_size) -> (the tensor that sets shape and dtype, message numel, shape).
+def _same(i):
+    def message(args, n):
+        t = _first(args[i])
+        return t, _numel(args[i]), list(t.shape)
+    return message
+
+
+def _times_n(i):
+    # an all-gather's message is the gathered output; a reduce-scatter's the input
+    def message(args, n):
+        t = _first(args[i])
+        return t, _numel(args[i]) * n, [t.shape[0] * n, *t.shape[1:]] if t.ndim else [n]
+    return message
+
+
+_OPS = {
+    _funcol.all_reduce: ("all_reduce", _same(0)),
+    _funcol.all_reduce_: ("all_reduce", _same(0)),
+    _funcol.all_reduce_coalesced: ("all_reduce", _same(0)),
+    _funcol.all_reduce_coalesced_: ("all_reduce", _same(0)),
+    _funcol.all_gather_into_tensor: ("all_gather", _times_n(0)),
+    _funcol.all_gather_into_tensor_out: ("all_gather", _times_n(0)),
+    _funcol.all_gather_into_tensor_coalesced: ("all_gather", _times_n(0)),
+    _funcol.reduce_scatter_tensor: ("reduce_scatter", _same(0)),
+    _funcol.reduce_scatter_tensor_out: ("reduce_scatter", _same(0)),
+    _funcol.reduce_scatter_tensor_coalesced: ("reduce_scatter", _same(0)),
+    _funcol.all_to_all_single: ("all_to_all", _same(0)),
+    _funcol.broadcast: ("broadcast", _same(0)),
+    _funcol.broadcast_: ("broadcast", _same(0)),
+    torch.ops._dtensor.shard_dim_alltoall: ("all_to_all", _same(0)),
+    _c10d.allreduce_: ("all_reduce", _same(0)),
+    _c10d.allreduce_coalesced_: ("all_reduce", _same(0)),
+    _c10d.allgather_: ("all_gather", _times_n(1)),
+    _c10d._allgather_base_: ("all_gather", _times_n(1)),
+    _c10d.allgather_coalesced_: ("all_gather", _times_n(1)),
+    _c10d.allgather_into_tensor_coalesced_: ("all_gather", _times_n(1)),
+    _c10d.reduce_scatter_: ("reduce_scatter", _same(1)),
+    _c10d._reduce_scatter_base_: ("reduce_scatter", _same(1)),
+    _c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", _same(1)),
+    _c10d.alltoall_: ("all_to_all", _same(1)),
+    _c10d.alltoall_base_: ("all_to_all", _same(1)),
+    _c10d.broadcast_: ("broadcast", _same(0)),
+    _c10d.reduce_: ("reduce", _same(0)),
+    _c10d.gather_: ("gather", _same(1)),
+    _c10d.scatter_: ("scatter", _same(0)),
+    _c10d.send: ("send", _same(0)),
+    _c10d.recv_: ("recv", _same(0)),
+    _c10d.recv_any_source_: ("recv", _same(0)),
+    _c10d.barrier: ("barrier", lambda args, n: (args[0], 0, [])),
+    _c10d.monitored_barrier_: ("barrier", lambda args, n: (args[0], 0, [])),
+}
+_NO_WAIT = {"send", "recv"}
+
+
+def _group_of(func, args):
+    """The ProcessGroup a collective runs on: a ScriptObject arg (c10d) or a name (funcol)."""
+    from torch._C._distributed_c10d import ProcessGroup
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if func.namespace == "c10d":
+        for a in args:
+            if isinstance(a, torch.ScriptObject):
+                try:
+                    return ProcessGroup.unbox(a)
+                except Exception:  # a ReduceOp, not the group
+                    continue
+        return None
+    group = args[-1]
+    if isinstance(group, str):
+        return _resolve_process_group(group)
+    return ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else group
+
+
+def _group_label(pg) -> str:
+    """Mesh dim name ("tp", "dp") from DeviceMesh's group description, else "world"/ranks."""
+    if pg is None:
+        return "?"
+    desc = getattr(pg, "group_desc", "") or ""
+    if desc.startswith("mesh_"):
+        return desc.removeprefix("mesh_")
+    if pg is dist.distributed_c10d._get_default_group() or desc == "default_pg":
+        return "world"
+    return desc or f"group {pg.group_name}"
+
+
+def _wait_work(out) -> None:
+    from torch._C._distributed_c10d import Work
+
+    for o in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(o, torch.ScriptObject):
+            Work.unbox(o).wait()
+
+
+class _Modules:
+    """Which module is running: forward via module hooks, backward via gradient hooks."""
+
+    def __init__(self):
+        self.names: dict[int, str] = {}
+        self.forward: list[str] = []
+        self.backward: list[str] = []
+        self.handles: list = []
+        self.hooked: set[int] = set()
+
+    def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self.handles.append(register_module_forward_pre_hook(self._pre))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    def current(self, backward: bool) -> str:
+        stack = self.backward if backward else self.forward
+        return stack[-1] if stack else ""
+
+    def _name(self, module) -> str:
+        if id(module) not in self.names:  # the first module seen is the root: paths from it
+            for path, m in module.named_modules():
+                self.names.setdefault(id(m), path)
+        return self.names[id(module)]
+
+    def _pre(self, module, args):
+        if torch._C._current_graph_task_id() != -1:
+            return  # a forward re-run inside backward (activation checkpointing)
+        name = self._name(module)
+        self.forward.append(name)
+        if id(module) not in self.hooked:
+            # a module-local hook registered after parallelize_module's: it pops AFTER the
+            # module's own output hooks, where DTensor plans issue their collectives
+            self.hooked.add(id(module))
+            self.handles.append(module.register_forward_hook(self._post, always_call=True))
+        inputs = [a for a in torch.utils._pytree.tree_leaves(args)
+                  if isinstance(a, torch.Tensor) and a.requires_grad]
+        if inputs and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(inputs, self._leave(name))
+
+    def _post(self, module, args, output):
+        if torch._C._current_graph_task_id() != -1 or not self.forward:
+            return
+        name = self.forward.pop()
+        outputs = [a for a in torch.utils._pytree.tree_leaves(output)
+                   if isinstance(a, torch.Tensor) and a.requires_grad]
+        if outputs and torch.is_grad_enabled():
+            torch.autograd.graph.register_multi_grad_hook(outputs, self._enter(name), mode="any")
+
+    def _enter(self, name):
+        def hook(grad):
+            if not self.backward:  # forget modules whose inputs needed no gradient
+                torch.autograd.Variable._execution_engine.queue_callback(self.backward.clear)
+            self.backward.append(name)
+        return hook
+
+    def _leave(self, name):
+        def hook(grads):
+            if name in self.backward:
+                del self.backward[len(self.backward) - 1 - self.backward[::-1].index(name)]
+        return hook
+
+
+class Trace(TorchDispatchMode):
+    """The context manager `tplab.trace()` returns; `records` fill in as collectives run."""
+
+    def __init__(self):
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        from torch.distributed.tensor import DTensor
+
+        super().__init__()
+        self._defer = (DTensor, AsyncCollectiveTensor)
+        self.records: list[dict] = []
+        self._pending: dict[int, tuple[dict, float, torch.Tensor]] = {}
+        self._groups: dict[int, tuple[str, int]] = {}
+        self._modules = _Modules()
+
+    def __enter__(self):
+        self.records.clear()
+        # in tplab.simulate this is a SymInt holding every rank: records split per rank
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._modules.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self._modules.__exit__(*exc)
+        self._pending.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # let DTensor (and AsyncCollectiveTensor) desugar first; their collectives and waits
+        # then come back through this mode (CommDebugMode does the same)
+        if any(issubclass(t, self._defer) for t in types):
+            return NotImplemented
+        packet = getattr(func, "_overloadpacket", None)
+        if packet is _funcol.wait_tensor:
+            self._waited(args[0])
+            return func(*args, **kwargs)
+        spec = _OPS.get(packet)
+        if spec is None:
+            return func(*args, **kwargs)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        record = self._record(func, spec, args)
+        if func.namespace == "c10d":
+            if record["op"] not in _NO_WAIT:
+                _wait_work(out)
+            record["duration_ms"] = (time.perf_counter() - start) * 1e3
+        else:
+            record["duration_ms"] = (time.perf_counter() - start) * 1e3
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                self._pending[id(t)] = (record, start, t)
+        return out
+
+    def _waited(self, t) -> None:
+        pending = self._pending.pop(id(t), None)
+        if pending is not None:
+            record, start, _ = pending
+            record["duration_ms"] = (time.perf_counter() - start) * 1e3
+
+    def _record(self, func, spec, args) -> dict:
+        op, message = spec
+        pg = _group_of(func, args)
+        key = id(pg)
+        if key not in self._groups:
+            self._groups[key] = (_group_label(pg), pg.size() if pg is not None else 1)
+        label, size = self._groups[key]
+        tensor, numel, shape = message(args, size)
+        backward = torch._C._current_graph_task_id() != -1
+        record = {
+            "rank": self._rank,
+            "seq": len(self.records),
+            "phase": "backward" if backward else "forward",
+            "module": self._modules.current(backward),
+            "op": op,
+            "shape": shape,
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "bytes": numel * tensor.element_size(),
+            "group": label,
+            "group_size": size,
+            "duration_ms": 0.0,
+        }
+        self.records.append(record)
+        return record
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """{"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}."""
+        out: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+        for r in self.records:
+            phase = out[r["phase"]]
+            phase[r["op"]] = phase.get(r["op"], 0) + 1
+        return out
+
+    def bytes(self) -> dict[str, dict[str, int]]:
+        """Total message bytes per phase and op, in the same shape as counts()."""
+        out: dict[str, dict[str, int]] = defaultdict(dict)
+        for r in self.records:
+            out[r["phase"]][r["op"]] = out[r["phase"]].get(r["op"], 0) + r["bytes"]
+        return {"forward": dict(out["forward"]), "backward": dict(out["backward"])}
+
+
+def trace() -> Trace:
+    """A context manager that records every collective this rank issues (see module doc)."""
+    return Trace()
+
+
+class _CallableModule(types.ModuleType):
+    """`tplab.trace` names both this module and the function above: importing the module
+    binds it to that name on the package, so the module itself answers `tplab.trace()`."""
+
+    def __call__(self) -> Trace:
+        return Trace()
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,132 @@
+"""`grad_error`: a grad_check report as a picture: how far each tensor is from the truth.
+
+Two panels on one log axis: the error of every output and gradient against the
+single-device reference, and the spread across ranks of tensors that should be equal
+(a replicated bias's gradient, the input gradient after f's all-reduce). An error of
+exactly zero has no place on a log axis: it is drawn at a floor, with its own marker.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from tplab.viz.palette import BAD_COLOR, EXACT_COLOR, OK_COLOR, style
+
+KIND_ORDER = ("output", "input_grad", "param_grad", "replica_spread")
+KIND_WORDS = {"output": "output", "input_grad": "dL/dx", "param_grad": "dL/dW",
+              "replica_spread": "spread"}
+STATUS = {  # status -> (legend name, colour, symbol)
+    "ok": ("within tolerance", OK_COLOR, "circle"),
+    "bad": ("over tolerance", BAD_COLOR, "x"),
+    "plain": ("error", "#1f4e9c", "circle"),
+    "exact": ("exactly 0 (drawn at the floor)", EXACT_COLOR, "diamond-open"),
+}
+
+
+def report_rows(report) -> list[dict]:
+    """Rows of a grad_check report, a list of rows, or a dict with "rows"."""
+    if hasattr(report, "rows"):
+        return [dict(r) for r in report.rows]
+    if isinstance(report, Mapping):
+        return [dict(r) for r in report["rows"]]
+    return [dict(r) for r in report]
+
+
+def _status(v: float, atol: float | None) -> str:
+    if v == 0:
+        return "exact"
+    if not math.isfinite(v):
+        return "bad"
+    if atol is None:
+        return "plain"
+    return "ok" if v <= atol else "bad"
+
+
+def floor_for(values: list[float], atol: float | None) -> float:
+    """A power of ten two decades under the smallest nonzero error (and the tolerance)."""
+    pos = [v for v in values if v > 0 and math.isfinite(v)] + ([atol] if atol else [])
+    if not pos:
+        return 1e-12
+    return 10.0 ** (math.floor(math.log10(min(pos))) - 2)
+
+
+def grad_error(report, *, atol: float | None = None, floor: float | None = None,
+               title: str | None = None) -> go.Figure:
+    """Per-tensor max |error| on a log axis, with the tolerance drawn as a line.
+
+    `report`: a grad_check report (its `.rows`, and `.atol` if it has one) or a list of
+    rows {name, kind, max_abs, max_rel}. `atol` defaults to the report's. Zeros are
+    clamped to `floor` and marked exact. Each marker trace's `meta` lists its rows with
+    name, kind, max_abs, max_rel, status ("ok", "bad", "exact" or "plain") and x (drawn).
+    """
+    rows = report_rows(report)
+    if atol is None:
+        atol = getattr(report, "atol", None)
+    values = [float(r.get("max_abs", 0.0)) for r in rows]
+    floor = floor or floor_for(values, atol)
+    finite = [v for v in values if math.isfinite(v)] + [floor]
+    ceiling = max(finite + ([atol] if atol else [])) * 10  # where a NaN/inf is drawn
+    panels = [[r for r in rows if r.get("kind") != "replica_spread"],
+              [r for r in rows if r.get("kind") == "replica_spread"]]
+    names = ("compared with the single-device reference",
+             "spread across ranks of tensors that should be equal")
+    used = [(p, n) for p, n in zip(panels, names, strict=True) if p] or [([], names[0])]
+    fig = make_subplots(rows=len(used), cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=[n for _, n in used],
+                        row_heights=[max(len(p), 1) for p, _ in used])
+    shown: set[str] = set()
+    for i, (prow, _) in enumerate(used, start=1):
+        prow = sorted(prow, key=lambda r: KIND_ORDER.index(r.get("kind"))
+                      if r.get("kind") in KIND_ORDER else len(KIND_ORDER))
+        labels = [f"{r.get('name')} · {KIND_WORDS.get(r.get('kind'), r.get('kind'))}"
+                  for r in prow]
+        drawn = []
+        for r in prow:
+            v = float(r.get("max_abs", 0.0))
+            drawn.append(floor if v == 0 else v if math.isfinite(v) else ceiling)
+        stems_x, stems_y = [], []
+        for x, y in zip(drawn, labels, strict=True):
+            stems_x += [floor, x, None]
+            stems_y += [y, y, None]
+        fig.add_trace(go.Scatter(x=stems_x, y=stems_y, mode="lines", showlegend=False,
+                                 hoverinfo="skip", line={"color": "#bdbdbd", "width": 2}),
+                      row=i, col=1)
+        for status, (legend, color, symbol) in STATUS.items():
+            pick = [j for j, r in enumerate(prow)
+                    if _status(float(r.get("max_abs", 0.0)), atol) == status]
+            if not pick:
+                continue
+            fig.add_trace(go.Scatter(
+                x=[drawn[j] for j in pick], y=[labels[j] for j in pick], mode="markers",
+                name=legend, legendgroup=status, showlegend=status not in shown,
+                marker={"color": color, "symbol": symbol, "size": 13,
+                        "line": {"width": 2, "color": color}},
+                customdata=[[prow[j].get("max_abs"), prow[j].get("max_rel")] for j in pick],
+                hovertemplate=("%{y}<br>max |error| = %{customdata[0]:.3g}"
+                               "<br>max relative error = %{customdata[1]:.3g}<extra></extra>"),
+                meta=[{**{k: prow[j].get(k) for k in ("name", "kind", "max_abs", "max_rel")},
+                       "status": status, "x": drawn[j]} for j in pick]), row=i, col=1)
+            shown.add(status)
+        fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1], row=i, col=1,
+                         automargin=True)
+    if atol:
+        fig.add_vline(x=atol, line={"color": BAD_COLOR, "dash": "dash", "width": 2})
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"tolerance {atol:g}",
+                                 line={"color": BAD_COLOR, "dash": "dash", "width": 2},
+                                 meta={"atol": atol}))
+    bad = sum(1 for v in values if _status(v, atol) == "bad")
+    exact = sum(1 for v in values if v == 0)
+    sub = (f"{len(rows)} tensors · {exact} exact · "
+           + (f"{bad} over the tolerance" if atol else "no tolerance given")
+           + f" · zeros drawn at {floor:g}")
+    n = len(rows)
+    style(fig, title or "How far each tensor is from the truth (max |error|, log scale)", sub,
+          height=max(380, 200 + 26 * n + 60 * len(used)), width=1000,
+          margin={"t": 120, "l": 20, "r": 30, "b": 60}, legend={"title": {"text": ""}})
+    fig.update_xaxes(type="log", exponentformat="power", showgrid=True)
+    fig.update_xaxes(title_text="max |error| (log scale)", row=len(used), col=1)
+    return fig
