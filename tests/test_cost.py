@@ -208,3 +208,82 @@ def test_calibrate_on_real_ranks(labs):
         next(r["predicted_s"] for r in cal.rows if r["op"] == "all_gather"
              and r["bytes"] == 2**20))
     assert math.isfinite(cal.median_error(0))
+
+
+# --- the lab's own models: predicted bytes against traced bytes ---------------------------
+
+LAB_CASES = [("mlp", "megatron", False), ("mlp", "megatron", True), ("mlp", "dtensor", False),
+             ("block", "megatron", False), ("block", "megatron", True),
+             ("block", "dtensor", False), ("block", "dtensor", True)]
+
+
+def traced_steps(cases, cfg):
+    """Rank side: one forward and backward of each case under tplab.trace."""
+    import torch
+
+    import tplab
+    from tplab import megatron, models, plans
+
+    mesh = tplab.make_mesh(tp=torch.distributed.get_world_size())
+    out = {}
+    for kind, plan, sp in cases:
+        model = (models.MLP if kind == "mlp" else models.Block)(cfg)
+        if plan == "megatron":
+            model = megatron.parallelize(model, mesh, sequence_parallel=sp)
+        else:
+            model = tplab.apply_plan(model, mesh, plans.mlp() if kind == "mlp" else
+                                     plans.block(sp))
+        x = models.make_input(cfg).requires_grad_()
+        with tplab.trace() as t:
+            model(x).sum().backward()
+        out[(kind, plan, sp)] = ([(r["phase"], r["op"], r["bytes"], r["group_size"])
+                                  for r in t.records], t.bytes())
+    return out
+
+
+def check_against_traces(per_rank, cfg, world_size):
+    from tplab.cost.lab_models import lab_collectives
+
+    for case in LAB_CASES:
+        predicted = lab_collectives(case[0], cfg, world_size, case[2], case[1])
+        assert predicted, case
+        totals = {"forward": {}, "backward": {}}
+        for r in predicted:
+            totals[r["phase"]][r["op"]] = totals[r["phase"]].get(r["op"], 0) + r["bytes"]
+        for rank, result in enumerate(per_rank):
+            records, traced_bytes = result[case]
+            assert records == [(r["phase"], r["op"], r["bytes"], r["group_size"])
+                               for r in predicted], (case, rank)
+            assert traced_bytes == totals, (case, rank)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_predicted_bytes_equal_traced_bytes_simulated(world_size):
+    simulate = pytest.importorskip("tplab.lab.simulate")
+    from tplab import models
+
+    cfg = models.Config()
+    per_rank = simulate.simulate(world_size).run(traced_steps, LAB_CASES, cfg)
+    check_against_traces(per_rank, cfg, world_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_predicted_bytes_equal_traced_bytes_on_real_ranks(labs, world_size):
+    from tplab import models
+
+    cfg = models.Config(dim=48, hidden_dim=96, seq_len=12, batch_size=3)
+    check_against_traces(labs.get(world_size).run(traced_steps, LAB_CASES, cfg), cfg,
+                         world_size)
+
+
+def test_lab_collectives_refuses_what_the_lab_does_not_have():
+    from tplab.cost.lab_models import lab_collectives
+
+    cfg = type("Cfg", (), {"dim": 8, "n_heads": 2, "hidden_dim": 16, "seq_len": 4,
+                           "batch_size": 1})()
+    with pytest.raises(ValueError, match="no sequence-parallel plan"):
+        lab_collectives("mlp", cfg, 2, True, "dtensor")
+    with pytest.raises(ValueError, match="knows"):
+        lab_collectives("TinyLM", cfg, 2)
+    assert lab_collectives("block", cfg, 1) == []

@@ -184,8 +184,10 @@ def test_grad_flow_puts_f_and_g_on_their_edges():
 
 
 def test_grad_flow_sequence_parallel_gathers_and_stacking():
-    trace = [rec(0, 0, "forward", "w1", "all_gather"), rec(0, 1, "forward", "w2", "reduce_scatter"),
-             rec(0, 2, "backward", "w2", "all_gather"), rec(0, 3, "backward", "w1", "reduce_scatter"),
+    trace = [rec(0, 0, "forward", "w1", "all_gather"),
+             rec(0, 1, "forward", "w2", "reduce_scatter"),
+             rec(0, 2, "backward", "w2", "all_gather"),
+             rec(0, 3, "backward", "w1", "reduce_scatter"),
              rec(0, 4, "backward", "w1", "all_reduce")]
     fig = grad_flow(trace, ["w1", "w2"])
     where = {(m["phase"], m["op"]): (m["edge"], m["side"]) for m in markers(fig)}
@@ -246,6 +248,27 @@ def test_grad_error_log_axis_floor_tolerance_and_spread_panel():
     assert any(s.x0 == 1e-5 == s.x1 for s in fig.layout.shapes)  # the tolerance line
     assert "2 exact" in fig.layout.title.text and "3 over" in fig.layout.title.text
     plain = grad_error(Report.rows[:3], floor=1e-12)  # a list of rows, no tolerance
-    statuses = {m["status"] for t in plain.data if isinstance(t.meta, (list, tuple)) for m in t.meta}
+    statuses = {m["status"] for t in plain.data if isinstance(t.meta, (list, tuple))
+                for m in t.meta}
     assert statuses == {"plain", "exact"} and not plain.layout.shapes
     assert len([a for a in plain.layout.annotations]) == 1  # one panel title: no spread rows
+
+
+def test_grad_flow_orders_whole_model_hooks_by_the_trace():
+    # A standalone block under sequence parallelism (tplab.megatron): split at the input, a
+    # gather at the output, both by hooks on the whole model (module ""), around the layers'
+    # own collectives.
+    t = [rec(0, 0, "forward", "attention", "all_gather"),
+         rec(0, 1, "forward", "attention.wo", "reduce_scatter"),
+         rec(0, 2, "forward", "", "all_gather"),
+         rec(0, 3, "backward", "attention.wo", "all_gather"),
+         rec(0, 4, "backward", "attention", "reduce_scatter"),
+         rec(0, 5, "backward", "", "all_gather")]  # last in backward: the input's split
+    fig = grad_flow(t, ["attention.wq", "attention.wo"])
+    got = sorted((m["phase"], m["module"], m["edge"]) for m in markers(fig))
+    assert got == [("backward", "", 0), ("backward", "attention", 0),
+                   ("backward", "attention.wo", 2), ("forward", "", 2),
+                   ("forward", "attention", 0), ("forward", "attention.wo", 2)]
+    weight = grad_flow([rec(0, 0, "backward", "ffn_norm", "all_reduce", shape=(32,))],
+                       ["ffn_norm", "w1"])
+    assert [m["role"] for m in markers(weight)] == ["dW"]  # a norm's weight grad is not f

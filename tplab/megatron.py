@@ -49,11 +49,11 @@ def _all_reduce(x, group):
 
 
 def _all_gather(x, group, size, dim):
-    # all_gather_into_tensor stacks on dim 0: move `dim` there and back.
+    # all_gather_single stacks on dim 0: move `dim` there and back.
     # (b, s/n, d) -> (s/n, b, d) -> gather -> (s, b, d) -> (b, s, d)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    dist.all_gather_single(out, x, group=group)
     return out.movedim(0, dim)
 
 
@@ -61,7 +61,7 @@ def _reduce_scatter(x, group, size, dim):
     # (b, s, d) -> (s, b, d) -> reduce-scatter -> (s/n, b, d) -> (b, s/n, d)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=group)
+    dist.reduce_scatter_single(out, x, group=group)
     return out.movedim(0, dim)
 
 

@@ -14,6 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tplab.errors import LabError
 
 _MESHES: dict[tuple, DeviceMesh] = {}
+# process group name -> mesh dim name, for traces: a 1-D mesh over the whole world reuses
+# the default group, whose own description says nothing about "tp"
+GROUP_NAMES: dict[str, str] = {}
 
 
 def device_type() -> str:
@@ -57,7 +60,15 @@ def make_mesh(tp: int | None = None, dp: int | None = None) -> DeviceMesh:
     mesh = _MESHES.get(key)
     if mesh is None:
         mesh = _MESHES[key] = init_device_mesh(kind, shape, mesh_dim_names=names)
+    for name in names:
+        GROUP_NAMES[mesh.get_group(name).group_name] = name
     return mesh
+
+
+def forget_meshes() -> None:
+    """Drop the cached meshes (their process groups are gone: the world was re-created)."""
+    _MESHES.clear()
+    GROUP_NAMES.clear()
 
 
 def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:

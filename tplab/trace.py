@@ -116,9 +116,14 @@ def _group_of(func, args):
 
 
 def _group_label(pg) -> str:
-    """Mesh dim name ("tp", "dp") from DeviceMesh's group description, else "world"/ranks."""
+    """Mesh dim name ("tp", "dp") for groups of tplab meshes or DeviceMesh's group
+    description, else "world" or the group's own description."""
     if pg is None:
         return "?"
+    from tplab.mesh import GROUP_NAMES
+
+    if pg.group_name in GROUP_NAMES:
+        return GROUP_NAMES[pg.group_name]
     desc = getattr(pg, "group_desc", "") or ""
     if desc.startswith("mesh_"):
         return desc.removeprefix("mesh_")
@@ -133,6 +138,10 @@ def _wait_work(out) -> None:
     for o in out if isinstance(out, (tuple, list)) else (out,):
         if isinstance(o, torch.ScriptObject):
             Work.unbox(o).wait()
+
+
+def _depth(path: str) -> int:
+    return path.count(".") + 1 if path else 0
 
 
 class _Modules:
@@ -156,8 +165,11 @@ class _Modules:
             h.remove()
 
     def current(self, backward: bool) -> str:
-        stack = self.backward if backward else self.forward
-        return stack[-1] if stack else ""
+        if not backward:
+            return self.forward[-1] if self.forward else ""
+        # the deepest active module, then the latest: a module and its last child share an
+        # output tensor, so both enter at once
+        return max(reversed(self.backward), key=_depth, default="")
 
     def _name(self, module) -> str:
         if id(module) not in self.names:  # the first module seen is the root: paths from it

@@ -14,8 +14,8 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import sysconfig
+import tempfile
 import time
 import weakref
 
@@ -28,7 +28,7 @@ from tplab.lab import processes
 from tplab.lab import rank as rank_side
 from tplab.lab.entry import OWNER_ENV, owner_token
 from tplab.lab.validate import check_launch_args, check_timeout, resolve_backend
-from tplab.lab.watchdog import Watchdog
+from tplab.lab.watchdog import RankResults, Watchdog
 
 _log = logging.getLogger("tplab.ipyparallel")
 _log.setLevel(logging.ERROR)  # keep ipyparallel's log noise out of notebook outputs
@@ -320,9 +320,9 @@ class Lab:
         self._check_open()
         ranks = self._ranks(ranks)
         cell = next(self._cells)
-        ars = {r: self._client[self._engine_ids[r]].apply_async(remote_fn, payload, cell)
-               for r in ranks}
-        return self.watchdog.wait(ars, cell, timeout or self.timeout)
+        view = self._client.direct_view([self._engine_ids[r] for r in ranks])
+        ar = view.apply_async(remote_fn, payload, cell)  # one request for all ranks
+        return self.watchdog.wait(RankResults(ar, ranks), cell, timeout or self.timeout)
 
 
 def _source_of(fn) -> tuple[str, list[str]] | None:

@@ -11,6 +11,7 @@ store, so the notebook can say what hangs without asking the busy rank.
 from __future__ import annotations
 
 import ast
+import io
 import json
 import linecache
 import os
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 
 from tplab.lab.transfer import pack
@@ -192,63 +193,66 @@ def _restore_source(fn, source) -> None:
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
 
 
-def call_pickled(payload: bytes, cell: int):
-    """Run fn(*args, **kwargs) for `lab.run`; payload is cloudpickle of (fn, args, kwargs)."""
+@dataclass
+class Reply:
+    """What a rank sends back for a cell: the packed value (or a RankFailure, or
+    Missing) and what the cell printed, captured here so that it arrives with the value."""
+
+    value: object
+    stdout: str
+    stderr: str
+
+
+def _run_cell(cell: int, body) -> Reply:
+    out, err = io.StringIO(), io.StringIO()
+    with _cell(cell), redirect_stdout(out), redirect_stderr(err):
+        try:
+            value = pack(body(), STATE.rank)
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
+            value = _failure(exc)
+    return Reply(value, out.getvalue(), err.getvalue())
+
+
+def call_pickled(payload: bytes, cell: int) -> Reply:
+    """Run fn(*args, **kwargs) for `lab.run`; payload is cloudpickle of
+    (fn, args, kwargs, fn's source)."""
     import cloudpickle
 
-    with _cell(cell):
-        try:
-            fn, args, kwargs, source = cloudpickle.loads(payload)
-            _restore_source(fn, source)
-            _expose_namespace(fn)
-            result = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
-            return _failure(exc)
-    return pack(result, STATE.rank)
+    def body():
+        fn, args, kwargs, source = cloudpickle.loads(payload)
+        _restore_source(fn, source)
+        _expose_namespace(fn)
+        return fn(*args, **kwargs)
+
+    return _run_cell(cell, body)
 
 
-def execute(code: str, cell: int):
-    """Run a cell's code in the rank's namespace; return the last expression's value."""
+def execute(code: str, cell: int) -> Reply:
+    """Run a cell's code in the rank's namespace; the value is the last expression's."""
     filename = f"<ranks cell {cell}>"
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-    ns = _user_ns()
-    with _cell(cell):
-        try:
-            tree = ast.parse(code, filename)
-            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-            exec(compile(tree, filename, "exec"), ns)
-            value = None
-            if last is not None:
-                value = eval(compile(ast.Expression(last.value), filename, "eval"), ns)
-        except BaseException as exc:  # noqa: BLE001
-            return _failure(exc)
-    return pack(value, STATE.rank)
+
+    def body():
+        ns = _user_ns()
+        tree = ast.parse(code, filename)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, filename, "exec"), ns)
+        if last is not None:
+            return eval(compile(ast.Expression(last.value), filename, "eval"), ns)
+        return None
+
+    return _run_cell(cell, body)
 
 
-def push_pickled(payload: bytes, cell: int) -> None:
+def push_pickled(payload: bytes, cell: int) -> Reply:
     import cloudpickle
 
-    try:
-        _user_ns().update(cloudpickle.loads(payload))
-    except BaseException as exc:  # noqa: BLE001
-        return _failure(exc)
+    return _run_cell(cell, lambda: _user_ns().update(cloudpickle.loads(payload)))
 
 
-def pull(name: str, cell: int):
+def pull(name: str, cell: int) -> Reply:
     ns = _user_ns()
-    return pack(ns[name], STATE.rank) if name in ns else Missing()
-
-
-def shutdown_rank() -> None:
-    """End the process at once after leaving the process group (SIGTERM costs ~3 s)."""
-    import torch.distributed as dist
-
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+    return _run_cell(cell, lambda: ns[name] if name in ns else Missing())
 
 
 # --- where is this rank? -------------------------------------------------------------

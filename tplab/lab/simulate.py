@@ -97,7 +97,10 @@ class Simulation:
             dist.destroy_process_group()
             from torch.distributed.tensor import _random
 
+            from tplab import mesh
+
             _random._rng_tracker = None  # it remembers the old mesh
+            mesh.forget_meshes()
         dist.init_process_group("fake", rank=0, world_size=self.world_size, store=FakeStore())
 
     def _call(self, fn, args, kwargs):

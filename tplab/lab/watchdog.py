@@ -31,6 +31,35 @@ STUCK_AFTER_FAILURE_S = 2.0  # ranks still running this long after another rank 
 POLL_S = 0.05
 
 
+class RankResults:
+    """One ipyparallel AsyncResult over several ranks, looked at rank by rank."""
+
+    def __init__(self, ar, ranks: list[int]):
+        self.ar, self.ranks = ar, ranks
+        self._futures = dict(zip(ranks, ar._children, strict=True))  # one per target
+
+    def done(self, r: int) -> bool:
+        return self._futures[r].done()
+
+    def pending(self) -> list[int]:
+        return [r for r in self.ranks if not self._futures[r].done()]
+
+    def result(self, r: int):
+        """The rank's reply; an ipyparallel error (engine died...) is returned, not raised."""
+        return self._futures[r].result()
+
+    def value(self, r: int):
+        """The rank's value, RankFailure or ipyparallel error, once it is done."""
+        reply = self.result(r)
+        return reply.value if isinstance(reply, rank_side.Reply) else reply
+
+    def output(self) -> tuple[dict[int, str], dict[int, str]]:
+        replies = {r: self.result(r) for r in self.ranks if self.done(r)}
+        replies = {r: v for r, v in replies.items() if isinstance(v, rank_side.Reply)}
+        return ({r: v.stdout for r, v in replies.items()},
+                {r: v.stderr for r, v in replies.items()})
+
+
 class Watchdog:
     def __init__(self, lab):
         self.lab = lab
@@ -80,41 +109,44 @@ class Watchdog:
                                f"({self.lab.backend}):\n{detail}") from None
         return pids
 
-    def wait(self, ars: dict, cell: int, timeout: float) -> list:
+    def wait(self, cell_results: RankResults, cell: int, timeout: float) -> list:
+        res = cell_results
         started = time.monotonic()
         failed_at = None
         try:
             while True:
-                pending = [r for r, ar in ars.items() if not ar.ready()]
+                pending = res.pending()
                 if not pending:
                     break
                 now = time.monotonic()
                 dead = self.lab._check_engines_alive()
-                if dead or any(_engine_died(ars[r]) for r in ars if ars[r].ready()):
-                    self._rank_died(dead, ars)
-                if failed_at is None and any(_failed(ar) for ar in ars.values() if ar.ready()):
+                finished = [r for r in res.ranks if r not in pending]
+                if dead or any(isinstance(res.value(r), ipp_error.EngineError) for r in finished):
+                    self._rank_died(dead)
+                if failed_at is None and any(
+                        isinstance(res.value(r), rank_side.RankFailure) for r in finished):
                     failed_at = now
                 if failed_at is not None and now - failed_at > STUCK_AFTER_FAILURE_S:
                     break
                 if now - started > timeout:
-                    self._hang(ars, cell, timeout)
-                ars[pending[0]].wait(POLL_S)
+                    self._hang(res, cell, timeout)
+                res.ar.wait(POLL_S)
         except KeyboardInterrupt:
-            self._interrupt(ars)
+            self._interrupt(res)
             raise
-        return self._collect(ars, cell)
+        return self._collect(res, cell)
 
-    def _collect(self, ars: dict, cell: int) -> list:
-        results, stuck = {}, []
-        for r, ar in ars.items():
-            if not ar.ready():
-                stuck.append(r)
-                continue
-            try:
-                results[r] = ar.get(0)
-            except ipp_error.EngineError:
-                self._rank_died({}, ars)
-        _show_output({r: ar for r, ar in ars.items() if r in results})
+    def _collect(self, res: RankResults, cell: int) -> list:
+        stuck = res.pending()
+        results = {r: res.value(r) for r in res.ranks if r not in stuck}
+        for value in results.values():
+            if isinstance(value, ipp_error.EngineError):
+                self._rank_died({})
+            if isinstance(value, Exception):  # an ipyparallel error outside user code
+                raise LabError(f"the lab could not run the cell: {value}")
+        out, err = res.output()
+        print_grouped(out, sys.stdout)
+        print_grouped(err, sys.stderr)
         failures = {r: v for r, v in results.items() if isinstance(v, rank_side.RankFailure)}
         if failures:
             if all(f.ename == "KeyboardInterrupt" for f in failures.values()):
@@ -129,22 +161,22 @@ class Watchdog:
             if note:
                 error.args = (f"{error.args[0]}\n{note}",)
             raise error
-        return [unpack(results[r]) for r in sorted(results)]
+        return [unpack(results[r]) for r in res.ranks]
 
     # --- when things go wrong ------------------------------------------------------------
 
-    def _hang(self, ars: dict, cell: int, timeout: float):
+    def _hang(self, res: RankResults, cell: int, timeout: float):
         time.sleep(3 * rank_side.REPORT_INTERVAL_S)  # let every rank's reporter write
-        finished = [r for r, ar in ars.items() if ar.ready()]
+        finished = [r for r in res.ranks if res.done(r)]
         where = self.where()
-        table = diagnose.hang_report(where, cell, finished, list(ars), timeout)
+        table = diagnose.hang_report(where, cell, finished, res.ranks, timeout)
         took = self.lab.restart()
         raise CollectiveHang(
             f"{table}\nThe lab restarted its {self.lab.world_size} ranks in {took:.1f} s and is "
             "ready again; names defined on the ranks are gone, so rerun the cells that set "
             "them up.", where=where, recovered=True, recovery_s=took)
 
-    def _rank_died(self, dead: dict[int, str], ars: dict):
+    def _rank_died(self, dead: dict[int, str]):
         if not dead:
             dead = {-1: "stopped (its engine was reported dead)"}
         lines = [f"rank {r} {how}" if r >= 0 else f"a rank {how}" for r, how in dead.items()]
@@ -156,45 +188,18 @@ class Watchdog:
                        f"its {self.lab.world_size} ranks in {took:.1f} s and is ready again.",
                        ranks=dead)
 
-    def _interrupt(self, ars: dict) -> None:
+    def _interrupt(self, res: RankResults) -> None:
         """Interrupt every rank still running; restart those stuck in a collective."""
-        pending = [r for r, ar in ars.items() if not ar.ready()]
+        pending = res.pending()
         for r in pending:
             try:
                 os.kill(self.lab._rank_pids[r], signal.SIGINT)
             except (OSError, IndexError):
                 pass
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and any(not ars[r].ready() for r in pending):
+        while time.monotonic() < deadline and res.pending():
             time.sleep(POLL_S)
-        if any(not ars[r].ready() for r in pending):
+        if res.pending():
             took = self.lab.restart()
             print(f"[tplab] interrupted; ranks waiting in a collective were restarted in "
                   f"{took:.1f} s, and the lab is ready again", file=sys.stderr)
-
-
-def _failed(ar) -> bool:
-    try:
-        return isinstance(ar.get(0), rank_side.RankFailure)
-    except Exception:
-        return False
-
-
-def _engine_died(ar) -> bool:
-    try:
-        ar.get(0)
-    except ipp_error.EngineError:
-        return True
-    except Exception:
-        return False
-    return False
-
-
-def _show_output(ars: dict) -> None:
-    for ar in ars.values():
-        try:
-            ar.wait_for_output(timeout=1.0)
-        except Exception:
-            pass
-    print_grouped({r: ar.stdout or "" for r, ar in ars.items()}, sys.stdout)
-    print_grouped({r: ar.stderr or "" for r, ar in ars.items()}, sys.stderr)

@@ -36,11 +36,15 @@ def report_rows(report) -> list[dict]:
     return [dict(r) for r in report]
 
 
-def _status(v: float, atol: float | None) -> str:
+def _status(row: dict, atol: float | None) -> str:
+    """The row's own verdict ("ok", from grad_check's atol + rtol * scale) wins over atol."""
+    v = float(row.get("max_abs", 0.0))
     if v == 0:
         return "exact"
-    if not math.isfinite(v):
+    if not math.isfinite(v) or row.get("ok") is False:
         return "bad"
+    if row.get("ok") is True:
+        return "ok"
     if atol is None:
         return "plain"
     return "ok" if v <= atol else "bad"
@@ -59,13 +63,15 @@ def grad_error(report, *, atol: float | None = None, floor: float | None = None,
     """Per-tensor max |error| on a log axis, with the tolerance drawn as a line.
 
     `report`: a grad_check report (its `.rows`, and `.atol` if it has one) or a list of
-    rows {name, kind, max_abs, max_rel}. `atol` defaults to the report's. Zeros are
-    clamped to `floor` and marked exact. Each marker trace's `meta` lists its rows with
+    rows {name, kind, max_abs, max_rel}. `atol` defaults to the report's; a row's own "ok"
+    (grad_check's atol + rtol * max|reference|) decides its colour when it has one. Zeros
+    are clamped to `floor` and marked exact. Each marker trace's `meta` lists its rows with
     name, kind, max_abs, max_rel, status ("ok", "bad", "exact" or "plain") and x (drawn).
     """
     rows = report_rows(report)
     if atol is None:
         atol = getattr(report, "atol", None)
+    rtol = getattr(report, "rtol", None)
     values = [float(r.get("max_abs", 0.0)) for r in rows]
     floor = floor or floor_for(values, atol)
     finite = [v for v in values if math.isfinite(v)] + [floor]
@@ -97,7 +103,7 @@ def grad_error(report, *, atol: float | None = None, floor: float | None = None,
                       row=i, col=1)
         for status, (legend, color, symbol) in STATUS.items():
             pick = [j for j, r in enumerate(prow)
-                    if _status(float(r.get("max_abs", 0.0)), atol) == status]
+                    if _status(r, atol) == status]
             if not pick:
                 continue
             fig.add_trace(go.Scatter(
@@ -105,9 +111,11 @@ def grad_error(report, *, atol: float | None = None, floor: float | None = None,
                 name=legend, legendgroup=status, showlegend=status not in shown,
                 marker={"color": color, "symbol": symbol, "size": 13,
                         "line": {"width": 2, "color": color}},
-                customdata=[[prow[j].get("max_abs"), prow[j].get("max_rel")] for j in pick],
+                customdata=[[prow[j].get("max_abs"), prow[j].get("max_rel"),
+                             prow[j].get("note") or ""] for j in pick],
                 hovertemplate=("%{y}<br>max |error| = %{customdata[0]:.3g}"
-                               "<br>max relative error = %{customdata[1]:.3g}<extra></extra>"),
+                               "<br>max relative error = %{customdata[1]:.3g}"
+                               "<br>%{customdata[2]}<extra></extra>"),
                 meta=[{**{k: prow[j].get(k) for k in ("name", "kind", "max_abs", "max_rel")},
                        "status": status, "x": drawn[j]} for j in pick]), row=i, col=1)
             shown.add(status)
@@ -115,10 +123,11 @@ def grad_error(report, *, atol: float | None = None, floor: float | None = None,
                          automargin=True)
     if atol:
         fig.add_vline(x=atol, line={"color": BAD_COLOR, "dash": "dash", "width": 2})
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=f"tolerance {atol:g}",
+        name = f"tolerance atol {atol:g}" + (f" (+ rtol {rtol:g} × max|ref|)" if rtol else "")
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=name,
                                  line={"color": BAD_COLOR, "dash": "dash", "width": 2},
                                  meta={"atol": atol}))
-    bad = sum(1 for v in values if _status(v, atol) == "bad")
+    bad = sum(1 for r in rows if _status(r, atol) == "bad")
     exact = sum(1 for v in values if v == 0)
     sub = (f"{len(rows)} tensors · {exact} exact · "
            + (f"{bad} over the tolerance" if atol else "no tolerance given")

@@ -12,6 +12,7 @@ column-parallel one. A record with an "edge" key ("input" or "output") overrides
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -40,12 +41,39 @@ ROLES = {
 }
 
 
+def _role(rec: dict, sd: str) -> tuple[str, str]:
+    op, phase = rec.get("op"), rec.get("phase")
+    if op == "all_reduce" and phase == "backward" and len(rec.get("shape") or []) <= 1:
+        # activations are (batch, seq, dim): a 1-D message is a parameter's gradient
+        return "dW", "sums a replicated weight's gradient (a norm under sequence parallelism)"
+    return ROLES.get((op, phase, sd), ("", f"{op_words(op)} in the {phase} pass"))
+
+
 def side(rec: dict) -> str:
     """"input" or "output": which edge of its module a collective sits on (see module doc)."""
     if rec.get("edge") in ("input", "output"):
         return rec["edge"]
     reduce, forward = rec.get("op") in REDUCTIONS, rec.get("phase") == "forward"
     return "output" if reduce == forward else "input"
+
+
+def _side_in_context(rec: dict, where: list[int], placed: list[tuple]) -> str:
+    """`side`, but for a collective of a module that holds several drawn ones (a hook on a
+    whole block, say) the order of the trace decides: in the forward pass, after its
+    children's collectives means at its output; in the backward pass, after them means at
+    its input (gradients flow from the output back). With nothing to compare, `side`.
+    """
+    if len(where) < 2 or rec.get("edge") in ("input", "output"):
+        return side(rec)
+    inner = set(where)
+    seqs = [r.get("seq", 0) for r, w in placed if r is not rec and r.get("phase") ==
+            rec.get("phase") and set(w) < inner]
+    seq, forward = rec.get("seq", 0), rec.get("phase") == "forward"
+    if any(s < seq for s in seqs):
+        return "output" if forward else "input"
+    if any(s > seq for s in seqs):
+        return "input" if forward else "output"
+    return side(rec)
 
 
 def _match(module: str, names: Sequence[str]) -> list[int]:
@@ -118,7 +146,7 @@ def _display(names: list[str]) -> tuple[list[str], str]:
     out = []
     for n in names:
         short = n[len(prefix):] or n
-        out.append(short.replace(".", ".<br>") if len(short) > 12 else short)
+        out.append(re.sub(r"([._])", r"\1<br>", short) if len(short) > 9 else short)
     return out, prefix
 
 
@@ -148,7 +176,7 @@ def grad_flow(trace, modules: Sequence[str] | None = None, *, rank: int | None =
     # Group identical collectives on one edge: (phase, edge, op) -> records.
     groups: dict[tuple, list[dict]] = {}
     for rec, where in placed:
-        sd = side(rec)
+        sd = _side_in_context(rec, where, placed)
         edge = (where[0] if sd == "input" else where[-1] + 1)  # node k+1 is names[k]
         groups.setdefault((rec.get("phase"), edge, rec.get("op"), sd), []).append(rec)
 
@@ -157,13 +185,13 @@ def grad_flow(trace, modules: Sequence[str] | None = None, *, rank: int | None =
     labels, prefix = _display(names)
     for k in range(len(nodes)):
         dashed = k in (0, len(nodes) - 1)
-        fig.add_shape(type="rect", x0=k - 0.37, x1=k + 0.37, y0=-0.3, y1=0.3,
+        fig.add_shape(type="rect", x0=k - 0.4, x1=k + 0.4, y0=-0.3, y1=0.3,
                       line={"color": "#9e9e9e" if dashed else "#424242", "width": 1.5,
                             "dash": "dot" if dashed else "solid"},
                       fillcolor="white" if dashed else NODE_COLOR, layer="below")
     fig.add_trace(go.Scatter(
         x=list(range(len(nodes))), y=[0] * len(nodes), mode="text", name="modules",
-        text=["<i>input x</i>", *labels, "<i>loss</i>"], textfont={"size": 13},
+        text=["<i>input x</i>", *labels, "<i>loss</i>"], textfont={"size": 12},
         hovertext=nodes, hoverinfo="text", showlegend=False, meta=nodes))
     for e in range(len(nodes) - 1):  # forward arrows above, backward arrows below
         for y, tail, head, phase in ((ROW_Y, e + 0.14, e + 0.86, "forward"),
@@ -183,7 +211,7 @@ def grad_flow(trace, modules: Sequence[str] | None = None, *, rank: int | None =
         j = stacked.get((phase, edge), 0)
         stacked[(phase, edge)] = j + 1
         sign = 1 if phase == "forward" else -1
-        letter, role = ROLES.get((op, phase, sd), ("", f"{op_words(op)} in the {phase} pass"))
+        letter, role = _role(rs[0], sd)
         count = f" ×{len(rs)}" if len(rs) > 1 else ""
         t = traces.setdefault((phase, op), {"x": [], "y": [], "text": [], "custom": [],
                                             "meta": []})
@@ -222,7 +250,8 @@ def grad_flow(trace, modules: Sequence[str] | None = None, *, rank: int | None =
     letters = {m["role"] for t in traces.values() for m in t["meta"]}
     notes = [text for letter, text in (
         ("f", "<b>f</b>: identity forward, all-reduce backward (into a column-parallel layer)"),
-        ("g", "<b>g</b>: all-reduce forward, identity backward (out of a row-parallel layer)"))
+        ("g", "<b>g</b>: all-reduce forward, identity backward (out of a row-parallel layer)"),
+        ("dW", "<b>dW</b>: a replicated weight's gradient, summed over the ranks"))
         if letter in letters]
     if notes:
         fig.add_annotation(text="<br>".join(notes), x=0, y=0, xref="paper", yref="paper",

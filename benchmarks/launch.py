@@ -1,0 +1,128 @@
+"""Start-up, round trip and transfer of tplab.launch, against baselines measured in the same run.
+
+    python benchmarks/launch.py [--world-size 4] [--repeats 3]
+
+Prints medians and ratios (lab / baseline):
+- launch to the first all-reduce done, against the floor: N bare processes started at
+  once that import torch.distributed.tensor, join a gloo group, all-reduce once and exit
+  (timed until all have exited). Goal: <= 1.0x at world size 4.
+- round trip of a trivial lab.run, against raw ipyparallel apply_sync on the same
+  engines. Goal: <= 1.15x.
+- a 4 MB tensor from every rank, against pulling the same data as numpy arrays through
+  raw ipyparallel. Goal: <= 1.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import tplab
+
+BARE_RANK = """
+import os, torch, torch.distributed as dist, torch.distributed.tensor
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(1))
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def floor_seconds(n: int) -> float:
+    """N bare processes at once, until every one has exited."""
+    port = free_port()
+    threads = str(max(1, (os.cpu_count() or 1) // n))
+    started = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", BARE_RANK], env={
+        **os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port), "OMP_NUM_THREADS": threads}) for r in range(n)]
+    codes = [p.wait() for p in procs]
+    assert codes == [0] * n, codes
+    return time.perf_counter() - started
+
+
+def allreduce_one():
+    import torch.distributed as dist
+
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    return x.item()
+
+
+def lab_seconds(n: int) -> tuple[float, tplab.Lab]:
+    started = time.perf_counter()
+    lab = tplab.launch(n)
+    assert lab.run(allreduce_one) == [float(n)] * n
+    return time.perf_counter() - started, lab
+
+
+def trivial():
+    return 1
+
+
+def four_mb_tensor():
+    return torch.ones(1024 * 1024)  # 4 MB of float32
+
+
+def four_mb_numpy():
+    import numpy
+
+    return numpy.ones(1024 * 1024, dtype=numpy.float32)
+
+
+def timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    n = args.world_size
+    floors, labs_s = [], []
+    for _ in range(args.repeats):  # interleaved, so both see the same machine state
+        floors.append(floor_seconds(n))
+        seconds, lab = lab_seconds(n)
+        labs_s.append(seconds)
+        lab.shutdown()
+    floor, launch = statistics.median(floors), statistics.median(labs_s)
+    print(f"world size {n}, {args.repeats} repeats, medians")
+    print(f"launch to first all-reduce: lab {launch:.2f} s, floor {floor:.2f} s, "
+          f"ratio {launch / floor:.2f}x (goal <= 1.0x)")
+
+    with tplab.launch(n) as lab:
+        view = lab._client[lab._engine_ids]
+        view.block = True
+        for _ in range(5):  # warm both paths
+            lab.run(trivial)
+            view.apply_sync(trivial)
+        rt_lab = timed(lambda: lab.run(trivial), 50)
+        rt_raw = timed(lambda: view.apply_sync(trivial), 50)
+        print(f"round trip of a trivial call: lab.run {rt_lab * 1e3:.1f} ms, raw apply_sync "
+              f"{rt_raw * 1e3:.1f} ms, ratio {rt_lab / rt_raw:.2f}x (goal <= 1.15x)")
+        big_lab = timed(lambda: lab.run(four_mb_tensor), 15)
+        big_raw = timed(lambda: view.apply_sync(four_mb_numpy), 15)
+        print(f"4 MB tensor from {n} ranks: lab.run {big_lab * 1e3:.1f} ms, raw numpy "
+              f"{big_raw * 1e3:.1f} ms, ratio {big_lab / big_raw:.2f}x (goal <= 1.5x)")
+
+
+if __name__ == "__main__":
+    main()

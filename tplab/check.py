@@ -1,0 +1,235 @@
+"""grad_check: does the tensor-parallel model compute what the single-device model computes?
+
+    report = tplab.grad_check(lab, build_model, plan, make_input, loss_fn=None)
+
+How the pieces are called (the same in processes and in `tplab.simulate`):
+- `build_model()` takes no arguments. It is called once in the notebook for the reference,
+  and once on every rank, which then loads the notebook model's initial weights (so the
+  weights are identical even if build_model is not deterministic). The model is built
+  whole; the plan splits it. The tp degree is the lab's world size (a 1-D mesh
+  `make_mesh(tp=world_size)` made on the ranks).
+- `make_input()` takes no arguments and is called ONCE, in the notebook; the tensor is sent
+  to every rank (no rank-dependent randomness). A floating-point input gets
+  requires_grad=True, so its gradient is checked too (integer token ids are not).
+- `plan` is a dict for `tplab.apply_plan` or a callable `(model, mesh) -> model`
+  (the hand-written path: `tplab.megatron.parallelize`).
+- `loss_fn(output, input) -> scalar` (or `loss_fn(output)`); default `0.5 * sum(output**2)`,
+  whose gradient is the output itself. When the output is a DTensor sharded on its last dim
+  (an lm head planned for loss parallelism), loss and backward run under `loss_parallel()`.
+
+The report has one row per tensor: the output (and the loss), the input's gradient, every
+parameter's gradient (assembled from the ranks' shards), and for every tensor that should
+be the same on every rank, the spread across ranks (kind "replica_spread").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from tplab.lab.transfer import LocalShard
+
+_WORDS = {"output": "{name} wrong", "input_grad": "input gradient wrong",
+          "param_grad": "gradient of {name} wrong",
+          "replica_spread": "{name} differs across ranks"}
+
+
+def _call_loss(loss_fn, out, x):
+    if loss_fn is None:
+        return 0.5 * out.pow(2).sum()
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+        two = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2
+        two = two or any(p.kind is p.VAR_POSITIONAL for p in params)
+    except (TypeError, ValueError):
+        two = True
+    return loss_fn(out, x) if two else loss_fn(out)
+
+
+def _loss_context(out):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    if isinstance(out, DTensor) and any(
+            p.is_shard() and p.dim in (-1, out.ndim - 1) for p in out.placements):
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def _parallel_step(build_model, state, plan, x, loss_fn):
+    """Rank side: build, load the reference weights, parallelise, one forward and backward."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from tplab.mesh import make_mesh
+    from tplab.plans import apply_plan
+
+    mesh = make_mesh(tp=dist.get_world_size())
+    model = build_model()
+    model.load_state_dict(state)
+    model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
+    x = x.clone()
+    if x.is_floating_point():
+        x.requires_grad_(True)
+    out = model(x)  # may be an AsyncCollectiveTensor: its .wait() would cut the graph
+    with _loss_context(out):
+        loss = _call_loss(loss_fn, out, x)
+        loss.backward()
+    grads = {}
+    for path, module in model.named_modules():
+        # hand-written layers (tplab.megatron) hold plain local shards: say what they are
+        placements = getattr(module, "tp_placements", {})
+        for name, p in module.named_parameters(recurse=False):
+            g = p.grad
+            if g is not None and not isinstance(g, DTensor) and name in placements:
+                g = DTensor.from_local(g, mesh, [placements[name]], run_check=False)
+            grads[f"{path}.{name}" if path else name] = g
+    # the loss as shape (1,): a 0-dim tensor comes back from processes as shape (1,)
+    return {"output": out, "loss": loss.detach().reshape(1), "input_grad": x.grad,
+            "grads": grads}
+
+
+def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
+    """The whole tensor from the ranks' values, and the spread across its replicas.
+
+    `values` holds one item per rank: a LocalShard (placed by its offsets; Partial shards
+    summed) or a plain tensor (every rank should hold the same). The spread is the largest
+    difference between copies that should be equal (None when nothing is replicated).
+    """
+    if any(v is None for v in values):
+        return None, None
+    if not isinstance(values[0], LocalShard):
+        spread = max((float((v - values[0]).abs().max()) for v in values[1:]), default=None)
+        return values[0], spread
+    first = values[0]
+    replicate = {i for i, p in enumerate(first.placements) if p == "Replicate()"}
+    partial = any(p.startswith("Partial") for p in first.placements)
+    groups: dict[tuple, list[LocalShard]] = {}
+    for s in values:
+        key = tuple(c for i, c in enumerate(s.coordinate) if i not in replicate)
+        groups.setdefault(key, []).append(s)
+    full = torch.zeros(first.global_shape, dtype=first.local.dtype)
+    spread = None
+    for copies in groups.values():
+        s = copies[0]
+        region = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.local.shape, strict=True))
+        if partial:
+            full[region] += s.local
+        else:
+            full[region] = s.local
+        for other in copies[1:]:
+            spread = max(spread or 0.0, float((other.local - s.local).abs().max()))
+    return full, spread
+
+
+def _row(name, kind, value, ref, atol, rtol, note=""):
+    ref = ref.detach() if isinstance(ref, torch.Tensor) else ref
+    scale = float(ref.abs().max()) if ref is not None and ref.numel() else 0.0
+    if value is None or ref is None or (isinstance(value, torch.Tensor)
+                                        and value.shape != ref.shape):
+        note = note or ("missing" if value is None or ref is None else
+                        f"shape {tuple(value.shape)} != reference {tuple(ref.shape)}")
+        max_abs = math.inf
+    elif isinstance(value, torch.Tensor):
+        max_abs = float((value.double() - ref.double()).abs().max()) if ref.numel() else 0.0
+    else:  # a spread, already a number
+        max_abs = float(value)
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    return {"name": name, "kind": kind, "max_abs": max_abs, "max_rel": max_rel,
+            "ok": max_abs <= atol + rtol * scale, "note": note}
+
+
+@dataclass
+class GradCheckReport:
+    """Rows of {name, kind, max_abs, max_rel, ok, note}; `.ok` when every row is within
+    atol + rtol * max|reference|."""
+
+    rows: list[dict]
+    world_size: int
+    atol: float
+    rtol: float
+    loss: float = float("nan")
+    failures: list[dict] = field(init=False)
+
+    def __post_init__(self):
+        self.failures = [r for r in self.rows if not r["ok"]]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def max_abs(self) -> float:
+        return max((r["max_abs"] for r in self.rows), default=0.0)
+
+    def summary(self) -> str:
+        head = f"grad_check on {self.world_size} ranks (atol {self.atol:g}, rtol {self.rtol:g})"
+        if self.ok:
+            return f"{head}: ok, {len(self.rows)} tensors, max abs error {self.max_abs:.2e}"
+        wrong = "; ".join(f"{_WORDS[r['kind']].format(name=r['name'])} "
+                          f"(max abs {r['max_abs']:.2e}{', ' + r['note'] if r['note'] else ''})"
+                          for r in self.failures)
+        return f"{head}: FAILED: {wrong}"
+
+    def _cells(self):
+        for r in self.rows:
+            yield [r["name"], r["kind"], f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}",
+                   "ok" if r["ok"] else "WRONG", r["note"]]
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        table = tabulate(list(self._cells()),
+                         headers=["tensor", "kind", "max abs", "max rel", "", "note"])
+        return f"{self.summary()}\n{table}"
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        from tabulate import tabulate
+
+        table = tabulate(list(self._cells()), tablefmt="html",
+                         headers=["tensor", "kind", "max abs", "max rel", "", "note"])
+        colour = "green" if self.ok else "red"
+        return f'<p style="color:{colour}">{self.summary()}</p>{table}'
+
+
+def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1e-5,
+               rtol: float = 1e-4) -> GradCheckReport:
+    """Run the single-device reference here and the parallel model on `lab` (a Lab or a
+    Simulation) with identical weights and input; compare output, input gradient and every
+    parameter gradient. See the module docstring for how the arguments are called."""
+    model = build_model()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    x = make_input()
+    x_ref = x.clone()
+    if x_ref.is_floating_point():
+        x_ref.requires_grad_(True)
+    out_ref = model(x_ref)
+    loss_ref = _call_loss(loss_fn, out_ref, x_ref)
+    loss_ref.backward()
+
+    results = lab.run(_parallel_step, build_model, state, plan, x, loss_fn)
+    rows: list[dict] = []
+
+    def add(name, kind, values, ref):
+        full, spread = assemble(values)
+        note = ""
+        if isinstance(values[0], LocalShard) and any(p.startswith("Partial")
+                                                     for p in values[0].placements):
+            note = "Partial on the ranks (not yet reduced); summed here"
+        rows.append(_row(name, kind, full, ref, atol, rtol, note))
+        if spread is not None:
+            rows.append(_row(name, "replica_spread", spread, ref, atol, rtol))
+
+    add("output", "output", [r["output"] for r in results], out_ref)
+    add("loss", "output", [r["loss"] for r in results], loss_ref.reshape(1))
+    if x_ref.grad is not None:
+        add("input", "input_grad", [r["input_grad"] for r in results], x_ref.grad)
+    for name, p in model.named_parameters():
+        add(name, "param_grad", [r["grads"].get(name) for r in results], p.grad)
+    return GradCheckReport(rows, len(results), atol, rtol, loss_ref.item())

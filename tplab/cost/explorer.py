@@ -1,0 +1,126 @@
+"""`CostExplorer`: change the hardware and the model's dimensions, watch where TP stops paying.
+
+The widgets only set values; `update(**values)` does the same from code, so a notebook run
+by papermill drives the explorer (and asserts on `rows`) without anyone clicking.
+"""
+
+from __future__ import annotations
+
+import ipywidgets as w
+from IPython.display import display
+
+from tplab.cost.figures import step_breakdown
+from tplab.cost.hardware import HARDWARE, Hardware
+from tplab.cost.transformer import MODELS, BlockShape, best_tp, comm_bound_tp, sweep
+
+TPS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class CostExplorer:
+    """Dropdowns for model and hardware; hidden size, sequence length, micro-batch, GPUs per
+    node and sequence parallelism as controls. `rows` are the current `sweep` rows."""
+
+    def __init__(self, models: dict[str, BlockShape] = MODELS,
+                 hardware: dict[str, Hardware] = HARDWARE, tps=TPS,
+                 model: str = "Llama-3 70B", hw: str = "H100 SXM"):
+        self.models, self.hardware, self.tps = dict(models), dict(hardware), tuple(tps)
+        style = {"description_width": "9em"}
+        self.controls = {
+            "model": w.Dropdown(options=list(self.models), value=model, description="model",
+                                style=style),
+            "hardware": w.Dropdown(options=list(self.hardware), value=hw,
+                                   description="hardware", style=style),
+            "hidden": w.Dropdown(options=[1024, 2048, 4096, 8192, 12288, 16384],
+                                 description="hidden size", style=style),
+            "seq": w.Dropdown(options=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+                              description="sequence", style=style),
+            "batch": w.BoundedIntText(min=1, max=64, description="micro-batch", style=style),
+            "gpus_per_node": w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64, 72],
+                                        description="GPUs per node", style=style),
+            "sequence_parallel": w.Checkbox(description="sequence parallel"),
+        }
+        self.summary = w.HTML()
+        self.figure = w.Output()
+        self._updating = False
+        self._preset(model, hw)
+        for control in self.controls.values():
+            control.observe(self._on_change, names="value")
+        self.widget = w.VBox([w.HBox([w.VBox(list(self.controls.values())[:4]),
+                                      w.VBox(list(self.controls.values())[4:])]),
+                              self.summary, self.figure])
+        self.update()
+
+    def _preset(self, model: str, hw: str) -> None:
+        """Set the dimension controls from a model preset and the node size from hardware."""
+        shape = self.models[model]
+        c = self.controls
+        if shape.hidden not in c["hidden"].options:
+            c["hidden"].options = sorted({*c["hidden"].options, shape.hidden})
+        c["hidden"].value, c["seq"].value = shape.hidden, shape.seq
+        c["batch"].value = shape.batch
+        c["gpus_per_node"].value = self.hardware[hw].gpus_per_node
+
+    def _on_change(self, change) -> None:
+        if self._updating:
+            return
+        c = self.controls
+        self._updating = True
+        if change["owner"] is c["model"]:
+            self._preset(change["new"], c["hardware"].value)
+        if change["owner"] is c["hardware"]:
+            c["gpus_per_node"].value = self.hardware[change["new"]].gpus_per_node
+        self._updating = False
+        self.update()
+
+    def update(self, **values) -> list[dict]:
+        """Set any controls by name (e.g. `hardware="A100 SXM", hidden=4096`), redraw, and
+        return the new rows."""
+        unknown = set(values) - set(self.controls)
+        if unknown:
+            raise ValueError(f"no control named {sorted(unknown)}; have {list(self.controls)}")
+        c = self.controls
+        self._updating = True
+        if "model" in values:   # a preset first, so that explicit values win over it
+            c["model"].value = values["model"]
+            self._preset(values["model"], values.get("hardware", c["hardware"].value))
+        if "hardware" in values:
+            c["gpus_per_node"].value = self.hardware[values["hardware"]].gpus_per_node
+        for name, value in values.items():
+            self.controls[name].value = value
+        self._updating = False
+        v = {name: c.value for name, c in self.controls.items()}
+        self.shape, self.hw = self._scaled(v), self.hardware[v["hardware"]].with_(
+            gpus_per_node=v["gpus_per_node"])
+        self.rows = sweep(self.shape, self.hw, self.tps, sequence_parallel=v["sequence_parallel"])
+        self.best_tp = best_tp(self.rows)
+        self.comm_bound_tp = comm_bound_tp(self.shape, self.hw)
+        self._draw()
+        return self.rows
+
+    def _scaled(self, v: dict) -> BlockShape:
+        """The model preset at the chosen hidden size: heads of the same width, the same
+        ffn / hidden ratio."""
+        base = self.models[v["model"]]
+        head_dim = base.hidden // base.heads
+        heads = max(1, v["hidden"] // head_dim)
+        return base.with_(hidden=v["hidden"], heads=heads,
+                          kv_heads=min(base.kv_heads or heads, heads),
+                          ffn=round(base.ffn_size * v["hidden"] / base.hidden),
+                          seq=v["seq"], batch=v["batch"],
+                          name=f"{base.name}, h={v['hidden']}, s={v['seq']}, b={v['batch']}")
+
+    def _draw(self) -> None:
+        best = next(r for r in self.rows if r["tp"] == self.best_tp)
+        bound = self.comm_bound_tp
+        self.summary.value = (
+            f"<b>{self.hw.name}</b>, {self.hw.gpus_per_node} GPUs per node: fastest at "
+            f"<b>TP {self.best_tp}</b> ({best['step_s'] * 1e3:.1f} ms, "
+            f"{best['comm_fraction']:.0%} communication); communication-bound from "
+            f"<b>TP {bound if bound else '> 1024'}</b>.")
+        fig = step_breakdown({self.shape.name: self.rows}, title=f"{self.hw.name}")
+        self.figure.clear_output(wait=True)
+        with self.figure:
+            display(fig)
+
+    def _ipython_display_(self) -> None:
+        display(self.widget)

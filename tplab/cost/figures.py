@@ -1,0 +1,86 @@
+"""Figures of the cost model, drawn in the notebook from `sweep` rows and collective times.
+
+- `step_breakdown`: compute and TP communication per TP degree, stacked, one panel per model.
+- `step_lines`: step time against TP degree, one line per hardware variant (log-log).
+- `collective_lines`: time of one collective against message size, one line per link.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from tplab.cost.collectives import collective_time
+from tplab.cost.hardware import Link
+from tplab.cost.transformer import best_tp
+from tplab.viz.palette import PHASE_COLORS, human_bytes, style
+
+COMPUTE_COLOR = "#8da0cb"
+COMM_COLOR = PHASE_COLORS["backward"]
+LINE_COLORS = ("#1f4e9c", "#b2182b", "#2e7d32", "#6a3d9a", "#ff7f00", "#616161")
+
+
+def step_breakdown(panels: dict[str, list[dict]], title: str = "Step time against TP degree",
+                   subtitle: str | None = None) -> go.Figure:
+    """One panel per label of `sweep` rows: stacked compute and TP communication (ms), the
+    fastest TP degree marked, and the degrees whose TP group crosses nodes shaded."""
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=list(panels),
+                        horizontal_spacing=0.08)
+    for col, rows in enumerate(panels.values(), start=1):
+        x = [str(r["tp"]) for r in rows]
+        for key, name, color in (("compute_s", "compute", COMPUTE_COLOR),
+                                 ("tp_comm_s", "TP communication", COMM_COLOR)):
+            fig.add_bar(x=x, y=[r[key] * 1e3 for r in rows], name=name, marker_color=color,
+                        showlegend=col == 1, legendgroup=name, row=1, col=col,
+                        customdata=[[r["link"], r["comm_fraction"]] for r in rows],
+                        hovertemplate="TP %{x}: %{y:.1f} ms<br>link %{customdata[0]}<br>"
+                                      "comm %{customdata[1]:.0%}<extra>" + name + "</extra>")
+        crossing = [i for i, r in enumerate(rows) if r["crosses_nodes"]]
+        if crossing:   # category axes place shapes by index
+            fig.add_vrect(x0=crossing[0] - 0.5, x1=len(rows) - 0.5, fillcolor="#e8e8e8",
+                          opacity=0.5, layer="below", line_width=0, row=1, col=col,
+                          annotation_text="crosses nodes", annotation_position="top left")
+        i = [r["tp"] for r in rows].index(best_tp(rows))
+        fig.add_annotation(x=i, y=rows[i]["step_s"] * 1e3, text="fastest",
+                           showarrow=True, arrowhead=2, ax=0, ay=-40, row=1, col=col)
+        fig.update_xaxes(title_text="TP degree", type="category", row=1, col=col)
+    fig.update_yaxes(title_text="ms per micro-batch (all layers)", row=1, col=1)
+    return style(fig, title, subtitle, barmode="stack", height=430)
+
+
+def step_lines(lines: dict[str, list[dict]], title: str = "Step time against TP degree",
+               subtitle: str | None = "solid: step time; dotted: its TP communication"
+               ) -> go.Figure:
+    """Step time (solid) and its TP communication (dotted) per TP degree, one colour per
+    label."""
+    fig = go.Figure()
+    for i, (label, rows) in enumerate(lines.items()):
+        color = LINE_COLORS[i % len(LINE_COLORS)]
+        tps = [r["tp"] for r in rows]
+        fig.add_scatter(x=tps, y=[r["step_s"] * 1e3 for r in rows], name=label,
+                        mode="lines+markers", line={"color": color})
+        comm = [r for r in rows if r["tp"] > 1]
+        fig.add_scatter(x=[r["tp"] for r in comm], y=[r["tp_comm_s"] * 1e3 for r in comm],
+                        name=f"{label}: TP comm", mode="lines", legendgroup=label,
+                        showlegend=False, line={"color": color, "dash": "dot"})
+    fig.update_xaxes(title_text="TP degree", type="log", tickvals=tps)
+    fig.update_yaxes(title_text="ms per micro-batch", type="log")
+    return style(fig, title, subtitle, height=430)
+
+
+def collective_lines(links: dict[str, Link], op: str, group_size: int,
+                     sizes=tuple(2**k for k in range(10, 31, 2)),
+                     title: str | None = None) -> go.Figure:
+    """Time of `op` over `group_size` ranks against message size, one line per link; the
+    bend is where the latency term gives way to the bytes term."""
+    fig = go.Figure()
+    for i, (label, link) in enumerate(links.items()):
+        fig.add_scatter(x=list(sizes), y=[collective_time(op, s, group_size, link) * 1e6
+                                          for s in sizes], name=label, mode="lines+markers",
+                        line={"color": LINE_COLORS[i % len(LINE_COLORS)]},
+                        text=[human_bytes(s) for s in sizes],
+                        hovertemplate="%{text}: %{y:.1f} us")
+    fig.update_xaxes(title_text="message bytes", type="log")
+    fig.update_yaxes(title_text="microseconds", type="log")
+    title = title or f"{op.replace('_', '-')} over {group_size} ranks"
+    return style(fig, title, "alpha-beta model: latency term + bytes term", height=400)

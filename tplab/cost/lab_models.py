@@ -1,0 +1,73 @@
+"""The lab's own models on paper: which collectives `tplab.models.MLP` and `Block` issue
+under the lab's plans, so that the model can be checked against `tplab.trace` byte for byte.
+
+Two plans, both on a standalone model whose input requires grad (as every layer's input
+does inside a network):
+
+- "megatron": `tplab.megatron.parallelize`, one f (or one all-gather under SP) per region:
+  exactly `block_collectives`. Under SP its norms see sequence shards, so their weight
+  gradients are partial and a hook all-reduces each one (dim x dtype bytes) in backward.
+- "dtensor": `tplab.plans.mlp()` / `tplab.plans.block(sp)` through `parallelize_module`.
+  Without SP, ColwiseParallel turns each column-parallel linear's input into a DTensor of its
+  own, so the backward costs one all-reduce per such linear (wq, wk, wv; w1, w3) where
+  Megatron's single f costs one per region (DESIGN.md). Under SP it matches Megatron, and
+  the norm gradients stay Partial DTensors (reduced when used, not in this step).
+
+Under SP the standalone model takes and returns the whole sequence: it all-gathers its
+output in forward, and the gradient of its sequence-split input in backward.
+"""
+
+from __future__ import annotations
+
+from tplab.cost.transformer import BlockShape, block_collectives
+
+
+def lab_shape(cfg, kind: str = "block", dtype_bytes: int = 4) -> BlockShape:
+    """A `tplab.models.Config` as a BlockShape (float32: 4 bytes per element)."""
+    return BlockShape(hidden=cfg.dim, heads=cfg.n_heads, ffn=cfg.hidden_dim,
+                      gated=kind == "block", seq=cfg.seq_len, batch=cfg.batch_size,
+                      dtype_bytes=dtype_bytes, name=f"tplab {kind}")
+
+
+def _kind(model) -> str:
+    name = model if isinstance(model, str) else getattr(model, "__name__", type(model).__name__)
+    kind = {"mlp": "mlp", "block": "block"}.get(name.lower())
+    if kind is None:
+        raise ValueError(f"lab_collectives knows tplab.models.MLP and Block, not {name!r}")
+    return kind
+
+
+def lab_collectives(model, cfg, tp: int, sequence_parallel: bool = False,
+                    plan: str = "megatron") -> list[dict]:
+    """Predicted trace records (phase, module, op, bytes, group_size) of one forward and
+    backward of the lab's `model` ("mlp", "block", or the class or an instance) built from
+    `cfg`, with `tp` ranks, under `plan` ("megatron" or "dtensor"); see the module doc."""
+    kind, sp = _kind(model), sequence_parallel
+    if plan not in ("megatron", "dtensor"):
+        raise ValueError(f"plan must be 'megatron' or 'dtensor', not {plan!r}")
+    if plan == "dtensor" and sp and kind == "mlp":
+        raise ValueError("tplab.plans has no sequence-parallel plan for the MLP")
+    if tp <= 1:
+        return []
+    shape = lab_shape(cfg, kind)
+    regions = ("",) if kind == "mlp" else ("attention", "feed_forward")   # module paths
+    records = block_collectives(shape, tp, sp, regions)
+
+    def rec(phase, module, op, nbytes=shape.activation_bytes):
+        return {"phase": phase, "module": module, "op": op, "bytes": nbytes, "group_size": tp}
+
+    forward = [r for r in records if r["phase"] == "forward"]
+    backward = [r for r in records if r["phase"] == "backward"]
+    if plan == "dtensor" and not sp:
+        colwise = {"": ("w1",), "attention": ("wq", "wk", "wv"), "feed_forward": ("w1", "w3")}
+        backward = [rec("backward", f"{region}.{linear}".lstrip("."), "all_reduce")
+                    for region in reversed(regions) for linear in reversed(colwise[region])]
+    if sp:
+        forward.append(rec("forward", "", "all_gather"))     # the whole output
+        if plan == "megatron" and kind == "block":          # partial norm weight grads
+            at = {"feed_forward": "ffn_norm", "attention": "attention_norm"}
+            backward = [r for region in reversed(regions) for r in
+                        [*(b for b in backward if b["module"] == region),
+                         rec("backward", at[region], "all_reduce", cfg.dim * shape.dtype_bytes)]]
+        backward.append(rec("backward", "", "all_gather"))   # the whole input's gradient
+    return forward + backward

@@ -1,0 +1,364 @@
+"""The Explorer: an ipywidgets panel that reruns one TP step whenever a control changes.
+
+    ex = tplab.widgets.Explorer(lab)            # a Lab or a tplab.simulate(...)
+    ex                                          # shows the panel in Jupyter
+    ex.set(model="block", sequence_parallel=True)   # the same from code: runs synchronously
+    ex.report.ok, ex.trace, ex.figures["flow"]      # the latest results, for asserts
+
+Controls: the model (MLP, attention, block), the TP degree, the hand-written Megatron
+path (`tplab.megatron.parallelize`) or a DTensor plan (`tplab.plans`), sequence
+parallelism, and "drop f's backward all-reduce". Each change runs ONE step on the ranks:
+build the model with the notebook's weights, parallelise, forward and backward under
+`tplab.trace()`, and bring back the trace, the parameters' shards and the gradients. The
+notebook then compares them with the single-device model (as `tplab.grad_check` does) and
+redraws the figures of `tplab.viz` and the grad_check table.
+
+TP degree: any divisor of the world size. Below the world size the ranks form a 2-D mesh
+`make_mesh(dp=world // tp, tp=tp)`: each dp group runs the same TP step on the same input,
+so their shards show up as copies (hatched) in the sharding map, and every collective of
+the trace is on a tp group. "Drop f" exists only on the hand-written path: a DTensor plan
+issues f's all-reduce itself (in the backward of `DTensor.from_local`), so the box is
+disabled there.
+
+Nothing here blocks: no threads, no event loop. A control's callback runs the step and
+returns; in papermill nobody clicks, and `set()` is how a notebook drives the panel.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+MODELS = ("mlp", "attention", "block")
+PATHS = ("megatron", "dtensor")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the controls say."""
+
+    model: str = "mlp"
+    tp: int = 0  # 0: the lab's world size
+    path: str = "megatron"
+    sequence_parallel: bool = False
+    drop_f: bool = False
+
+
+# --- rank side ---------------------------------------------------------------------------
+
+def _build(kind: str, cfg):
+    from tplab import models
+
+    return {"mlp": models.MLP, "attention": models.Attention, "block": models.Block}[kind](cfg)
+
+
+def _dtensor_plan(kind: str, sequence_parallel: bool) -> dict:
+    """`tplab.plans`' plan; for a lone MLP or attention under SP, shard the sequence at the
+    input and gather it at the output, as `plans.block(standalone=True)` does for a block."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+    )
+
+    from tplab import plans
+
+    if kind == "block":
+        return plans.block(sequence_parallel)
+    plan = plans.mlp() if kind == "mlp" else plans.attention()
+    if not sequence_parallel:
+        return plan
+    sp = {"": PrepareModuleInputOutput(
+        input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_input=True,
+        output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)}
+    for key, style in plan.items():  # every colwise layer gathers the sequence itself
+        sp[key] = (ColwiseParallel(input_layouts=Shard(1)) if isinstance(style, ColwiseParallel)
+                   else RowwiseParallel(output_layouts=Shard(1)))
+    return sp
+
+
+def _as_dtensor(t, mesh, placement):
+    """A parameter or gradient as a DTensor on the whole mesh (Replicate over dp)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if t is None:
+        return None
+    if isinstance(t, DTensor):
+        placement, t = t.placements[-1], t.to_local()
+    lead = [Replicate()] * (mesh.ndim - 1)
+    return DTensor.from_local(t.detach(), mesh, [*lead, placement], run_check=False)
+
+
+def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> dict:
+    """Rank side: one traced forward and backward of the chosen model, path and settings."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from tplab import megatron
+    from tplab.mesh import make_mesh
+    from tplab.plans import apply_plan
+    from tplab.trace import Trace
+
+    world = dist.get_world_size()
+    mesh = make_mesh(tp=s.tp) if s.tp == world else make_mesh(dp=world // s.tp, tp=s.tp)
+    model = _build(kind, cfg)
+    model.load_state_dict(state)
+    if s.path == "megatron":
+        model = megatron.parallelize(model, mesh, sequence_parallel=s.sequence_parallel,
+                                     reduce_grad=not s.drop_f)
+    else:
+        model = apply_plan(model, mesh, _dtensor_plan(kind, s.sequence_parallel))
+    x = x.clone().requires_grad_(True)
+    with Trace() as t:
+        out = model(x)
+        if isinstance(out, DTensor):
+            out = out.full_tensor()
+        loss = 0.5 * out.pow(2).sum()
+        loss.backward()
+    params, grads = {}, {}
+    for path, module in model.named_modules():
+        placements = getattr(module, "tp_placements", {})  # tplab.megatron's layers
+        for name, p in module.named_parameters(recurse=False):
+            full = f"{path}.{name}" if path else name
+            place = placements.get(name, Replicate())
+            params[full] = _as_dtensor(p, mesh, place)
+            grads[full] = _as_dtensor(p.grad, mesh, place)
+    return {"output": out.detach(), "loss": loss.detach(), "input_grad": x.grad,
+            "grads": grads, "params": params, "records": t.records}
+
+
+# --- notebook side -----------------------------------------------------------------------
+
+def forward_order(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
+    """Leaf modules in the order a forward pass calls them (what `grad_flow` draws)."""
+    names: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda m, a, n=n: names.append(n) if n not in names
+                                         else None)
+             for n, m in model.named_modules() if n and not any(m.children())]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return names
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0 and (d > 1 or n == 1)]
+
+
+class Explorer:
+    """A panel of controls over one TP step; see the module docstring.
+
+    After every step: `report` (a grad_check report), `trace` (per-rank records),
+    `params` (name -> per-rank LocalShard), `figures` (flow, timeline, sharding, errors),
+    `settings`, and `error` (the exception of a failed step, else None).
+    """
+
+    def __init__(self, lab, *, config=None, atol: float = 1e-5, rtol: float = 1e-4,
+                 **settings):
+        from tplab import models
+
+        self.lab = lab
+        self.world_size = lab.world_size
+        self.config = config or models.Config()
+        self.atol, self.rtol = atol, rtol
+        self.settings = self._checked(replace(Settings(tp=self.world_size), **settings))
+        self.report = self.trace = self.params = self.error = None
+        self.figures: dict = {}
+        self._ui = None
+        self._quiet = False
+        self.update(raise_errors=True)
+
+    # --- driving it from code ---------------------------------------------------------
+
+    def set(self, **changes) -> Explorer:
+        """Change settings (model, tp, path, sequence_parallel, drop_f), rerun, redraw.
+
+        Synchronous; raises what the step raised (the panel shows it instead)."""
+        self.settings = self._checked(replace(self.settings, **changes))
+        self._sync_controls()
+        self.update(raise_errors=True)
+        return self
+
+    def _checked(self, s: Settings) -> Settings:
+        if s.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, not {s.model!r}")
+        if s.path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, not {s.path!r}")
+        if s.tp not in divisors(self.world_size):
+            raise ValueError(f"tp must divide the world size {self.world_size}: "
+                             f"one of {divisors(self.world_size)}, not {s.tp}")
+        if s.drop_f and s.path != "megatron":
+            raise ValueError("drop_f needs path='megatron': a DTensor plan issues f's "
+                             "all-reduce itself, there is no f to drop")
+        return s
+
+    # --- one step ---------------------------------------------------------------------
+
+    def update(self, raise_errors: bool = False) -> None:
+        """Run the step on the ranks, check it against one device, redraw."""
+        from tplab import models
+
+        s = self.settings
+        self._status(f"running {self._describe()} ...", "#616161")
+        try:
+            ref = _build(s.model, self.config)
+            state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+            x = models.make_input(self.config)
+            order = forward_order(ref, x)
+            x_ref = x.clone().requires_grad_(True)
+            out = ref(x_ref)
+            loss = 0.5 * out.pow(2).sum()
+            loss.backward()
+            results = self.lab.run(explore_step, s.model, self.config, state, x, s)
+            self.report = self._report(results, ref, out, loss, x_ref)
+            self.trace = [r["records"] for r in results]
+            self.params = {k: [r["params"][k] for r in results] for k in results[0]["params"]}
+            self.figures = self._figures(order)
+            self.error = None
+        except Exception as exc:
+            self.error = exc
+            self._status(f"{self._describe()} failed: {type(exc).__name__}: {exc}", "#c62828",
+                         pre=True)
+            if raise_errors:
+                raise
+            return
+        verdict = ("matches the single-device model" if self.report.ok
+                   else f"WRONG: {len(self.report.failures)} tensor(s) off")
+        self._status(f"{self._describe()}: {verdict}",
+                     "#2e7d32" if self.report.ok else "#c62828")
+        self._redraw()
+
+    def _describe(self) -> str:
+        s = self.settings
+        mesh = (f"tp={s.tp}" if s.tp == self.world_size
+                else f"dp={self.world_size // s.tp} × tp={s.tp}")
+        bits = [s.model, mesh, "Megatron by hand" if s.path == "megatron" else "DTensor plan"]
+        bits += ["sequence parallel"] * s.sequence_parallel + ["f without all-reduce"] * s.drop_f
+        return ", ".join(bits)
+
+    def _report(self, results, ref, out, loss, x_ref):
+        from tplab.check import GradCheckReport, _row, assemble
+
+        rows = []
+
+        def add(name, kind, values, reference):
+            full, spread = assemble(values)
+            rows.append(_row(name, kind, full, reference, self.atol, self.rtol))
+            if spread is not None:
+                rows.append(_row(name, "replica_spread", spread, reference, self.atol,
+                                 self.rtol))
+
+        add("output", "output", [r["output"] for r in results], out)
+        add("loss", "output", [r["loss"] for r in results], loss)
+        add("input", "input_grad", [r["input_grad"] for r in results], x_ref.grad)
+        for name, p in ref.named_parameters():
+            add(name, "param_grad", [r["grads"].get(name) for r in results], p.grad)
+        return GradCheckReport(rows, len(results), self.atol, self.rtol, loss.item())
+
+    def _figures(self, order: list[str]) -> dict:
+        from tplab.viz import comm_timeline, grad_error, grad_flow, sharding_map
+
+        what = self._describe()
+        return {
+            "flow": grad_flow(self.trace, order, title=f"Where the collectives sit: {what}"),
+            "timeline": comm_timeline(self.trace, title=f"Collectives per rank: {what}"),
+            "errors": grad_error(self.report, title=f"Errors against one device: {what}"),
+            "sharding": sharding_map(self.params, title=f"Parameters' shards: {what}"),
+        }
+
+    # --- the panel --------------------------------------------------------------------
+
+    @property
+    def widget(self):
+        """The ipywidgets panel (built on first use)."""
+        if self._ui is None:
+            self._ui = self._build_ui()
+            self._sync_controls()
+            self._redraw()
+        return self._ui["panel"]
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+    def _build_ui(self) -> dict:
+        import ipywidgets as w
+
+        style = {"description_width": "initial"}
+        ui = {
+            "model": w.Dropdown(options=[("MLP", "mlp"), ("attention", "attention"),
+                                         ("block", "block")], description="model",
+                                style=style),
+            "tp": w.Dropdown(options=divisors(self.world_size), description="TP degree",
+                             style=style),
+            "path": w.ToggleButtons(options=[("Megatron by hand", "megatron"),
+                                             ("DTensor plan", "dtensor")], style=style),
+            "sequence_parallel": w.Checkbox(description="sequence parallelism", indent=False),
+            "drop_f": w.Checkbox(description="drop f's backward all-reduce", indent=False),
+            "status": w.HTML(),
+            "table": w.HTML(layout=w.Layout(max_height="260px", overflow="auto")),
+        }
+        for name in ("flow", "errors", "timeline", "sharding"):
+            ui[name] = w.Output()
+        for name in Settings.__dataclass_fields__:
+            ui[name].observe(self._on_control, names="value")
+        ui["panel"] = w.VBox([
+            w.HBox([ui["model"], ui["tp"], ui["path"]]),
+            w.HBox([ui["sequence_parallel"], ui["drop_f"]]),
+            ui["status"], ui["flow"], ui["errors"], ui["table"], ui["timeline"],
+            ui["sharding"]])
+        return ui
+
+    def _on_control(self, change) -> None:
+        if self._quiet:
+            return
+        values = {k: self._ui[k].value for k in Settings.__dataclass_fields__}
+        if values["path"] != "megatron":
+            values["drop_f"] = False
+        try:
+            self.settings = self._checked(Settings(**values))
+        except ValueError as exc:
+            self._status(str(exc), "#c62828")
+            return
+        self._sync_controls()
+        self.update()
+
+    def _sync_controls(self) -> None:
+        if self._ui is None:
+            return
+        self._quiet = True
+        try:
+            for k, v in asdict(self.settings).items():
+                self._ui[k].value = v
+            self._ui["drop_f"].disabled = self.settings.path != "megatron"
+            self._ui["drop_f"].description_tooltip = (
+                None if self.settings.path == "megatron" else
+                "a DTensor plan issues f's all-reduce itself: nothing to drop")
+        finally:
+            self._quiet = False
+
+    def _status(self, text: str, color: str, pre: bool = False) -> None:
+        if self._ui is None:
+            return
+        body = html.escape(text)
+        body = f"<pre>{body}</pre>" if pre else f"<b>{body}</b>"
+        self._ui["status"].value = f'<div style="color:{color}">{body}</div>'
+
+    def _redraw(self) -> None:
+        if self._ui is None or not self.figures:
+            return
+        from IPython.display import display
+
+        for name, fig in self.figures.items():
+            out = self._ui[name]
+            out.clear_output(wait=True)
+            with out:
+                display(fig)
+        self._ui["table"].value = self.report._repr_html_() if self.report else ""
