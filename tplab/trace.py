@@ -161,8 +161,10 @@ class _Modules:
         return self
 
     def __exit__(self, *exc):
+        # gradient hooks on a leaf (the input) outlive the step: remove them all
         for h in self.handles:
             h.remove()
+        self.handles.clear()
 
     def current(self, backward: bool) -> str:
         if not backward:
@@ -190,7 +192,8 @@ class _Modules:
         inputs = [a for a in torch.utils._pytree.tree_leaves(args)
                   if isinstance(a, torch.Tensor) and a.requires_grad]
         if inputs and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(inputs, self._leave(name))
+            self.handles.append(
+                torch.autograd.graph.register_multi_grad_hook(inputs, self._leave(name)))
 
     def _post(self, module, args, output):
         if torch._C._current_graph_task_id() != -1 or not self.forward:
@@ -199,7 +202,8 @@ class _Modules:
         outputs = [a for a in torch.utils._pytree.tree_leaves(output)
                    if isinstance(a, torch.Tensor) and a.requires_grad]
         if outputs and torch.is_grad_enabled():
-            torch.autograd.graph.register_multi_grad_hook(outputs, self._enter(name), mode="any")
+            self.handles.append(torch.autograd.graph.register_multi_grad_hook(
+                outputs, self._enter(name), mode="any"))
 
     def _enter(self, name):
         def hook(grad):

@@ -98,7 +98,7 @@ def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> d
     from torch.distributed.tensor import DTensor, Replicate
 
     from tplab import megatron
-    from tplab.mesh import make_mesh
+    from tplab.mesh import make_mesh, tp_mesh
     from tplab.plans import apply_plan
     from tplab.trace import Trace
 
@@ -107,7 +107,8 @@ def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> d
     model = _build(kind, cfg)
     model.load_state_dict(state)
     if s.path == "megatron":
-        model = megatron.parallelize(model, mesh, sequence_parallel=s.sequence_parallel,
+        # the 1-D tp sub-mesh: tplab.megatron's layers talk on its only dimension
+        model = megatron.parallelize(model, tp_mesh(mesh), sequence_parallel=s.sequence_parallel,
                                      reduce_grad=not s.drop_f)
     else:
         model = apply_plan(model, mesh, _dtensor_plan(kind, s.sequence_parallel))
@@ -223,6 +224,9 @@ class Explorer:
             self.error = None
         except Exception as exc:
             self.error = exc
+            self.report = self.trace = self.params = None
+            self.figures = {}
+            self._redraw()
             self._status(f"{self._describe()} failed: {type(exc).__name__}: {exc}", "#c62828",
                          pre=True)
             if raise_errors:
@@ -352,13 +356,14 @@ class Explorer:
         self._ui["status"].value = f'<div style="color:{color}">{body}</div>'
 
     def _redraw(self) -> None:
-        if self._ui is None or not self.figures:
+        if self._ui is None:
             return
         from IPython.display import display
 
-        for name, fig in self.figures.items():
+        for name in ("flow", "errors", "timeline", "sharding"):
             out = self._ui[name]
             out.clear_output(wait=True)
-            with out:
-                display(fig)
+            if name in self.figures:
+                with out:
+                    display(self.figures[name])
         self._ui["table"].value = self.report._repr_html_() if self.report else ""

@@ -22,6 +22,7 @@ from tplab.cost.transformer import (
     block_flops,
     comm_bound_tp,
     mlp_comm_ratio,
+    scaled,
     step_time,
     sweep,
 )
@@ -29,6 +30,6 @@ from tplab.cost.transformer import (
 __all__ = [
     "HARDWARE", "LINKS", "MODELS", "OPS", "BlockShape", "Calibration", "Hardware", "Link",
     "best_tp", "block_collectives", "block_flops", "calibrate", "collective_terms",
-    "collective_time", "comm_bound_tp", "mlp_comm_ratio", "records_time", "step_time",
-    "sweep",
+    "collective_time", "comm_bound_tp", "mlp_comm_ratio", "records_time", "scaled",
+    "step_time", "sweep",
 ]

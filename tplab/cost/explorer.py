@@ -11,7 +11,7 @@ from IPython.display import display
 
 from tplab.cost.figures import step_breakdown
 from tplab.cost.hardware import HARDWARE, Hardware
-from tplab.cost.transformer import MODELS, BlockShape, best_tp, comm_bound_tp, sweep
+from tplab.cost.transformer import MODELS, BlockShape, best_tp, comm_bound_tp, scaled, sweep
 
 TPS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -98,16 +98,9 @@ class CostExplorer:
         return self.rows
 
     def _scaled(self, v: dict) -> BlockShape:
-        """The model preset at the chosen hidden size: heads of the same width, the same
-        ffn / hidden ratio."""
         base = self.models[v["model"]]
-        head_dim = base.hidden // base.heads
-        heads = max(1, v["hidden"] // head_dim)
-        return base.with_(hidden=v["hidden"], heads=heads,
-                          kv_heads=min(base.kv_heads or heads, heads),
-                          ffn=round(base.ffn_size * v["hidden"] / base.hidden),
-                          seq=v["seq"], batch=v["batch"],
-                          name=f"{base.name}, h={v['hidden']}, s={v['seq']}, b={v['batch']}")
+        return scaled(base, v["hidden"], seq=v["seq"], batch=v["batch"],
+                      name=f"{base.name}, h={v['hidden']}, s={v['seq']}, b={v['batch']}")
 
     def _draw(self) -> None:
         best = next(r for r in self.rows if r["tp"] == self.best_tp)

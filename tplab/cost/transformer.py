@@ -83,6 +83,14 @@ MODELS: dict[str, BlockShape] = {
 SUBLAYERS = ("attention", "mlp")
 
 
+def scaled(shape: BlockShape, hidden: int, **changes) -> BlockShape:
+    """`shape` at another hidden size: heads of the same width, the same ffn / hidden ratio,
+    the same number of kv heads (at most the heads). Other fields may change too."""
+    heads = max(1, hidden // (shape.hidden // shape.heads))
+    return shape.with_(hidden=hidden, heads=heads, kv_heads=min(shape.kv_heads or heads, heads),
+                       ffn=round(shape.ffn_size * hidden / shape.hidden), **changes)
+
+
 def block_flops(shape: BlockShape, sublayers: tuple[str, ...] = SUBLAYERS) -> int:
     """Forward FLOPs of one block on one micro-batch, over all TP ranks together."""
     h, t = shape.hidden, shape.tokens

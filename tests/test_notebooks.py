@@ -1,0 +1,57 @@
+"""Every notebook in notebooks/ runs top to bottom with papermill, in each mode it supports.
+
+A notebook's claims are asserted in its own cells, so a run that ends without error has
+checked the lesson, not only that the cells ran.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import papermill
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+_times: dict[str, float] = {}
+
+
+def modes(path: pathlib.Path) -> list[str]:
+    """The modes a notebook supports: its parameters cell says `mode = ...` and, when it
+    also runs simulated, has a comment `# modes: processes, simulated`."""
+    cells = json.loads(path.read_text())["cells"]
+    params = next(c for c in cells if "parameters" in c.get("metadata", {}).get("tags", []))
+    source = "".join(params["source"])
+    for line in source.splitlines():
+        if line.strip().startswith("# modes:"):
+            return [m.strip() for m in line.split(":", 1)[1].split(",")]
+    return ["processes"]
+
+
+CASES = [pytest.param(p, m, id=f"{p.stem}-{m}") for p in NOTEBOOKS for m in modes(p)]
+
+
+@pytest.mark.parametrize(("path", "mode"), CASES)
+def test_notebook_runs(path, mode, tmp_path):
+    started = time.perf_counter()
+    papermill.execute_notebook(
+        str(path), str(tmp_path / path.name), cwd=str(path.parent),
+        parameters={"world_size": 4, "mode": mode}, kernel_name="python3",
+        progress_bar=False, execution_timeout=600,
+    )
+    _times[f"{path.stem} [{mode}]"] = time.perf_counter() - started
+
+
+def test_notebooks_are_saved_without_outputs():
+    for path in NOTEBOOKS:
+        cells = json.loads(path.read_text())["cells"]
+        assert not any(c.get("outputs") for c in cells if c["cell_type"] == "code"), path.name
+        assert any("parameters" in c.get("metadata", {}).get("tags", []) for c in cells), path
+
+
+def teardown_module(module):
+    if _times:
+        total = sum(_times.values())
+        lines = [f"  {name}: {s:.1f} s" for name, s in sorted(_times.items())]
+        print("\nnotebook times:\n" + "\n".join(lines) + f"\n  total: {total:.1f} s")

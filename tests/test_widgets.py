@@ -1,0 +1,104 @@
+"""tplab.widgets.Explorer: driven from code (as a papermill run does) and through its
+controls, on tplab.simulate; once on real rank processes (slow)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import tplab
+from tplab.widgets import Explorer, divisors, forward_order
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch's c10d deprecations
+
+
+def counts(trace, rank=0):
+    out: dict = {}
+    for r in trace[rank]:
+        out[(r["phase"], r["op"])] = out.get((r["phase"], r["op"]), 0) + 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def explorer():
+    return Explorer(tplab.simulate(4))
+
+
+def test_explorer_runs_a_step_and_draws_it(explorer):
+    ex = explorer.set(model="mlp", path="megatron", tp=4, drop_f=False)
+    assert ex.report.ok, ex.report.summary()
+    assert counts(ex.trace) == {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 1}
+    assert len(ex.trace) == 4 and ex.error is None
+    assert set(ex.figures) == {"flow", "timeline", "errors", "sharding"}
+    flow = [m for t in ex.figures["flow"].data if t.name != "modules" and t.meta
+            for m in t.meta]
+    assert {(m["phase"], m["role"]) for m in flow} == {("forward", "g"), ("backward", "f")}
+    w1 = [t.meta for t in ex.figures["sharding"].data
+          if isinstance(t.meta, dict) and t.meta["tensor"] == "w1.weight"]
+    assert [b["ranks"] for b in w1] == [[0], [1], [2], [3]]  # column-parallel: rows split
+
+
+def test_dropping_f_breaks_the_input_gradient_only(explorer):
+    ex = explorer.set(model="mlp", path="megatron", tp=4, drop_f=True)
+    assert not ex.report.ok
+    wrong = {(r["name"], r["kind"]) for r in ex.report.failures}
+    assert wrong == {("input", "input_grad"), ("input", "replica_spread")}
+    assert counts(ex.trace) == {("forward", "all_reduce"): 1}  # f's all-reduce is gone
+    bad = [m for t in ex.figures["errors"].data if isinstance(t.meta, tuple) for m in t.meta
+           if m["status"] == "bad"]
+    assert {m["kind"] for m in bad} == {"input_grad", "replica_spread"}
+    with pytest.raises(ValueError, match="drop_f needs path='megatron'"):
+        ex.set(path="dtensor")
+    ex.set(drop_f=False)
+
+
+def test_dtensor_plan_and_a_tp_degree_below_the_world_size(explorer):
+    ex = explorer.set(model="attention", path="dtensor", tp=4, drop_f=False)
+    assert ex.report.ok
+    # ColwiseParallel on q, k and v: one all-reduce each in the backward pass
+    assert counts(ex.trace) == {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 3}
+    ex.set(model="mlp", tp=2)
+    assert ex.report.ok
+    assert {(r["group"], r["group_size"]) for rs in ex.trace for r in rs} == {("tp", 2)}
+    fig = ex.figures["sharding"]
+    assert "dp=2 × tp=2" in fig.layout.title.text
+    w1 = [t.meta for t in fig.data if isinstance(t.meta, dict) and t.meta["tensor"] == "w1.weight"]
+    assert [b["ranks"] for b in w1] == [[0, 2], [1, 3]]  # copies across the dp groups
+    with pytest.raises(ValueError, match="tp must divide"):
+        ex.set(tp=3)
+    ex.set(tp=4)
+
+
+def test_the_controls_rerun_the_step(explorer):
+    ex = explorer.set(model="mlp", path="megatron", tp=4, drop_f=False)
+    ui = ex.widget  # builds the panel
+    panel_ui = ex._ui
+    assert panel_ui["tp"].options == (2, 4) and panel_ui["model"].value == "mlp"
+    panel_ui["drop_f"].value = True  # a click
+    assert ex.settings.drop_f and not ex.report.ok
+    assert "WRONG" in panel_ui["status"].value
+    assert "input" in panel_ui["table"].value  # the grad_check table
+    panel_ui["path"].value = "dtensor"  # drop f is switched off and disabled there
+    assert ex.settings.path == "dtensor" and not ex.settings.drop_f
+    assert panel_ui["drop_f"].disabled and ex.report.ok
+    assert ui is ex.widget
+    ex.set(path="megatron")
+    assert not panel_ui["drop_f"].disabled
+
+
+def test_helpers():
+    from tplab import models
+
+    cfg = models.Config()
+    assert forward_order(models.Block(cfg), models.make_input(cfg)) == [
+        "attention_norm", "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+        "ffn_norm", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"]
+    assert divisors(4) == [2, 4] and divisors(6) == [2, 3, 6] and divisors(1) == [1]
+
+
+@pytest.mark.slow
+def test_explorer_on_rank_processes(labs):
+    ex = Explorer(labs.get(2), model="mlp")
+    assert ex.report.ok, ex.report.summary()
+    assert counts(ex.trace, 1) == {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 1}
