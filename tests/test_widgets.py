@@ -20,9 +20,13 @@ def counts(trace, rank=0):
     return out
 
 
+def blocks_of(fig, tensor):
+    return [t.meta for t in fig.data if isinstance(t.meta, dict) and t.meta["tensor"] == tensor]
+
+
 @pytest.fixture(scope="module")
 def explorer():
-    return Explorer(tplab.simulate(4))
+    return Explorer(tplab.simulate(4))  # MLP, Megatron by hand, tp = 4
 
 
 def test_explorer_runs_a_step_and_draws_it(explorer):
@@ -34,57 +38,46 @@ def test_explorer_runs_a_step_and_draws_it(explorer):
     flow = [m for t in ex.figures["flow"].data if t.name != "modules" and t.meta
             for m in t.meta]
     assert {(m["phase"], m["role"]) for m in flow} == {("forward", "g"), ("backward", "f")}
-    w1 = [t.meta for t in ex.figures["sharding"].data
-          if isinstance(t.meta, dict) and t.meta["tensor"] == "w1.weight"]
+    w1 = blocks_of(ex.figures["sharding"], "w1.weight")
     assert [b["ranks"] for b in w1] == [[0], [1], [2], [3]]  # column-parallel: rows split
-
-
-def test_dropping_f_breaks_the_input_gradient_only(explorer):
-    ex = explorer.set(model="mlp", path="megatron", tp=4, drop_f=True)
-    assert not ex.report.ok
-    wrong = {(r["name"], r["kind"]) for r in ex.report.failures}
-    assert wrong == {("input", "input_grad"), ("input", "replica_spread")}
-    assert counts(ex.trace) == {("forward", "all_reduce"): 1}  # f's all-reduce is gone
-    bad = [m for t in ex.figures["errors"].data if isinstance(t.meta, tuple) for m in t.meta
-           if m["status"] == "bad"]
-    assert {m["kind"] for m in bad} == {"input_grad", "replica_spread"}
-    with pytest.raises(ValueError, match="drop_f needs path='megatron'"):
-        ex.set(path="dtensor")
-    ex.set(drop_f=False)
-
-
-def test_dtensor_plan_and_a_tp_degree_below_the_world_size(explorer):
-    ex = explorer.set(model="attention", path="dtensor", tp=4, drop_f=False)
-    assert ex.report.ok
-    # ColwiseParallel on q, k and v: one all-reduce each in the backward pass
-    assert counts(ex.trace) == {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 3}
-    ex.set(model="mlp", tp=2)
-    assert ex.report.ok
-    assert {(r["group"], r["group_size"]) for rs in ex.trace for r in rs} == {("tp", 2)}
-    fig = ex.figures["sharding"]
-    assert "dp=2 × tp=2" in fig.layout.title.text
-    w1 = [t.meta for t in fig.data if isinstance(t.meta, dict) and t.meta["tensor"] == "w1.weight"]
-    assert [b["ranks"] for b in w1] == [[0, 2], [1, 3]]  # copies across the dp groups
-    with pytest.raises(ValueError, match="tp must divide"):
-        ex.set(tp=3)
-    ex.set(tp=4)
+    assert [b["kind"] for b in blocks_of(ex.figures["sharding"], "w2.bias")] == ["replicated"]
 
 
 def test_the_controls_rerun_the_step(explorer):
     ex = explorer.set(model="mlp", path="megatron", tp=4, drop_f=False)
-    ui = ex.widget  # builds the panel
-    panel_ui = ex._ui
-    assert panel_ui["tp"].options == (2, 4) and panel_ui["model"].value == "mlp"
-    panel_ui["drop_f"].value = True  # a click
+    panel = ex.widget  # builds the panel
+    ui = ex._ui
+    assert ui["tp"].options == (2, 4) and ui["model"].value == "mlp"
+    ui["drop_f"].value = True  # a click: f loses its backward all-reduce
     assert ex.settings.drop_f and not ex.report.ok
-    assert "WRONG" in panel_ui["status"].value
-    assert "input" in panel_ui["table"].value  # the grad_check table
-    panel_ui["path"].value = "dtensor"  # drop f is switched off and disabled there
+    wrong = {(r["name"], r["kind"]) for r in ex.report.failures}
+    assert wrong == {("input", "input_grad"), ("input", "replica_spread")}  # weights fine
+    assert counts(ex.trace) == {("forward", "all_reduce"): 1}
+    bad = [m for t in ex.figures["errors"].data if isinstance(t.meta, tuple) for m in t.meta
+           if m["status"] == "bad"]
+    assert {m["kind"] for m in bad} == {"input_grad", "replica_spread"}
+    assert "WRONG" in ui["status"].value and "replica_spread" in ui["table"].value
+    with pytest.raises(ValueError, match="drop_f needs path='megatron'"):
+        ex.set(path="dtensor")
+    ui["path"].value = "dtensor"  # there, drop f is switched off and disabled
     assert ex.settings.path == "dtensor" and not ex.settings.drop_f
-    assert panel_ui["drop_f"].disabled and ex.report.ok
-    assert ui is ex.widget
-    ex.set(path="megatron")
-    assert not panel_ui["drop_f"].disabled
+    assert ui["drop_f"].disabled and not ui["drop_f"].value and ex.report.ok
+    assert panel is ex.widget
+
+
+def test_dtensor_attention_and_a_tp_degree_below_the_world_size(explorer):
+    ex = explorer.set(model="attention", path="dtensor", tp=4, drop_f=False)
+    assert ex.report.ok
+    # ColwiseParallel on q, k and v: one all-reduce each in the backward pass
+    assert counts(ex.trace) == {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 3}
+    ex.set(model="mlp", tp=2)  # a 2-D mesh dp=2 x tp=2
+    assert ex.report.ok
+    assert {(r["group"], r["group_size"]) for rs in ex.trace for r in rs} == {("tp", 2)}
+    fig = ex.figures["sharding"]
+    assert "dp=2 × tp=2" in fig.layout.title.text
+    assert [b["ranks"] for b in blocks_of(fig, "w1.weight")] == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError, match="tp must divide"):
+        ex.set(tp=3)
 
 
 def test_helpers():

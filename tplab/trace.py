@@ -50,7 +50,8 @@ def _same(i):
 
 
 def _times_n(i):
-    # an all-gather's message is the gathered output; a reduce-scatter's the input
+    # an all-gather's message is the gathered output (a scatter's the input on its root):
+    # n times this rank's piece
     def message(args, n):
         t = _first(args[i])
         return t, _numel(args[i]) * n, [t.shape[0] * n, *t.shape[1:]] if t.ndim else [n]
@@ -85,8 +86,8 @@ _OPS = {
     _c10d.alltoall_base_: ("all_to_all", _same(1)),
     _c10d.broadcast_: ("broadcast", _same(0)),
     _c10d.reduce_: ("reduce", _same(0)),
-    _c10d.gather_: ("gather", _same(1)),
-    _c10d.scatter_: ("scatter", _same(0)),
+    _c10d.gather_: ("gather", _times_n(1)),
+    _c10d.scatter_: ("scatter", _times_n(0)),
     _c10d.send: ("send", _same(0)),
     _c10d.recv_: ("recv", _same(0)),
     _c10d.recv_any_source_: ("recv", _same(0)),
@@ -189,34 +190,41 @@ class _Modules:
             # module's own output hooks, where DTensor plans issue their collectives
             self.hooked.add(id(module))
             self.handles.append(module.register_forward_hook(self._post, always_call=True))
-        inputs = [a for a in torch.utils._pytree.tree_leaves(args)
-                  if isinstance(a, torch.Tensor) and a.requires_grad]
-        if inputs and torch.is_grad_enabled():
-            self.handles.append(
-                torch.autograd.graph.register_multi_grad_hook(inputs, self._leave(name)))
+        if torch.is_grad_enabled():
+            self._on_grads(_needs_grad(args), self._leave(name), "all")
 
     def _post(self, module, args, output):
         if torch._C._current_graph_task_id() != -1 or not self.forward:
             return
         name = self.forward.pop()
-        outputs = [a for a in torch.utils._pytree.tree_leaves(output)
-                   if isinstance(a, torch.Tensor) and a.requires_grad]
-        if outputs and torch.is_grad_enabled():
-            self.handles.append(torch.autograd.graph.register_multi_grad_hook(
-                outputs, self._enter(name), mode="any"))
+        if torch.is_grad_enabled():
+            self._on_grads(_needs_grad(output), self._enter(name), "any")
+
+    def _on_grads(self, tensors, fn, mode):
+        # one tensor (the usual case): a plain tensor hook, much cheaper than a multi-grad hook
+        if len(tensors) == 1:
+            self.handles.append(tensors[0].register_hook(fn))
+        elif tensors:
+            self.handles.append(torch.autograd.graph.register_multi_grad_hook(tensors, fn,
+                                                                               mode=mode))
 
     def _enter(self, name):
-        def hook(grad):
+        def hook(*grads):
             if not self.backward:  # forget modules whose inputs needed no gradient
                 torch.autograd.Variable._execution_engine.queue_callback(self.backward.clear)
             self.backward.append(name)
         return hook
 
     def _leave(self, name):
-        def hook(grads):
+        def hook(*grads):
             if name in self.backward:
                 del self.backward[len(self.backward) - 1 - self.backward[::-1].index(name)]
         return hook
+
+
+def _needs_grad(value) -> list:
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 class Trace(TorchDispatchMode):
@@ -227,7 +235,7 @@ class Trace(TorchDispatchMode):
         from torch.distributed.tensor import DTensor
 
         super().__init__()
-        self._defer = (DTensor, AsyncCollectiveTensor)
+        self._defer = frozenset((DTensor, AsyncCollectiveTensor))
         self.records: list[dict] = []
         self._pending: dict[int, tuple[dict, float, torch.Tensor]] = {}
         self._groups: dict[int, tuple[str, int]] = {}
@@ -246,27 +254,25 @@ class Trace(TorchDispatchMode):
         self._pending.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         # let DTensor (and AsyncCollectiveTensor) desugar first; their collectives and waits
         # then come back through this mode (CommDebugMode does the same)
-        if any(issubclass(t, self._defer) for t in types):
-            return NotImplemented
+        for t in types:
+            if t in self._defer:
+                return NotImplemented
+        kwargs = kwargs or {}
         packet = getattr(func, "_overloadpacket", None)
-        if packet is _funcol.wait_tensor:
-            self._waited(args[0])
-            return func(*args, **kwargs)
         spec = _OPS.get(packet)
         if spec is None:
+            if packet is _funcol.wait_tensor:
+                self._waited(args[0])
             return func(*args, **kwargs)
         start = time.perf_counter()
         out = func(*args, **kwargs)
         record = self._record(func, spec, args)
-        if func.namespace == "c10d":
-            if record["op"] not in _NO_WAIT:
-                _wait_work(out)
-            record["duration_ms"] = (time.perf_counter() - start) * 1e3
-        else:
-            record["duration_ms"] = (time.perf_counter() - start) * 1e3
+        if func.namespace == "c10d" and record["op"] not in _NO_WAIT:
+            _wait_work(out)
+        record["duration_ms"] = (time.perf_counter() - start) * 1e3
+        if func.namespace != "c10d":  # functional: the wait comes later (wait_tensor)
             for t in out if isinstance(out, (list, tuple)) else (out,):
                 self._pending[id(t)] = (record, start, t)
         return out

@@ -127,7 +127,8 @@ def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> d
             place = placements.get(name, Replicate())
             params[full] = _as_dtensor(p, mesh, place)
             grads[full] = _as_dtensor(p.grad, mesh, place)
-    return {"output": out.detach(), "loss": loss.detach(), "input_grad": x.grad,
+    # the loss as shape (1,): a 0-d tensor comes back from rank processes as (1,) anyway
+    return {"output": out.detach(), "loss": loss.detach().reshape(1), "input_grad": x.grad,
             "grads": grads, "params": params, "records": t.records}
 
 
@@ -180,8 +181,12 @@ class Explorer:
     def set(self, **changes) -> Explorer:
         """Change settings (model, tp, path, sequence_parallel, drop_f), rerun, redraw.
 
-        Synchronous; raises what the step raised (the panel shows it instead)."""
-        self.settings = self._checked(replace(self.settings, **changes))
+        Synchronous; raises what the step raised (the panel shows it instead). Settings
+        equal to the last successful step's do not rerun it (`update()` always does)."""
+        new = self._checked(replace(self.settings, **changes))
+        if new == self.settings and self.error is None and self.report is not None:
+            return self
+        self.settings = new
         self._sync_controls()
         self.update(raise_errors=True)
         return self
@@ -259,7 +264,7 @@ class Explorer:
                                  self.rtol))
 
         add("output", "output", [r["output"] for r in results], out)
-        add("loss", "output", [r["loss"] for r in results], loss)
+        add("loss", "output", [r["loss"].reshape(1) for r in results], loss.reshape(1))
         add("input", "input_grad", [r["input_grad"] for r in results], x_ref.grad)
         for name, p in ref.named_parameters():
             add(name, "param_grad", [r["grads"].get(name) for r in results], p.grad)
@@ -342,7 +347,7 @@ class Explorer:
             for k, v in asdict(self.settings).items():
                 self._ui[k].value = v
             self._ui["drop_f"].disabled = self.settings.path != "megatron"
-            self._ui["drop_f"].description_tooltip = (
+            self._ui["drop_f"].tooltip = (
                 None if self.settings.path == "megatron" else
                 "a DTensor plan issues f's all-reduce itself: nothing to drop")
         finally:
@@ -358,12 +363,14 @@ class Explorer:
     def _redraw(self) -> None:
         if self._ui is None:
             return
+        from IPython import get_ipython
         from IPython.display import display
 
+        shell = get_ipython() is not None  # outside IPython display() would print the figure
         for name in ("flow", "errors", "timeline", "sharding"):
             out = self._ui[name]
             out.clear_output(wait=True)
-            if name in self.figures:
+            if name in self.figures and shell:
                 with out:
                     display(self.figures[name])
         self._ui["table"].value = self.report._repr_html_() if self.report else ""

@@ -23,7 +23,7 @@ def _state(r: int, w: dict | None, cell: int, finished: list[int]) -> str:
 def hang_report(where: dict[int, dict], cell: int, finished: list[int], ranks: list[int],
                 timeout: float) -> str:
     """A per-rank table and a diagnosis for a cell that ran past `timeout`."""
-    rows = [("rank", "state", "collective", "collectives done", "line")]
+    rows = [("rank", "state", "collective", "collectives issued", "line")]
     for r in ranks:
         w = where.get(r) or {}
         state = _state(r, where.get(r), cell, finished)

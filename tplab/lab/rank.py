@@ -293,8 +293,8 @@ def where_now() -> dict:
             line = f"{filename}:{frame.f_lineno} {text}".strip()
         frame = frame.f_back
     if op is not None:
-        snap.update(state="in_collective", op=op, shape=shape,
-                    seq=snap["collectives"] + (0 if op == "wait_tensor" else 1))
+        # c10d numbers a collective when it is issued, so the one waited in is the last.
+        snap.update(state="in_collective", op=op, shape=shape, seq=snap["collectives"])
     snap["line"] = line
     return snap
 

@@ -110,9 +110,7 @@ class Simulation:
         try:
             with _rank_aware_get_rank(), LocalTensorMode(self.world_size):
                 return _settle(fn(*args, **kwargs))
-        except LabError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # as from rank processes: a RankError with every traceback
             tb = traceback.format_exc()
             name = type(exc).__name__
             raise RankError({r: tb for r in range(self.world_size)}, self.world_size,

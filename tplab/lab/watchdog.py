@@ -121,8 +121,8 @@ class Watchdog:
                 now = time.monotonic()
                 dead = self.lab._check_engines_alive()
                 finished = [r for r in res.ranks if r not in pending]
-                if dead or any(isinstance(res.value(r), ipp_error.EngineError) for r in finished):
-                    self._rank_died(dead)
+                if dead or any(_engine_died(res.value(r)) for r in finished):
+                    self._rank_died(self._wait_for_exit_codes(dead))
                 if failed_at is None and any(
                         isinstance(res.value(r), rank_side.RankFailure) for r in finished):
                     failed_at = now
@@ -140,8 +140,8 @@ class Watchdog:
         stuck = res.pending()
         results = {r: res.value(r) for r in res.ranks if r not in stuck}
         for value in results.values():
-            if isinstance(value, ipp_error.EngineError):
-                self._rank_died({})
+            if _engine_died(value):
+                self._rank_died(self._wait_for_exit_codes({}))
             if isinstance(value, Exception):  # an ipyparallel error outside user code
                 raise LabError(f"the lab could not run the cell: {value}")
         out, err = res.output()
@@ -176,6 +176,15 @@ class Watchdog:
             "ready again; names defined on the ranks are gone, so rerun the cells that set "
             "them up.", where=where, recovered=True, recovery_s=took)
 
+    def _wait_for_exit_codes(self, dead: dict[int, str], seconds: float = 1.0) -> dict:
+        """The hub may hear of a death (from the rank's nanny) before our launcher has
+        reaped the process: give the exit code a moment to arrive, to say how it died."""
+        deadline = time.monotonic() + seconds
+        while not dead and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            dead = self.lab._check_engines_alive()
+        return dead
+
     def _rank_died(self, dead: dict[int, str]):
         if not dead:
             dead = {-1: "stopped (its engine was reported dead)"}
@@ -203,3 +212,8 @@ class Watchdog:
             took = self.lab.restart()
             print(f"[tplab] interrupted; ranks waiting in a collective were restarted in "
                   f"{took:.1f} s, and the lab is ready again", file=sys.stderr)
+
+
+def _engine_died(value) -> bool:
+    return isinstance(value, ipp_error.EngineError) or (
+        isinstance(value, ipp_error.RemoteError) and value.ename == "EngineError")

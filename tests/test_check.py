@@ -1,0 +1,113 @@
+"""tplab.grad_check: the parallel models match the single-device reference, on simulated
+ranks and on processes; a missing backward all-reduce in f is caught, as an input-gradient
+error; and the assembly of shards on the notebook side."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from tp_fixtures import CFG, activations, build, tokens, tp_lab  # noqa: F401
+
+import tplab
+from tplab import megatron, models, plans
+from tplab.check import GradCheckReport, assemble
+from tplab.lab.transfer import LocalShard
+
+SP = functools.partial(megatron.parallelize, sequence_parallel=True)
+
+CASES = {
+    "mlp-dtensor": (models.MLP, plans.mlp(), False),
+    "mlp-megatron": (models.MLP, megatron.parallelize, False),
+    "block-dtensor": (models.Block, plans.block(), False),
+    "block-dtensor-sp": (models.Block, plans.block(sequence_parallel=True), False),
+    "block-megatron": (models.Block, megatron.parallelize, False),
+    "block-megatron-sp": (models.Block, SP, False),
+    "lm-dtensor": (models.TinyLM, plans.lm(), True),
+    "lm-dtensor-sp": (models.TinyLM, plans.lm(sequence_parallel=True), True),
+    "lm-megatron": (models.TinyLM, megatron.parallelize, True),
+    "lm-megatron-sp": (models.TinyLM, SP, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parallel_models_match_the_reference(tp_lab, case):  # noqa: F811
+    cls, plan, lm = CASES[case]
+    make_input, loss = (tokens(), models.lm_loss) if lm else (activations(), None)
+    report = tplab.grad_check(tp_lab, build(cls), plan, make_input, loss)
+    assert report.ok, str(report)
+    names = {r["name"] for r in report.rows if r["kind"] == "param_grad"}
+    assert names == {n for n, _ in cls(CFG).named_parameters()}  # every parameter checked
+    kinds = {r["kind"] for r in report.rows}
+    assert kinds >= {"output", "param_grad", "replica_spread"}
+    assert ("input_grad" in kinds) is (not lm)  # token ids have no gradient
+    assert report.world_size == tp_lab.world_size
+
+
+def test_losing_f_backward_all_reduce_makes_only_the_input_gradient_wrong(tp_lab):  # noqa: F811
+    broken = functools.partial(megatron.parallelize, reduce_grad=False)
+    report = tplab.grad_check(tp_lab, build(models.MLP), broken, activations())
+    assert not report.ok
+    assert {(r["name"], r["kind"]) for r in report.failures} == {
+        ("input", "input_grad"), ("input", "replica_spread")}
+    assert "input gradient wrong" in report.summary()
+    assert report.max_abs > 1e-2  # not a rounding error
+    for text in (str(report), report._repr_html_()):
+        assert "WRONG" in text and "w1.weight" in text
+
+
+def test_a_plan_that_forgets_g_gives_a_wrong_output():
+    # w2's partial sums handed on as they are: the DTensor form of a missing g
+    sim = tplab.simulate(2)
+    wrong = {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Partial())}
+    report = tplab.grad_check(sim, build(models.MLP), wrong, activations())
+    failed = {(r["name"], r["kind"]) for r in report.failures}
+    assert ("output", "output") in failed and ("output", "replica_spread") in failed
+
+
+def test_loss_fn_may_take_the_output_alone_or_with_the_input():
+    sim = tplab.simulate(2)
+    one = tplab.grad_check(sim, build(models.MLP), plans.mlp(), activations(),
+                           lambda out: out.sum())
+    two = tplab.grad_check(sim, build(models.MLP), plans.mlp(), activations(),
+                           lambda out, x: (out * x).sum())
+    assert one.ok and two.ok and one.loss != two.loss
+
+
+def shard(local, placements, coord, offsets, global_shape, mesh_shape=(2, 2), rank=0):
+    return LocalShard(local=local, placements=placements, global_shape=global_shape,
+                      mesh_shape=mesh_shape, mesh_dim_names=("dp", "tp"), coordinate=coord,
+                      rank=rank, offsets=offsets)
+
+
+def test_assemble_places_shards_sums_partials_and_measures_replica_spread():
+    full = torch.arange(8.0).reshape(2, 4)
+    # mesh (dp=2, tp=2), placements (Replicate, Shard(1)): dp replicas of column halves
+    shards = [shard(full[:, 2 * c:2 * c + 2].clone(), ("Replicate()", "Shard(1)"), (d, c),
+                    (0, 2 * c), (2, 4)) for d in range(2) for c in range(2)]
+    shards[3].local[0, 0] += 0.5  # rank (1, 1) drifted from its replica
+    got, spread = assemble(shards)
+    assert torch.equal(got, full) and spread == 0.5
+    # Partial(sum) over tp: the two halves of a sum
+    parts = [shard(full * (c + 1) / 3, ("Replicate()", "Partial(sum)"), (d, c), (0, 0), (2, 4))
+             for d in range(2) for c in range(2)]
+    got, spread = assemble(parts)
+    assert torch.allclose(got, full) and spread == 0.0
+    # plain tensors: the first rank's value and the largest difference from it
+    got, spread = assemble([full, full + 1e-3, full])
+    assert torch.equal(got, full) and spread == pytest.approx(1e-3, rel=1e-3)
+    assert assemble([full, None]) == (None, None)
+
+
+def test_report_rows_follow_the_contract():
+    rows = [{"name": "output", "kind": "output", "max_abs": 0.0, "max_rel": 0.0, "ok": True,
+             "note": ""},
+            {"name": "w1.weight", "kind": "param_grad", "max_abs": 1.0, "max_rel": 0.5,
+             "ok": False, "note": ""}]
+    report = GradCheckReport(rows, world_size=2, atol=1e-5, rtol=1e-4)
+    assert not report.ok and report.max_abs == 1.0 and report.failures == rows[1:]
+    assert "gradient of w1.weight wrong" in report.summary()
+    assert "<table" in report._repr_html_()

@@ -1,0 +1,152 @@
+"""Fault injection: each fault at world sizes 2 and 4, then an all-reduce must be right.
+
+Prints a summary line at the end: faults tried, survived, processes leaked.
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+
+import psutil
+import pytest
+
+import tplab
+
+SUMMARY = {"tried": 0, "survived": 0, "leaked": 0}
+
+
+def allreduce_sum():
+    import torch
+    import torch.distributed as dist
+
+    x = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(x)
+    return x.item()
+
+
+def still_alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def inject(lab, fault, check):
+    """Run one fault, check the error, then check the lab answers right and leaked nothing."""
+    SUMMARY["tried"] += 1
+    before = set(lab.pids)
+    error = fault(lab)
+    check(error, lab)
+    n = lab.world_size
+    assert lab.run(allreduce_sum) == [n * (n + 1) / 2] * n
+    time.sleep(0.5)
+    leaked = [p for p in still_alive(before) if p not in set(lab.pids)]
+    SUMMARY["leaked"] += len(leaked)
+    assert leaked == [], f"processes of the old ranks still running: {leaked}"
+    SUMMARY["survived"] += 1
+
+
+def raises(exc_type, code, timeout=None):
+    def fault(lab):
+        with pytest.raises(exc_type) as info:
+            lab.execute(code, timeout=timeout)
+        return info.value
+    return fault
+
+
+def test_collective_on_one_rank_is_a_diagnosed_hang(lab):
+    code = "x = torch.ones(8, 16)\nif rank == 0:\n    dist.all_reduce(x)"
+
+    def check(err, lab):
+        text = str(err)
+        last = lab.world_size - 1
+        assert err.recovered and err.recovery_s > 0
+        assert "rank 0 is in all_reduce #1 of shape [8, 16]" in text
+        assert f"{'rank 1' if last == 1 else f'ranks 1-{last}' if last > 2 else 'ranks 1,2'}" \
+               f" finished the cell without calling it" in text
+        assert "dist.all_reduce(x)" in text  # the line of user code
+        assert err.where[0]["op"] == "all_reduce" and err.where[0]["shape"] == [8, 16]
+
+    inject(lab, raises(tplab.CollectiveHang, code, timeout=2), check)
+
+
+def test_mismatched_collectives_are_reported_as_such(lab):
+    code = ("x = torch.ones(4)\n"
+            "if rank == 0:\n    dist.all_reduce(x)\nelse:\n    dist.broadcast(x, 0)")
+
+    def check(err, lab):
+        assert "Mismatched collectives" in str(err)
+        assert "all_reduce #1" in str(err) and "broadcast #1" in str(err)
+
+    inject(lab, raises(tplab.CollectiveHang, code, timeout=2), check)
+
+
+def test_exception_while_others_wait_is_a_quick_rank_error(lab):
+    code = "if rank == 1:\n    raise RuntimeError('rank 1 broke')\ndist.barrier()"
+
+    def fault(lab):
+        started = time.monotonic()
+        with pytest.raises(tplab.RankError) as info:
+            lab.execute(code, timeout=50)
+        info.value.elapsed = time.monotonic() - started
+        return info.value
+
+    def check(err, lab):
+        assert err.ranks == [1]
+        assert "RuntimeError: rank 1 broke" in str(err)
+        assert "was waiting in barrier" in str(err)
+        assert err.elapsed < 50  # well before the watchdog's timeout: no hang
+
+    inject(lab, fault, check)
+
+
+@pytest.mark.parametrize(("how", "words"), [
+    ("os._exit(3)", "exited with status 3"),
+    ("os.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
+    ("os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL"),
+])
+def test_a_rank_that_dies_is_named(lab, how, words):
+    last = lab.world_size - 1
+    code = f"import os, signal\nif rank == {last}:\n    {how}\ndist.barrier()"
+
+    def check(err, lab):
+        assert f"rank {last} " in str(err) and words in str(err)
+        assert last in err.ranks
+        assert "restarted" in str(err)
+
+    inject(lab, raises(tplab.RankDied, code, timeout=50), check)
+
+
+def interrupt_after(seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, _thread.interrupt_main)
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("code", [
+    "import time\ntime.sleep(30)",                      # every rank busy in Python
+    "if rank == 0:\n    dist.all_reduce(torch.ones(2))",  # rank 0 stuck in a collective
+], ids=["sleeping", "in-collective"])
+def test_interrupt_reaches_every_rank(lab, code):
+    def fault(lab):
+        started = time.monotonic()
+        interrupt_after(1.0)
+        with pytest.raises(KeyboardInterrupt):
+            lab.execute(code, timeout=50)
+        return time.monotonic() - started
+
+    def check(elapsed, lab):
+        assert elapsed < 30
+
+    inject(lab, fault, check)
+
+
+def teardown_module(module):
+    print(f"\nfault injection: {SUMMARY['tried']} faults tried, {SUMMARY['survived']} "
+          f"survived, {SUMMARY['leaked']} processes leaked")

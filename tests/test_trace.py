@@ -1,0 +1,145 @@
+"""tplab.trace: counts per phase, the record format of docs/CONTRACTS.md, agreement with
+torch's CommDebugMode, and plain torch.distributed calls (hand-written f and g)."""
+
+from __future__ import annotations
+
+import pytest
+from tp_fixtures import CFG, tp_lab  # noqa: F401
+
+KEYS = {"rank", "seq", "phase", "module", "op", "shape", "dtype", "bytes", "group",
+        "group_size", "duration_ms"}
+
+
+def _mlp_step(cfg, path, input_grad):
+    """Rank side: one traced forward and backward of the MLP; its records and counts."""
+    import tplab
+    from tplab import megatron, models, plans
+    from tplab.mesh import make_mesh
+
+    mesh = make_mesh()
+    model = models.MLP(cfg)
+    model = (megatron.parallelize(model, mesh) if path == "megatron"
+             else tplab.apply_plan(model, mesh, plans.mlp()))
+    x = models.make_input(cfg).requires_grad_(input_grad)
+    with tplab.trace() as t:
+        model(x).pow(2).sum().backward()
+    return {"records": t.records, "counts": t.counts()}
+
+
+@pytest.mark.parametrize("path", ["dtensor", "megatron"])
+def test_mlp_counts_one_all_reduce_each_way_and_none_back_without_input_grad(tp_lab, path):  # noqa: F811
+    with_grad = tp_lab.run(_mlp_step, CFG, path, True)
+    assert all(r["counts"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+               for r in with_grad)
+    # f's backward all-reduce only exists to make the input's gradient
+    without = tp_lab.run(_mlp_step, CFG, path, False)
+    assert all(r["counts"] == {"forward": {"all_reduce": 1}, "backward": {}} for r in without)
+
+
+def test_records_follow_the_contract(tp_lab):  # noqa: F811
+    n = tp_lab.world_size
+    for rank, result in enumerate(tp_lab.run(_mlp_step, CFG, "dtensor", True)):
+        fwd, bwd = result["records"]
+        for i, rec in enumerate((fwd, bwd)):
+            assert set(rec) == KEYS
+            assert rec["rank"] == rank and rec["seq"] == i
+            assert rec["op"] == "all_reduce" and rec["dtype"] == "float32"
+            assert rec["shape"] == [CFG.batch_size, CFG.seq_len, CFG.dim]
+            assert rec["bytes"] == 4 * CFG.batch_size * CFG.seq_len * CFG.dim
+            assert rec["group"] == "tp" and rec["group_size"] == n
+            assert isinstance(rec["duration_ms"], float) and rec["duration_ms"] >= 0
+        # g sits after w2 (its output redistribution); f's backward at w1's input
+        assert (fwd["phase"], fwd["module"]) == ("forward", "w2")
+        assert (bwd["phase"], bwd["module"]) == ("backward", "w1")
+
+
+def _block_step(cfg, sequence_parallel):
+    """The same traced step seen by tplab.trace and by torch's CommDebugMode at once."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import tplab
+    from tplab import models, plans
+    from tplab.mesh import make_mesh
+
+    plan = plans.block(sequence_parallel)
+    model = tplab.apply_plan(models.Block(cfg), make_mesh(), plan)
+    x = models.make_input(cfg).requires_grad_()
+    with tplab.trace() as t, CommDebugMode() as cm:
+        model(x).pow(2).sum().backward()
+    names = {"c10d_functional.all_reduce": "all_reduce",
+             "c10d_functional.all_gather_into_tensor": "all_gather",
+             "c10d_functional.reduce_scatter_tensor": "reduce_scatter",
+             "c10d_functional.all_to_all_single": "all_to_all"}
+    torch_counts = {phase: {names[str(op)]: n for op, n in
+                            cm.comm_module_counts["Global"][phase].items()}
+                    for phase in ("forward", "backward")}
+    colwise = sum(type(s).__name__ == "ColwiseParallel" for s in plan.values())
+    return {"counts": t.counts(), "torch": torch_counts, "colwise": colwise,
+            "total": cm.get_total_counts()}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_block_counts_match_comm_debug_mode(tp_lab, sequence_parallel):  # noqa: F811
+    for r in tp_lab.run(_block_step, CFG, sequence_parallel):
+        assert r["counts"] == r["torch"]
+        assert sum(sum(p.values()) for p in r["counts"].values()) == r["total"] > 0
+        ops = {op for phase in r["counts"].values() for op in phase}
+        if sequence_parallel:
+            assert ops == {"all_gather", "reduce_scatter"}
+        else:
+            # one backward all-reduce per column-parallel linear (q, k, v, w1, w3)
+            assert ops == {"all_reduce"}
+            assert r["counts"]["backward"]["all_reduce"] == r["colwise"]
+
+
+def _megatron_block_step(cfg):
+    import tplab
+    from tplab import megatron, models
+    from tplab.mesh import make_mesh
+
+    model = megatron.parallelize(models.Block(cfg), make_mesh())
+    x = models.make_input(cfg).requires_grad_()
+    with tplab.trace() as t:
+        model(x).pow(2).sum().backward()
+    return t.counts()
+
+
+def test_megatron_block_has_one_f_per_region(tp_lab):  # noqa: F811
+    # attention and feed-forward: one g forward and one f backward each, where DTensor's
+    # ColwiseParallel on q, k, v (and w1, w3) pays one backward all-reduce per linear
+    for counts in tp_lab.run(_megatron_block_step, CFG):
+        assert counts == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+
+
+def _plain_calls():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import tplab
+    from tplab.mesh import make_mesh
+
+    n = dist.get_world_size()
+    mesh = make_mesh()
+    group = mesh.get_group()
+    x = torch.ones(n, 3)
+    with tplab.trace() as t:
+        dist.all_reduce(x, group=group)
+        dist.all_gather_single(torch.empty(n * n, 3), x, group=group)
+        dist.reduce_scatter_single(torch.empty(1, 3), x, group=group)
+        dist.broadcast(x, src=0, group=group)
+        dt = distribute_tensor(torch.zeros(n, 2 * n), mesh, [Shard(0)])
+        dt.redistribute(mesh, [Shard(1)]).to_local()
+    return t.records
+
+
+def test_plain_torch_distributed_calls_are_traced_with_message_bytes(tp_lab):  # noqa: F811
+    n = tp_lab.world_size
+    for records in tp_lab.run(_plain_calls):
+        got = [(r["op"], r["bytes"], r["group"], r["module"], r["phase"]) for r in records]
+        assert got == [(op, nbytes, "tp", "", "forward") for op, nbytes in [
+            ("all_reduce", 4 * n * 3), ("all_gather", 4 * n * n * 3),
+            ("reduce_scatter", 4 * n * 3), ("broadcast", 4 * n * 3),
+            ("scatter", 4 * n * 2 * n),  # distribute_tensor: rank 0 scatters the rows
+            ("all_to_all", 4 * 2 * n),  # Shard(0) -> Shard(1): this rank's (1, 2n) block
+        ]]
