@@ -66,7 +66,8 @@ class Lab:
                  threads_per_rank: int | None = None, **cluster_options):
         check_launch_args(world_size, backend, engines, ip)
         self.world_size = world_size
-        self.backend = resolve_backend(backend, world_size)
+        # Local ranks: decided here. Ranks elsewhere (mpi, slurm...) decide "auto" themselves.
+        self.backend = resolve_backend(backend, world_size) if engines == "local" else backend
         self.engines = engines
         self.timeout = check_timeout(timeout, "timeout") or DEFAULT_TIMEOUT_S
         self.ip = ip
@@ -152,7 +153,7 @@ class Lab:
         ars = [
             self._client[eid].apply_async(
                 rank_side.init_rank, r, self.world_size, self.backend, self.master_addr, port,
-                self.threads_per_rank, r % self._local_world_size())
+                self.threads_per_rank, r if self.engines == "local" else None)
             for r, eid in enumerate(self._engine_ids)
         ]
         self._rank_pids = self.watchdog.wait_for_init(ars)
@@ -161,9 +162,6 @@ class Lab:
     def _master_addr(self) -> str:
         return self._cluster_options.get("master_addr") or (
             self.ip if self.ip not in ("0.0.0.0", "*", "") else socket.gethostname())
-
-    def _local_world_size(self) -> int:
-        return self.world_size if self.engines == "local" else self.world_size
 
     def _remember_roots(self) -> None:
         roots = []

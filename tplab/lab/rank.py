@@ -27,6 +27,7 @@ from tplab.lab.transfer import pack
 
 WHERE_KEY = "tplab/where/{rank}"
 REPORT_INTERVAL_S = 0.1
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 
 # Functions (innermost first) whose frame on the stack means "waiting in a collective".
 # torch.distributed's own collectives, then DTensor's redistribution steps, whose
@@ -92,8 +93,18 @@ def _wait_for_port(host: str, port: int, timeout: float) -> None:
 
 
 def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master_port: int,
-              threads: int, local_rank: int, timeout_s: float = 120.0) -> int:
-    """Join the process group as `rank` and fill the rank's namespace. Returns the pid."""
+              threads: int, local_rank: int | None, timeout_s: float = 120.0) -> int:
+    """Join the process group as `rank` and fill the rank's namespace. Returns the pid.
+
+    local_rank (the GPU index on this machine) is given for local engines; engines that
+    another launcher started read it from their launcher's environment.
+    """
+    if local_rank is None:
+        local_rank = int(next((os.environ[v] for v in _LOCAL_RANK_VARS if v in os.environ), 0))
+    if backend == "auto":
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                       OMP_NUM_THREADS=str(threads))
