@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tplab.errors import PlanError
+from tplab.lab.transfer import placement_name
 
 # --- the named plans ---------------------------------------------------------------------
 
@@ -135,6 +136,7 @@ def check_plan(model: nn.Module, plan: dict, tp: int) -> None:
         found = match(model, key)
         if not found:
             close = difflib.get_close_matches(key, paths, n=3, cutoff=0.5) or paths[:6]
+            close.sort(key=paths.index)  # in the model's order
             raise PlanError(f"plan key {key!r} matches no module of {type(model).__name__}; "
                             f"closest module paths: {', '.join(map(repr, close))}")
         for path, module in found:
@@ -172,7 +174,7 @@ def apply_plan(model: nn.Module, mesh, plan: dict) -> nn.Module:
 def _fmt(layouts) -> str:
     if layouts is None:
         return "-"
-    items = [str(p) if p is not None else "-" for p in layouts]
+    items = [placement_name(p) if p is not None else "-" for p in layouts]
     return ", ".join(items)
 
 
@@ -190,7 +192,7 @@ def _describe(style, module: nn.Module) -> tuple[dict, str, str]:
         weight_dim = (1 if embedding else 0) if colwise else (0 if embedding else 1)
         for name, _ in module.named_parameters(recurse=False):
             bias_layout = Shard(0) if colwise else Replicate()
-            params[name] = str(Shard(weight_dim) if name == "weight" else bias_layout)
+            params[name] = placement_name(Shard(weight_dim) if name == "weight" else bias_layout)
         if colwise:
             desired = style.desired_input_layouts
             partial_out = "Shard(-1)"

@@ -72,15 +72,42 @@ class Simulation:
         """fn(*args, **kwargs) on every rank -> [result on rank 0, ..., rank n-1]."""
         return self._per_rank(self._call(fn, args, kwargs))
 
-    def execute(self, code: str, timeout: float | None = None) -> None:
-        """Run a cell's code on every rank (what `%%ranks` calls), in a shared namespace."""
-        self._call(exec, (code, self._namespace), {})
+    def execute(self, code: str, timeout: float | None = None) -> list:
+        """Run a cell's code on every rank (what `%%ranks` calls) in a namespace kept between
+        cells, holding torch, dist, tplab, world_size and rank (a per-rank SymInt);
+        item r is the value of the cell's last expression on rank r."""
+        import ast
+
+        if not self._namespace:
+            self._fill_namespace()
+        tree = ast.parse(code, "<ranks cell>")
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+
+        def cell():
+            exec(compile(tree, "<ranks cell>", "exec"), self._namespace)
+            if last is not None:
+                return eval(compile(ast.Expression(last.value), "<ranks cell>", "eval"),
+                            self._namespace)
+            return None
+
+        return self.run(cell)
 
     def push(self, mapping: dict) -> None:
+        if not self._namespace:
+            self._fill_namespace()
         self._namespace.update(mapping)
 
     def pull(self, name: str) -> list:
+        if name not in self._namespace:
+            raise LabError(f"name {name!r} is not defined on ranks 0-{self.world_size - 1}")
         return self._per_rank(self._namespace[name])
+
+    def _fill_namespace(self) -> None:
+        import tplab
+
+        rank = self._call(lambda: dist.get_rank(), (), {})
+        self._namespace.update(torch=torch, dist=dist, tplab=tplab, rank=rank,
+                               world_size=self.world_size)
 
     # --- inside ---------------------------------------------------------------------------
 
@@ -108,7 +135,8 @@ class Simulation:
 
         self._ensure_process_group()
         try:
-            with _rank_aware_get_rank(), LocalTensorMode(self.world_size):
+            with _rank_aware_get_rank() as get_rank, LocalTensorMode(self.world_size):
+                fn = get_rank if fn is _GET_RANK else fn  # run(dist.get_rank) itself
                 return _settle(fn(*args, **kwargs))
         except Exception as exc:  # as from rank processes: a RankError with every traceback
             tb = traceback.format_exc()
@@ -120,12 +148,15 @@ class Simulation:
         return [_for_rank(out, r) for r in range(self.world_size)]
 
 
+_GET_RANK = dist.get_rank
+
+
 @contextlib.contextmanager
 def _rank_aware_get_rank():
     """`dist.get_rank()` answers for every simulated rank at once (a per-rank SymInt)."""
     from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_mode
 
-    original = dist.get_rank
+    original = _GET_RANK
 
     def get_rank(group=None):
         mode = enabled_local_tensor_mode()
@@ -139,7 +170,7 @@ def _rank_aware_get_rank():
 
     dist.get_rank = get_rank
     try:
-        yield
+        yield get_rank
     finally:
         dist.get_rank = original
 
