@@ -69,6 +69,7 @@ def main() -> None:
     args = parser.parse_args()
     lab = tplab.simulate(4) if args.simulate else tplab.launch(4)
     mode = "simulate(4)" if args.simulate else f"launch(4), {lab.backend}"
+    print(f"{mode}: medians of {args.repeats} steps each, slowest rank per step")
     try:
         med = {}
         for name, kind, sp in [("block", "block", False), ("block, sequence parallel", "block",
@@ -78,9 +79,12 @@ def main() -> None:
             times = slowest_rank(lab.run(timed_steps, kind, sp, args.repeats))
             plain = statistics.median(times["plain"])
             traced = statistics.median(times["traced"])
+            # each traced step against the untraced one next to it: robust to load drifts
+            paired = statistics.median(t / p for t, p in zip(times["traced"], times["plain"],
+                                                             strict=True))
             med[name] = plain
             print(f"{name:26s} untraced {plain * 1e3:7.2f} ms  traced {traced * 1e3:7.2f} ms  "
-                  f"ratio {traced / plain:.2f}x  (medians of {args.repeats}, {mode})")
+                  f"ratio of medians {traced / plain:.2f}x  median ratio {paired:.2f}x")
         print(f"DTensor MLP step / Megatron MLP step: "
               f"{med['DTensor MLP'] / med['Megatron MLP']:.2f}x "
               f"({med['DTensor MLP'] * 1e3:.2f} ms vs {med['Megatron MLP'] * 1e3:.2f} ms)")

@@ -126,7 +126,9 @@ def test_execute_push_and_pull_share_a_namespace_like_rank_processes():
     sim.push({"k": 3})
     assert sim.execute("v = torch.ones(1) * (rank + k)\nworld_size") == [2, 2]
     assert [t.item() for t in sim.pull("v")] == [3.0, 4.0]
-    assert sim.execute("v.item() + dist.get_rank()") == [3.0, 5.0]
+    assert [t.item() for t in sim.execute("v + dist.get_rank()")] == [3.0, 5.0]
+    with pytest.raises(RankError, match="must be equal for all ranks"):
+        sim.execute("v.item()")  # a Python number cannot differ per rank: a documented limit
     with pytest.raises(LabError, match="'nope' is not defined"):
         sim.pull("nope")
 

@@ -6,6 +6,12 @@ from __future__ import annotations
 class LabError(Exception):
     """Base class of everything tplab raises on purpose."""
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback through tplab's own code: what went
+        # wrong on the ranks is in the message (with the ranks' own tracebacks).
+        return [f"{type(self).__module__}.{type(self).__name__}: {self}".replace(
+            "tplab.errors.", "tplab.")]
+
 
 class RankError(LabError):
     """Code raised an exception on one or more ranks.

@@ -119,8 +119,8 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _ScatterToTP(torch.autograd.Function):
-    """Split on `dim`, keep my chunk; backward all-gathers
-    (Megatron `_ScatterToModelParallelRegion`; on the sequence dim: `_ScatterToSequenceParallelRegion`).
+    """Split on `dim`, keep my chunk; backward all-gathers (Megatron
+    `_ScatterToModelParallelRegion`; on the sequence dim `_ScatterToSequenceParallelRegion`).
     """
 
     @staticmethod

@@ -72,18 +72,81 @@ def _warm_torch() -> None:
     import torch.distributed.tensor  # noqa: F401
 
 
+def _run_engine(argv: list[str]) -> None:
+    sys.argv = ["tplab-engine", *argv]
+    from ipyparallel.engine.app import main as ipengine
+
+    ipengine()
+
+
+def _zygote() -> None:
+    """A fork server: import torch and the engine once, then fork engines on request.
+
+    Reads JSON lines {"argv": [...], "env": {...}, "log": path} on stdin; writes
+    {"pid": n} for each fork and {"exited": pid, "code": c} when a child ends (the code
+    as subprocess reports it: negative for a signal). Forking before any CUDA call is
+    safe; nothing here touches CUDA.
+    """
+    import json
+    import random
+
+    import torch.distributed.tensor  # noqa: F401
+    from ipyparallel.engine import app  # noqa: F401
+
+    out_lock = threading.Lock()
+
+    def say(message: dict) -> None:
+        with out_lock:
+            sys.stdout.write(json.dumps(message) + "\n")
+            sys.stdout.flush()
+
+    def reap() -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                time.sleep(0.05)
+                continue
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            say({"exited": pid, "code": code})
+
+    threading.Thread(target=reap, daemon=True, name="tplab-reaper").start()
+    say({"ready": os.getpid()})
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid:
+            say({"pid": pid})
+            continue
+        try:  # the child: a new rank process
+            os.setsid()
+            random.seed()
+            os.environ.update(request["env"])
+            fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            sys.stdin = open(os.devnull)  # noqa: SIM115
+            _start_owner_watch()
+            _run_engine(request["argv"])
+        finally:
+            os._exit(0)
+    os._exit(0)  # stdin closed: the lab that owns this fork server is gone
+
+
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] not in ("engine", "controller"):
-        raise SystemExit("usage: python -m tplab.lab.entry engine|controller [ipyparallel args]")
+    if not argv or argv[0] not in ("engine", "controller", "zygote"):
+        raise SystemExit("usage: python -m tplab.lab.entry engine|controller|zygote [args]")
     role, rest = argv[0], argv[1:]
     _start_owner_watch()
-    sys.argv = [f"tplab-{role}", *rest]
     if role == "engine":
         threading.Thread(target=_warm_torch, daemon=True, name="tplab-warm-torch").start()
-        from ipyparallel.engine.app import main as ipengine
-
-        ipengine()
+        _run_engine(rest)
+    elif role == "zygote":
+        _zygote()
     else:
+        sys.argv = ["tplab-controller", *rest]
         from ipyparallel.controller.app import main as ipcontroller
 
         ipcontroller()

@@ -63,7 +63,7 @@ class Lab:
 
     def __init__(self, world_size: int = 4, backend: str = "auto", engines: str = "local",
                  timeout: float | None = None, ip: str = "127.0.0.1",
-                 threads_per_rank: int | None = None, **cluster_options):
+                 threads_per_rank: int | None = None, fork: bool = True, **cluster_options):
         check_launch_args(world_size, backend, engines, ip)
         self.world_size = world_size
         # Local ranks: decided here. Ranks elsewhere (mpi, slurm...) decide "auto" themselves.
@@ -73,6 +73,8 @@ class Lab:
         self.ip = ip
         self.threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         self._cluster_options = cluster_options
+        self.fork = fork  # local ranks forked from a process that imported torch once
+        self._fork_server = None
         self._cells = itertools.count(1)
         self._cluster = self._client = None
         self._rank_pids: list[int] = []
@@ -90,7 +92,8 @@ class Lab:
 
     def _state_holder(self) -> dict:
         # What a finalizer needs to end the processes, without a reference to self.
-        self._holder = {"roots": [], "state_dir": self._state_dir, "cluster": None}
+        self._holder = {"roots": [], "extra_roots": [], "state_dir": self._state_dir,
+                        "cluster": None}
         return self._holder
 
     def _start(self) -> None:
@@ -110,7 +113,15 @@ class Lab:
         config.ControllerLauncher.controller_cmd = [
             sys.executable, "-m", "tplab.lab.entry", "controller"]
         config.LocalEngineSetLauncher.delay = 0.0
-        engines = processes.RankSetLauncher if self.engines == "local" else self.engines
+        engines = self.engines
+        if self.engines == "local":
+            engines = processes.ForkedEngineSetLauncher if self.fork else processes.RankSetLauncher
+        if self.engines == "local" and self.fork:
+            # Start the fork server first: its torch import overlaps the controller's start.
+            log_dir = os.path.join(self._state_dir, "profile", "log")
+            os.makedirs(log_dir, exist_ok=True)
+            self._fork_server = processes.ForkServer(env, os.path.join(log_dir, "zygote.log"))
+            self._holder["extra_roots"] = [self._fork_server.pid]
         options = dict(
             n=self.world_size, engines=engines, controller_ip=self.ip,
             controller_args=["--HeartMonitor.period=100", "--log-level=ERROR"],
@@ -123,12 +134,15 @@ class Lab:
         self._cluster = self._holder["cluster"] = ipp.Cluster(**options)
         self._cluster.start_controller_sync()
         self._remember_roots()
+        if self._fork_server is not None:
+            self._fork_server.wait_ready(timeout=max(60.0, self.timeout))
         self._start_ranks()
         self.startup_s = time.monotonic() - started
 
     def _start_ranks(self) -> None:
         cluster = self._cluster
-        cluster.start_engines_sync(self.world_size)
+        extra = {"fork_server": self._fork_server} if self._fork_server is not None else {}
+        cluster.start_engines_sync(self.world_size, **extra)
         self._remember_roots()
         if self._client is None:
             self._client = cluster.connect_client_sync()
@@ -178,7 +192,8 @@ class Lab:
     def pids(self) -> list[int]:
         """Every process this lab started and that is still running: the controller
         and its schedulers, every rank and its nanny."""
-        return processes.tree(self._holder["roots"] + self._rank_pids)
+        return processes.tree(self._holder["roots"] + self._holder["extra_roots"]
+                              + self._rank_pids)
 
     def _check_engines_alive(self, starting: bool = False) -> dict[int, str]:
         """rank -> how it ended, for every rank process that is gone."""
@@ -209,7 +224,7 @@ class Lab:
         started = time.monotonic()
         self.watchdog.disconnect_store()
         old = [pid for pid in self._holder["roots"] if pid != self._controller_pid()]
-        processes.kill_trees(old + self._rank_pids)
+        processes.kill_trees(old + self._rank_pids, timeout=0)  # they die on their own time
         self._dead_engine_ids = list(self._engine_ids or [])
         for set_id in list(self._cluster.engines):
             self._cluster.engines.pop(set_id)
@@ -236,7 +251,7 @@ class Lab:
 
     @staticmethod
     def _cleanup(holder: dict) -> None:
-        processes.kill_trees(holder["roots"])
+        processes.kill_trees(holder["roots"] + holder["extra_roots"])
         cluster = holder.get("cluster")
         if cluster is not None:
             cluster.engines.clear()

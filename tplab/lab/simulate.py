@@ -13,10 +13,13 @@ Limits (say them in a lesson that uses it):
   `==` on it is False unless all ranks agree, and `int()` on it fails. Keep rank-dependent
   work in tensor ops (`x.narrow(0, rank * n, n)` works), or use real processes.
 - `dist.get_rank()` (no group) gives that per-rank SymInt; for a sub-group use
-  `mesh.get_local_rank("tp")`.
+  `mesh.get_local_rank("tp")`. A Python number taken from a tensor that differs per rank
+  (`.item()`, `.tolist()`) fails: return the tensor, it comes back per rank.
 - Random ops through the default generator start from the same state on every rank, but a
   random op on an explicit `torch.Generator` gives each rank different values: make inputs
   outside `run` (pass them as arguments) or with `tplab.models.make_input`.
+- A few collectives differ from CPU processes: DTensor's Shard(i) -> Shard(j) is an
+  all-to-all here, where gloo (no all-to-all) all-gathers instead.
 - Ops that a DTensor plan leaves as AsyncCollectiveTensors are waited on before results
   come back. There is no timeout and no hang detection: a collective cannot hang here.
 """
