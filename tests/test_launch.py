@@ -224,3 +224,9 @@ def test_magics_through_ipython(lab, capsys):
     assert out == ["[rank 0] hi from 0", f"[rank {n - 1}] hi from {n - 1}"]
     result = shell.run_cell("%%ranks\nraise KeyError('nope')")
     assert isinstance(result.error_in_exec, tplab.RankError)
+
+
+def test_zero_dim_and_non_contiguous_tensors_keep_their_shape(lab):
+    out = lab.run(lambda: (torch.tensor(3.5), torch.arange(6.0).reshape(2, 3).t()))[0]
+    assert out[0].shape == () and out[0].item() == 3.5
+    assert torch.equal(out[1], torch.arange(6.0).reshape(2, 3).t())

@@ -146,3 +146,30 @@ def test_plain_torch_distributed_calls_are_traced_with_message_bytes(tp_lab):  #
             ("reduce_scatter", 4 * n * 3), ("broadcast", 4 * n * 3),
             ("scatter", 4 * n * 2 * n),  # distribute_tensor: rank 0 scatters the rows
             reshard]]
+
+
+def _two_d_mesh_and_reentry():
+    import torch
+    import torch.distributed as dist
+
+    import tplab
+    from tplab.mesh import make_mesh
+
+    mesh = make_mesh(dp=2, tp=2)
+    x = torch.ones(2) * (dist.get_rank() + 1)
+    t = tplab.trace()
+    with t:
+        dist.all_reduce(x, group=mesh.get_group("tp"))
+    first = [(r["group"], r["group_size"]) for r in t.records]
+    with t:  # entered again: a fresh list of records
+        dist.all_reduce(x, group=mesh.get_group("dp"))
+    return x, first, [(r["seq"], r["group"], r["group_size"]) for r in t.records]
+
+
+def test_groups_are_named_by_mesh_dim_and_a_trace_can_be_reentered(tp_lab):  # noqa: F811
+    if tp_lab.world_size != 4:
+        pytest.skip("a (dp=2, tp=2) mesh needs 4 ranks")
+    for x, first, second in tp_lab.run(_two_d_mesh_and_reentry):
+        assert first == [("tp", 2)] and second == [(0, "dp", 2)]
+        # tp pairs {0,1}, {2,3} sum to 3 and 7; then dp pairs {0,2}, {1,3} sum those
+        assert x.tolist() == [10.0, 10.0]

@@ -272,3 +272,17 @@ def test_grad_flow_orders_whole_model_hooks_by_the_trace():
     weight = grad_flow([rec(0, 0, "backward", "ffn_norm", "all_reduce", shape=(32,))],
                        ["ffn_norm", "w1"])
     assert [m["role"] for m in markers(weight)] == ["dW"]  # a norm's weight grad is not f
+
+
+def test_grad_error_draws_each_tensors_own_tolerance_with_rtol():
+    class WithRtol:
+        atol, rtol = 1e-5, 1e-4
+        rows = [{"name": "w", "kind": "param_grad", "max_abs": 2e-5, "max_rel": 1e-3,
+                 "ok": True},  # past atol, yet the report (which knows best) says ok
+                {"name": "b", "kind": "param_grad", "max_abs": 0.0, "max_rel": 0.0, "ok": True}]
+    fig = grad_error(WithRtol())
+    (tick,) = [t for t in fig.data if t.name == "this tensor's tolerance"]
+    assert list(tick.x) == pytest.approx([1e-5 + 1e-4 * 0.02]) and list(tick.y) == ["w · dL/dW"]
+    status = {m["name"]: m["status"] for t in fig.data if isinstance(t.meta, tuple)
+              for m in t.meta}
+    assert status == {"w": "ok", "b": "exact"}  # the report's own verdict wins over atol

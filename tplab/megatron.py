@@ -179,38 +179,47 @@ class _ReduceScatterSeq(torch.autograd.Function):
 
 
 def copy_to_tp(x: torch.Tensor, mesh, *, reduce_grad: bool = True) -> torch.Tensor:
-    """f. `reduce_grad=False` builds f without its backward all-reduce (to see what breaks)."""
+    """f (Megatron `copy_to_tensor_model_parallel_region`): identity forward, all-reduce
+    backward. `reduce_grad=False` builds f without its backward all-reduce, to see what
+    breaks: every rank's input gradient is then only its own share of the sum."""
     if not reduce_grad:
         return _CopyToTPNoReduce.apply(x)
     return _CopyToTP.apply(x, tp_group(mesh)[0])
 
 
 def reduce_from_tp(x: torch.Tensor, mesh) -> torch.Tensor:
-    """g: sum the partial outputs of the ranks."""
+    """g (Megatron `reduce_from_tensor_model_parallel_region`): all-reduce forward, identity
+    backward; sums the ranks' partial outputs."""
     return _ReduceFromTP.apply(x, tp_group(mesh)[0])
 
 
 def scatter_to_tp(x: torch.Tensor, mesh, dim: int = -1) -> torch.Tensor:
-    """Keep this rank's chunk of `dim` (default: the last)."""
+    """Keep this rank's chunk of `dim` (default: the last); backward all-gathers
+    (Megatron `scatter_to_tensor_model_parallel_region`)."""
     group, size, rank = tp_group(mesh)
     _check_divisible(f"dim {dim} of the input", x.shape[dim], size)
     return _ScatterToTP.apply(x, group, size, rank, dim)
 
 
 def gather_from_tp(x: torch.Tensor, mesh, dim: int = -1) -> torch.Tensor:
-    """Concatenate the ranks' chunks on `dim` (default: the last)."""
+    """Concatenate the ranks' chunks on `dim` (default: the last); backward keeps this
+    rank's chunk (Megatron `gather_from_tensor_model_parallel_region`)."""
     group, size, rank = tp_group(mesh)
     return _GatherFromTP.apply(x, group, size, rank, dim)
 
 
 def all_gather_seq(x: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:
-    """Sequence-sharded -> whole sequence, entering a TP region (replaces f under SP)."""
+    """Sequence-sharded -> whole sequence entering a TP region: all-gather forward,
+    reduce-scatter backward; replaces f under SP (Megatron
+    `gather_from_sequence_parallel_region`)."""
     group, size, _ = tp_group(mesh)
     return _AllGatherSeq.apply(x, group, size, dim)
 
 
 def reduce_scatter_seq(x: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:
-    """Partial sums -> summed and sequence-sharded, leaving a TP region (replaces g under SP)."""
+    """Partial sums -> summed and sequence-sharded leaving a TP region: reduce-scatter
+    forward, all-gather backward; replaces g under SP (Megatron
+    `reduce_scatter_to_sequence_parallel_region`)."""
     group, size, _ = tp_group(mesh)
     _check_divisible(f"dim {dim} (sequence)", x.shape[dim], size)
     return _ReduceScatterSeq.apply(x, group, size, dim)

@@ -166,6 +166,9 @@ class _Modules:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.hooked.clear()
+        self.forward.clear()
+        self.backward.clear()
 
     def current(self, backward: bool) -> str:
         if not backward:

@@ -40,7 +40,7 @@ class Settings:
     """What the controls say."""
 
     model: str = "mlp"
-    tp: int = 0  # 0: the lab's world size
+    tp: int = 0  # 0 (or None): the lab's world size
     path: str = "megatron"
     sequence_parallel: bool = False
     drop_f: bool = False
@@ -71,8 +71,10 @@ def _dtensor_plan(kind: str, sequence_parallel: bool) -> dict:
     plan = plans.mlp() if kind == "mlp" else plans.attention()
     if not sequence_parallel:
         return plan
+    # The input stays a DTensor (use_local_input=False): attention reads the sequence
+    # length from x.shape, which must be the global one.
     sp = {"": PrepareModuleInputOutput(
-        input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_input=True,
+        input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_input=False,
         output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)}
     for key, style in plan.items():  # every colwise layer gathers the sequence itself
         sp[key] = (ColwiseParallel(input_layouts=Shard(1)) if isinstance(style, ColwiseParallel)
@@ -169,7 +171,7 @@ class Explorer:
         self.world_size = lab.world_size
         self.config = config or models.Config()
         self.atol, self.rtol = atol, rtol
-        self.settings = self._checked(replace(Settings(tp=self.world_size), **settings))
+        self.settings = self._checked(replace(Settings(), **settings))
         self.report = self.trace = self.params = self.error = None
         self.figures: dict = {}
         self._ui = None
@@ -192,6 +194,8 @@ class Explorer:
         return self
 
     def _checked(self, s: Settings) -> Settings:
+        if not s.tp:
+            s = replace(s, tp=self.world_size)
         if s.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, not {s.model!r}")
         if s.path not in PATHS:
@@ -248,7 +252,9 @@ class Explorer:
         mesh = (f"tp={s.tp}" if s.tp == self.world_size
                 else f"dp={self.world_size // s.tp} × tp={s.tp}")
         bits = [s.model, mesh, "Megatron by hand" if s.path == "megatron" else "DTensor plan"]
-        bits += ["sequence parallel"] * s.sequence_parallel + ["f without all-reduce"] * s.drop_f
+        bits += ["sequence parallel"] * s.sequence_parallel
+        if s.drop_f:  # under SP an all-gather takes f's place: there is no f to break
+            bits.append("f without all-reduce" + " (no f under SP)" * s.sequence_parallel)
         return ", ".join(bits)
 
     def _report(self, results, ref, out, loss, x_ref):
@@ -364,13 +370,18 @@ class Explorer:
         if self._ui is None:
             return
         from IPython import get_ipython
-        from IPython.display import display
 
-        shell = get_ipython() is not None  # outside IPython display() would print the figure
+        shell = get_ipython()
         for name in ("flow", "errors", "timeline", "sharding"):
-            out = self._ui[name]
-            out.clear_output(wait=True)
-            if name in self.figures and shell:
-                with out:
-                    display(self.figures[name])
+            outputs = ()
+            if name in self.figures and shell is not None:
+                # Set the Output widget's outputs, rather than `with out: display(fig)`:
+                # that relies on a frontend capturing messages, and under papermill
+                # (nbclient 0.11) it stalled each cell until the execution timeout.
+                # (not display_formatter.format: it would call the figure's
+                # _ipython_display_, which shows it in the cell instead)
+                data = {"text/plain": f"<{name} figure>",
+                        **self.figures[name]._repr_mimebundle_()}
+                outputs = ({"output_type": "display_data", "data": data, "metadata": {}},)
+            self._ui[name].outputs = outputs
         self._ui["table"].value = self.report._repr_html_() if self.report else ""

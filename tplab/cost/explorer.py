@@ -1,7 +1,9 @@
 """`CostExplorer`: change the hardware and the model's dimensions, watch where TP stops paying.
 
 The widgets only set values; `update(**values)` does the same from code, so a notebook run
-by papermill drives the explorer (and asserts on `rows`) without anyone clicking.
+by papermill drives the explorer (and asserts on `rows`) without anyone clicking. The figure
+is a display with an id, updated in place, not an ipywidgets Output: capturing output into a
+widget made nbclient (papermill) wait out its timeout now and then.
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ class CostExplorer:
             "sequence_parallel": w.Checkbox(description="sequence parallel"),
         }
         self.summary = w.HTML()
-        self.figure = w.Output()
+        self.figure = None          # the plotly figure of the current rows
+        self._handle = None         # its display, once shown
         self._updating = False
         self._preset(model, hw)
         for control in self.controls.values():
             control.observe(self._on_change, names="value")
         self.widget = w.VBox([w.HBox([w.VBox(list(self.controls.values())[:4]),
                                       w.VBox(list(self.controls.values())[4:])]),
-                              self.summary, self.figure])
+                              self.summary])
         self.update()
 
     def _preset(self, model: str, hw: str) -> None:
@@ -110,10 +113,10 @@ class CostExplorer:
             f"<b>TP {self.best_tp}</b> ({best['step_s'] * 1e3:.1f} ms, "
             f"{best['comm_fraction']:.0%} communication); communication-bound from "
             f"<b>TP {bound if bound else '> 1024'}</b>.")
-        fig = step_breakdown({self.shape.name: self.rows}, title=f"{self.hw.name}")
-        self.figure.clear_output(wait=True)
-        with self.figure:
-            display(fig)
+        self.figure = step_breakdown({self.shape.name: self.rows}, title=f"{self.hw.name}")
+        if self._handle is not None:
+            self._handle.update(self.figure)
 
     def _ipython_display_(self) -> None:
         display(self.widget)
+        self._handle = display(self.figure, display_id=True)

@@ -65,7 +65,9 @@ def _pack_tensor(t: torch.Tensor) -> _PackedTensor:
 
 
 def _unpack_tensor(p: _PackedTensor) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(p.array))
+    array = p.array if p.array.flags.c_contiguous else np.ascontiguousarray(p.array)
+    # (np.ascontiguousarray would also turn a 0-d array, a loss, into shape (1,).)
+    t = torch.from_numpy(array.reshape(p.array.shape))
     dtype = getattr(torch, p.dtype)
     return t.view(dtype) if t.dtype != dtype else t
 

@@ -50,6 +50,10 @@ def _status(row: dict, atol: float | None) -> str:
     return "ok" if v <= atol else "bad"
 
 
+def _finite_pos(v) -> bool:
+    return isinstance(v, int | float) and math.isfinite(v) and v > 0
+
+
 def floor_for(values: list[float], atol: float | None) -> float:
     """A power of ten two decades under the smallest nonzero error (and the tolerance)."""
     pos = [v for v in values if v > 0 and math.isfinite(v)] + ([atol] if atol else [])
@@ -119,11 +123,26 @@ def grad_error(report, *, atol: float | None = None, floor: float | None = None,
                 meta=[{**{k: prow[j].get(k) for k in ("name", "kind", "max_abs", "max_rel")},
                        "status": status, "x": drawn[j]} for j in pick]), row=i, col=1)
             shown.add(status)
+        # With an rtol, each tensor has its own bar: atol + rtol * max|reference|, where
+        # max|reference| = max_abs / max_rel. Draw it as a tick on the tensor's row.
+        ticks = [(atol + rtol * r["max_abs"] / r["max_rel"], y) for r, y in zip(prow, labels,
+                                                                               strict=True)
+                 if atol and rtol and _finite_pos(r.get("max_abs")) and
+                 _finite_pos(r.get("max_rel"))]
+        if ticks:
+            fig.add_trace(go.Scatter(
+                x=[t for t, _ in ticks], y=[y for _, y in ticks], mode="markers",
+                name="this tensor's tolerance", legendgroup="tick",
+                showlegend="tick" not in shown, hovertemplate="tolerance %{x:.3g}<extra></extra>",
+                marker={"symbol": "line-ns-open", "size": 16, "color": BAD_COLOR,
+                        "line": {"width": 2, "color": BAD_COLOR}}), row=i, col=1)
+            shown.add("tick")
         fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1], row=i, col=1,
                          automargin=True)
     if atol:
         fig.add_vline(x=atol, line={"color": BAD_COLOR, "dash": "dash", "width": 2})
-        name = f"tolerance atol {atol:g}" + (f" (+ rtol {rtol:g} × max|ref|)" if rtol else "")
+        name = f"atol {atol:g}" + (f" (tolerance = atol + rtol {rtol:g} × max|ref|)"
+                                  if rtol else " (tolerance)")
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name=name,
                                  line={"color": BAD_COLOR, "dash": "dash", "width": 2},
                                  meta={"atol": atol}))

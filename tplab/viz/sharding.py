@@ -254,6 +254,6 @@ def sharding_map(shards, *, name: str = "tensor", cols: int | None = None,
         notes.append("hatched x, dashed = each rank holds a summand (Partial)")
     style(fig, title or f"Which rank holds which block (mesh {mesh_name(first)})",
           " · ".join(notes), height=max(360, 300 * nrows + 140), width=1100,
-          margin={"t": 130, "l": 70, "r": 40, "b": 60}, legend={"title": {"text": "holder"}})
+          margin={"t": 145, "l": 70, "r": 40, "b": 60}, legend={"title": {"text": "holder"}})
     fig.update_annotations(font_size=14)
     return fig
