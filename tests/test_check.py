@@ -45,6 +45,9 @@ def test_parallel_models_match_the_reference(tp_lab, case):  # noqa: F811
     assert kinds >= {"output", "param_grad", "replica_spread"}
     assert ("input_grad" in kinds) is (not lm)  # token ids have no gradient
     assert report.world_size == tp_lab.world_size
+    if case == "block-dtensor-sp":  # norms on sequence shards: their weight grads stay Partial
+        notes = {r["name"]: r["note"] for r in report.rows if r["kind"] == "param_grad"}
+        assert "Partial" in notes["attention_norm.weight"] and not notes["attention.wq.weight"]
 
 
 def test_losing_f_backward_all_reduce_makes_only_the_input_gradient_wrong(tp_lab):  # noqa: F811

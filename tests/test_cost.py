@@ -169,6 +169,35 @@ def test_tp_stops_paying_where_it_leaves_the_node():
         cost.MODELS["Llama-3 8B"], nvlink_only)
 
 
+def test_scaled_keeps_head_width_and_ffn_ratio():
+    base = cost.MODELS["Llama-3 70B"]
+    half = cost.scaled(base, 4096, seq=1024)
+    assert (half.hidden, half.heads, half.kv_heads, half.ffn, half.seq) == (4096, 32, 8, 14336,
+                                                                             1024)
+
+
+# --- the explorer and its figure ----------------------------------------------------------
+
+def test_explorer_is_driven_from_code():
+    from tplab.cost.explorer import CostExplorer
+
+    ex = CostExplorer()
+    assert ex.best_tp == 8 and [r["tp"] for r in ex.rows] == [1, 2, 4, 8, 16, 32, 64]
+    ex.update(gpus_per_node=64)
+    assert ex.best_tp > 8
+    ex.update(hardware="A100 SXM")          # back to the preset's 8 GPUs per node
+    assert ex.hw.gpus_per_node == 8 and ex.best_tp == 8
+    ex.update(model="Llama-3 8B", hidden=8192)
+    assert ex.shape.hidden == 8192 and ex.shape.ffn == 2 * 14336 and ex.shape.layers == 32
+    with pytest.raises(ValueError, match="no control"):
+        ex.update(bandwidth=1)
+    bars = [t for t in ex.figure.data if t.type == "bar"]
+    assert [t.name for t in bars] == ["compute", "TP communication"]
+    assert list(bars[1].y) == pytest.approx([r["tp_comm_s"] * 1e3 for r in ex.rows])
+    fastest = [a for a in ex.figure.layout.annotations if a.text == "fastest"]
+    assert len(fastest) == 1 and fastest[0].x == [r["tp"] for r in ex.rows].index(ex.best_tp)
+
+
 # --- calibration --------------------------------------------------------------------------
 
 def test_fit_recovers_a_noiseless_line_and_never_a_negative_latency():

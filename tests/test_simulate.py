@@ -129,6 +129,7 @@ def test_execute_push_and_pull_share_a_namespace_like_rank_processes():
     assert [t.item() for t in sim.execute("v + dist.get_rank()")] == [3.0, 5.0]
     with pytest.raises(RankError, match="must be equal for all ranks"):
         sim.execute("v.item()")  # a Python number cannot differ per rank: a documented limit
+    assert sim.execute("rank * 10", ranks=[1]) == [10]
     with pytest.raises(LabError, match="'nope' is not defined"):
         sim.pull("nope")
 

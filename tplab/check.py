@@ -88,9 +88,7 @@ def _parallel_step(build_model, state, plan, x, loss_fn):
             if g is not None and not isinstance(g, DTensor) and name in placements:
                 g = DTensor.from_local(g, mesh, [placements[name]], run_check=False)
             grads[f"{path}.{name}" if path else name] = g
-    # the loss as shape (1,): a 0-dim tensor comes back from processes as shape (1,)
-    return {"output": out, "loss": loss.detach().reshape(1), "input_grad": x.grad,
-            "grads": grads}
+    return {"output": out, "loss": loss.detach(), "input_grad": x.grad, "grads": grads}
 
 
 def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
@@ -227,7 +225,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
             rows.append(_row(name, "replica_spread", spread, ref, atol, rtol))
 
     add("output", "output", [r["output"] for r in results], out_ref)
-    add("loss", "output", [r["loss"] for r in results], loss_ref.reshape(1))
+    add("loss", "output", [r["loss"] for r in results], loss_ref)
     if x_ref.grad is not None:
         add("input", "input_grad", [r["input_grad"] for r in results], x_ref.grad)
     for name, p in model.named_parameters():

@@ -350,6 +350,7 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False,
     col = functools.partial(ColumnParallelLinear, mesh=mesh, copy_input=False)
     row = functools.partial(RowParallelLinear, mesh=mesh, sequence_parallel=sp)
     region = _enter_region(mesh, sp, reduce_grad)
+    regions = 0
     for m in list(model.modules()):
         if isinstance(m, models.MLP):
             m.w1, m.w2 = col(m.w1), row(m.w2)
@@ -360,6 +361,11 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False,
         else:
             continue
         m.register_forward_pre_hook(region)
+        regions += 1
+    if not regions:
+        raise PlanError(f"megatron.parallelize knows tplab.models (MLP, FeedForward, Attention, "
+                        f"Block, TinyLM), not {type(model).__name__}: build other models from "
+                        "ColumnParallelLinear and RowParallelLinear")
     if sp:
         for m in model.modules():
             if isinstance(m, nn.RMSNorm):

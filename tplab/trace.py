@@ -26,7 +26,11 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup, Work
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from tplab.mesh import GROUP_NAMES
 
 _c10d = torch.ops.c10d
 _funcol = torch.ops._c10d_functional
@@ -99,9 +103,6 @@ _NO_WAIT = {"send", "recv"}
 
 def _group_of(func, args):
     """The ProcessGroup a collective runs on: a ScriptObject arg (c10d) or a name (funcol)."""
-    from torch._C._distributed_c10d import ProcessGroup
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     if func.namespace == "c10d":
         for a in args:
             if isinstance(a, torch.ScriptObject):
@@ -121,8 +122,6 @@ def _group_label(pg) -> str:
     description, else "world" or the group's own description."""
     if pg is None:
         return "?"
-    from tplab.mesh import GROUP_NAMES
-
     if pg.group_name in GROUP_NAMES:
         return GROUP_NAMES[pg.group_name]
     desc = getattr(pg, "group_desc", "") or ""
@@ -134,8 +133,6 @@ def _group_label(pg) -> str:
 
 
 def _wait_work(out) -> None:
-    from torch._C._distributed_c10d import Work
-
     for o in out if isinstance(out, (tuple, list)) else (out,):
         if isinstance(o, torch.ScriptObject):
             Work.unbox(o).wait()
@@ -241,7 +238,7 @@ class Trace(TorchDispatchMode):
         self._defer = frozenset((DTensor, AsyncCollectiveTensor))
         self.records: list[dict] = []
         self._pending: dict[int, tuple[dict, float, torch.Tensor]] = {}
-        self._groups: dict[int, tuple[str, int]] = {}
+        self._groups: dict[str | None, tuple[str, int]] = {}
         self._modules = _Modules()
 
     def __enter__(self):
@@ -289,7 +286,7 @@ class Trace(TorchDispatchMode):
     def _record(self, func, spec, args) -> dict:
         op, message = spec
         pg = _group_of(func, args)
-        key = id(pg)
+        key = pg.group_name if pg is not None else None  # not id(): unbox makes new wrappers
         if key not in self._groups:
             self._groups[key] = (_group_label(pg), pg.size() if pg is not None else 1)
         label, size = self._groups[key]

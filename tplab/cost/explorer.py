@@ -8,6 +8,8 @@ widget made nbclient (papermill) wait out its timeout now and then.
 
 from __future__ import annotations
 
+import json
+
 import ipywidgets as w
 from IPython.display import display
 
@@ -115,8 +117,13 @@ class CostExplorer:
             f"<b>TP {bound if bound else '> 1024'}</b>.")
         self.figure = step_breakdown({self.shape.name: self.rows}, title=f"{self.hw.name}")
         if self._handle is not None:
-            self._handle.update(self.figure)
+            self._handle.update(self._bundle(), raw=True)
+
+    def _bundle(self) -> dict:
+        # a raw mime bundle: a plotly Figure displays itself and would ignore the display id
+        return {"application/vnd.plotly.v1+json": json.loads(self.figure.to_json()),
+                "text/plain": f"<figure: {self.shape.name} on {self.hw.name}>"}
 
     def _ipython_display_(self) -> None:
         display(self.widget)
-        self._handle = display(self.figure, display_id=True)
+        self._handle = display(self._bundle(), raw=True, display_id=True)

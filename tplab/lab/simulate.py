@@ -11,10 +11,14 @@ Limits (say them in a lesson that uses it):
 - fn runs ONCE for all ranks. Python control flow on the rank (`if dist.get_rank() == 0`)
   cannot branch per rank: a rank-dependent value is a SymInt holding every rank's value,
   `==` on it is False unless all ranks agree, and `int()` on it fails. Keep rank-dependent
-  work in tensor ops (`x.narrow(0, rank * n, n)` works), or use real processes.
-- `dist.get_rank()` (no group) gives that per-rank SymInt; for a sub-group use
-  `mesh.get_local_rank("tp")`. A Python number taken from a tensor that differs per rank
-  (`.item()`, `.tolist()`) fails: return the tensor, it comes back per rank.
+  work in tensor ops on tensors made inside fn (`torch.ones(n) * rank` works); a tensor
+  made outside the simulation meets a per-rank number only through a tensor (index_select
+  with `torch.arange(n) + rank * n`, as tplab.megatron does; `narrow` fails). Or use
+  real processes.
+- While fn runs, `dist.get_rank()` (no group) is replaced by one that gives that per-rank
+  SymInt; for a sub-group use `mesh.get_local_rank("tp")`. A Python number taken from a
+  tensor that differs per rank (`.item()`, `.tolist()`) fails: return the tensor, it comes
+  back per rank.
 - Random ops through the default generator start from the same state on every rank, but a
   random op on an explicit `torch.Generator` gives each rank different values: make inputs
   outside `run` (pass them as arguments) or with `tplab.models.make_input`.
@@ -71,11 +75,15 @@ class Simulation:
 
     # --- the .run contract ---------------------------------------------------------------
 
-    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
-        """fn(*args, **kwargs) on every rank -> [result on rank 0, ..., rank n-1]."""
-        return self._per_rank(self._call(fn, args, kwargs))
+    def run(self, fn, *args, timeout: float | None = None, ranks=None, **kwargs) -> list:
+        """fn(*args, **kwargs) on every rank -> [result on rank 0, ..., rank n-1].
 
-    def execute(self, code: str, timeout: float | None = None) -> list:
+        `timeout` is accepted for parity and ignored (nothing here can hang). `ranks` selects
+        which ranks' results come back; fn still runs once for all of them.
+        """
+        return self._per_rank(self._call(fn, args, kwargs), ranks)
+
+    def execute(self, code: str, timeout: float | None = None, ranks=None) -> list:
         """Run a cell's code on every rank (what `%%ranks` calls) in a namespace kept between
         cells, holding torch, dist, tplab, world_size and rank (a per-rank SymInt);
         item r is the value of the cell's last expression on rank r."""
@@ -93,17 +101,17 @@ class Simulation:
                             self._namespace)
             return None
 
-        return self.run(cell)
+        return self.run(cell, ranks=ranks)
 
-    def push(self, mapping: dict) -> None:
+    def push(self, mapping: dict, ranks=None) -> None:
         if not self._namespace:
             self._fill_namespace()
         self._namespace.update(mapping)
 
-    def pull(self, name: str) -> list:
+    def pull(self, name: str, ranks=None) -> list:
         if name not in self._namespace:
             raise LabError(f"name {name!r} is not defined on ranks 0-{self.world_size - 1}")
-        return self._per_rank(self._namespace[name])
+        return self._per_rank(self._namespace[name], ranks)
 
     def _fill_namespace(self) -> None:
         import tplab
@@ -147,8 +155,9 @@ class Simulation:
             raise RankError({r: tb for r in range(self.world_size)}, self.world_size,
                             {r: name for r in range(self.world_size)}) from exc
 
-    def _per_rank(self, out) -> list:
-        return [_for_rank(out, r) for r in range(self.world_size)]
+    def _per_rank(self, out, ranks=None) -> list:
+        ranks = range(self.world_size) if ranks is None else ranks
+        return [_for_rank(out, r) for r in ranks]
 
 
 _GET_RANK = dist.get_rank
