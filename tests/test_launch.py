@@ -230,3 +230,13 @@ def test_zero_dim_and_non_contiguous_tensors_keep_their_shape(lab):
     out = lab.run(lambda: (torch.tensor(3.5), torch.arange(6.0).reshape(2, 3).t()))[0]
     assert out[0].shape == () and out[0].item() == 3.5
     assert torch.equal(out[1], torch.arange(6.0).reshape(2, 3).t())
+
+
+def make_three():
+    return 3
+
+
+def test_functions_passed_as_arguments_travel_by_value(lab):
+    # make_three lives in this test file, which the ranks cannot import.
+    assert lab.run(lambda f: f() + 1, make_three) == [4] * lab.world_size
+    assert lab.run(lambda c: c.bump().value, c=Counter(0)) == [1] * lab.world_size

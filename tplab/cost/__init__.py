@@ -8,7 +8,10 @@ block's bytes and FLOPs, hardware presets, and a calibration of this machine.
 
 Sources are cited in each submodule: `hardware` (datasheets), `collectives` (ring and
 tree algorithms), `transformer` (Megatron-LM, Korthikanti et al. 2022, the Ultra-Scale
-Playbook, the JAX scaling book), `calibrate` (the fit).
+Playbook, the JAX scaling book), `calibrate` (the fit). Also: `lab_models` (the lab's own
+MLP and Block under its plans, checked against `tplab.trace`), `figures` (plotly) and
+`explorer` (an ipywidgets explorer); those two import plotly and ipywidgets, so they are
+not imported here.
 """
 
 from tplab.cost.calibrate import Calibration, calibrate

@@ -299,7 +299,8 @@ class Lab:
             raise TypeError(f"lab.run needs a function as its first argument, got {fn!r}")
         timeout = check_timeout(timeout, "timeout")
         name = getattr(fn, "__qualname__", repr(fn))
-        _send_by_value(fn)
+        for item in (fn, *args, *kwargs.values()):
+            _send_by_value(item if callable(item) else type(item))
         payload = self._dumps((fn, args, kwargs, _source_of(fn)),
                               f"function {name!r} or its arguments")
         return self._dispatch(rank_side.call_pickled, payload, timeout=timeout, ranks=ranks)
