@@ -4,10 +4,12 @@
 .PHONY: lab test lint bench
 
 PORT ?= 8888
+# Jupyter refuses to run as root unless told; containers often run as root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab:
 	scripts/env.sh jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) \
-	  --ServerApp.root_dir=notebooks --ServerApp.open_browser=False
+	  --ServerApp.root_dir=notebooks --ServerApp.open_browser=False $(ROOT_FLAG)
 
 test:
 	scripts/env.sh python -m pytest -q $(PYTEST_ARGS)

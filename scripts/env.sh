@@ -27,5 +27,10 @@ export IPYTHONDIR="$state/ipython" JUPYTER_CONFIG_DIR="$state/jupyter-config" \
   JUPYTER_RUNTIME_DIR="$state/jupyter-runtime" JUPYTER_DATA_DIR="$state/jupyter-data" \
   JUPYTERLAB_SETTINGS_DIR="$state/lab-settings" JUPYTERLAB_WORKSPACES_DIR="$state/lab-workspaces" \
   MPLCONFIGDIR="$state/matplotlib"
+# JupyterLab would ask, and then try, to fetch news from the internet: say no once.
+news="$state/lab-settings/@jupyterlab/apputils-extension/notification.jupyterlab-settings"
+if [ ! -f "$news" ]; then
+  mkdir -p "$(dirname "$news")" && echo '{"fetchNews": "false", "checkForUpdates": false}' > "$news"
+fi
 export PATH="$PWD/$VENV/bin:$PATH"
 exec "$@"

@@ -191,6 +191,10 @@ def test_explorer_is_driven_from_code():
     assert ex.shape.hidden == 8192 and ex.shape.ffn == 2 * 14336 and ex.shape.layers == 32
     with pytest.raises(ValueError, match="no control"):
         ex.update(bandwidth=1)
+    with pytest.raises(ValueError, match="no hardware named"):
+        ex.update(hardware="TPU v5p")
+    ex.update(hidden=3072)                  # a size the dropdown did not offer
+    assert ex.shape.hidden == 3072 and ex.shape.heads == 24
     bars = [t for t in ex.figure.data if t.type == "bar"]
     assert [t.name for t in bars] == ["compute", "TP communication"]
     assert list(bars[1].y) == pytest.approx([r["tp_comm_s"] * 1e3 for r in ex.rows])

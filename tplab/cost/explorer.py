@@ -58,12 +58,22 @@ class CostExplorer:
     def _preset(self, model: str, hw: str) -> None:
         """Set the dimension controls from a model preset and the node size from hardware."""
         shape = self.models[model]
-        c = self.controls
-        if shape.hidden not in c["hidden"].options:
-            c["hidden"].options = sorted({*c["hidden"].options, shape.hidden})
-        c["hidden"].value, c["seq"].value = shape.hidden, shape.seq
-        c["batch"].value = shape.batch
-        c["gpus_per_node"].value = self.hardware[hw].gpus_per_node
+        for name, value in (("hidden", shape.hidden), ("seq", shape.seq),
+                            ("batch", shape.batch),
+                            ("gpus_per_node", self.hardware[hw].gpus_per_node)):
+            self._set(name, value)
+
+    def _set(self, name: str, value) -> None:
+        """Set a control, adding a number a dropdown does not offer yet (hidden=3072)."""
+        control = self.controls[name]
+        if name in ("model", "hardware") and value not in control.options:
+            raise ValueError(f"no {name} named {value!r}; have {list(control.options)}")
+        if isinstance(control, w.Dropdown) and value not in control.options:
+            control.options = sorted({*control.options, value})
+        control.value = value
+
+    def _value(self, name: str):
+        return self.controls[name].value
 
     def _on_change(self, change) -> None:
         if self._updating:
@@ -73,7 +83,7 @@ class CostExplorer:
         if change["owner"] is c["model"]:
             self._preset(change["new"], c["hardware"].value)
         if change["owner"] is c["hardware"]:
-            c["gpus_per_node"].value = self.hardware[change["new"]].gpus_per_node
+            self._set("gpus_per_node", self.hardware[change["new"]].gpus_per_node)
         self._updating = False
         self.update()
 
@@ -83,16 +93,18 @@ class CostExplorer:
         unknown = set(values) - set(self.controls)
         if unknown:
             raise ValueError(f"no control named {sorted(unknown)}; have {list(self.controls)}")
-        c = self.controls
         self._updating = True
-        if "model" in values:   # a preset first, so that explicit values win over it
-            c["model"].value = values["model"]
-            self._preset(values["model"], values.get("hardware", c["hardware"].value))
-        if "hardware" in values:
-            c["gpus_per_node"].value = self.hardware[values["hardware"]].gpus_per_node
-        for name, value in values.items():
-            self.controls[name].value = value
-        self._updating = False
+        try:
+            if "model" in values:   # a preset first, so that explicit values win over it
+                self._set("model", values["model"])
+                self._preset(values["model"], values.get("hardware", self._value("hardware")))
+            if "hardware" in values:
+                self._set("hardware", values["hardware"])
+                self._set("gpus_per_node", self.hardware[values["hardware"]].gpus_per_node)
+            for name, value in values.items():
+                self._set(name, value)
+        finally:
+            self._updating = False
         v = {name: c.value for name, c in self.controls.items()}
         self.shape, self.hw = self._scaled(v), self.hardware[v["hardware"]].with_(
             gpus_per_node=v["gpus_per_node"])
