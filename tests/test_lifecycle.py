@@ -116,3 +116,28 @@ def test_processes_exit_when_the_owner_is_sigkilled(world_size, tmp_path):
         assert wait_gone(pids, 10) == [], "lab processes outlived their owner by 10 s"
     finally:
         owner.kill()
+
+
+@pytest.mark.parametrize("now", [False, True], ids=["restart", "forced-restart"])
+def test_kernel_restart_ends_the_lab(now, tmp_path):
+    """A Jupyter kernel that starts a lab, then is restarted (politely, or killed at once
+    as Jupyter does when the kernel does not answer): no lab process survives."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    outputs: list = []
+    try:
+        reply = kc.execute_interactive(
+            "import json, tplab\nlab = tplab.launch(2)\nprint(json.dumps(lab.pids))",
+            timeout=120, output_hook=lambda msg: outputs.append(msg))
+        assert reply["content"]["status"] == "ok"
+        text = "".join(m["content"].get("text", "") for m in outputs
+                       if m["msg_type"] == "stream")
+        pids = json.loads(text.strip().splitlines()[-1])
+        assert len(alive(pids)) == len(pids) >= 3
+        km.restart_kernel(now=now)
+        assert wait_gone(pids, 10) == []
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
