@@ -30,13 +30,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from tplab.errors import PlanError
+from tplab.mesh import tp_mesh
 
 
 def tp_group(mesh):
-    """(process group, size, my rank in it) of the tp dim of a mesh, or of a group itself."""
+    """(process group, size, my rank in it) of the tp dim of a mesh, or of a group itself.
+
+    On a 2-D mesh (dp, tp) this is the 1-D tp sub-mesh `mesh["tp"]`: each dp replica has its
+    own tp group, and this rank talks to the one it belongs to.
+    """
     if isinstance(mesh, DeviceMesh):
-        dim = "tp" if mesh.ndim > 1 else 0
-        return mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+        sub = tp_mesh(mesh)
+        return sub.get_group(), sub.size(), sub.get_local_rank()
     return mesh, dist.get_world_size(mesh), dist.get_rank(mesh)
 
 

@@ -78,6 +78,8 @@ class Lab:
         self._cells = itertools.count(1)
         self._cluster = self._client = None
         self._rank_pids: list[int] = []
+        self._engine_ids: list[int] = []  # ipyparallel engine id of each rank, in rank order
+        self._dead_engine_ids: list[int] = []  # ids of ended ranks the hub may still list
         self._closed = False
         self._state_dir = tempfile.mkdtemp(prefix="tplab-")  # mode 0700: owner only
         self._finalizer = weakref.finalize(self, Lab._cleanup, self._state_holder())
@@ -158,9 +160,6 @@ class Lab:
         self._engine_ids = sorted(set(self._client.ids) - set(self._dead_engine_ids))
         self._init_ranks()
 
-    _engine_ids: list[int] | None = None
-    _dead_engine_ids: list[int] = []
-
     def _init_ranks(self) -> None:
         port = _free_port(self.ip if self.ip != "0.0.0.0" else "127.0.0.1")
         self.master_addr, self.master_port = self._master_addr(), port
@@ -190,8 +189,9 @@ class Lab:
 
     @property
     def pids(self) -> list[int]:
-        """Every process this lab started and that is still running: the controller
-        and its schedulers, every rank and its nanny."""
+        """Every process this lab started and that is still running: the controller and
+        its schedulers, the fork server, every rank (and its nanny, where ipyparallel
+        starts one)."""
         return processes.tree(self._holder["roots"] + self._holder["extra_roots"]
                               + self._rank_pids)
 
@@ -225,7 +225,7 @@ class Lab:
         self.watchdog.disconnect_store()
         old = [pid for pid in self._holder["roots"] if pid != self._controller_pid()]
         processes.kill_trees(old + self._rank_pids, timeout=0)  # they die on their own time
-        self._dead_engine_ids = list(self._engine_ids or [])
+        self._dead_engine_ids += self._engine_ids
         for set_id in list(self._cluster.engines):
             self._cluster.engines.pop(set_id)
         self._rank_pids = []
