@@ -22,6 +22,7 @@ SP = functools.partial(megatron.parallelize, sequence_parallel=True)
 CASES = {
     "mlp-dtensor": (models.MLP, plans.mlp(), False),
     "mlp-megatron": (models.MLP, megatron.parallelize, False),
+    "mlp-megatron-sp": (models.MLP, SP, False),  # w2's bias grad: partial on sequence shards
     "block-dtensor": (models.Block, plans.block(), False),
     "block-dtensor-sp": (models.Block, plans.block(sequence_parallel=True), False),
     "block-megatron": (models.Block, megatron.parallelize, False),

@@ -53,6 +53,11 @@ def _all_reduce(x, group):
     return x
 
 
+def _all_reduce_grad(grad, mesh):
+    """A gradient hook: sum a replicated parameter's partial gradient over the tp ranks."""
+    return _all_reduce(grad, tp_group(mesh)[0])
+
+
 def _all_gather(x, group, size, dim):
     # all_gather_single stacks on dim 0: move `dim` there and back.
     # (b, s/n, d) -> (s/n, b, d) -> gather -> (s, b, d) -> (b, s, d)
@@ -272,6 +277,9 @@ class RowParallelLinear(nn.Module):
     Y = sum_r X_r A_r, summed by g (or reduce-scattered on the sequence under SP).
 
     The bias is added once, after the sum (every rank adding it would count it n times).
+    Under sequence parallelism it is added to this rank's sequence shard, so its gradient
+    sums only that shard: a gradient hook all-reduces it over tp (Megatron marks such
+    parameters `sequence_parallel` and all-reduces them in `finalize_model_grads`).
     """
 
     tp_placements = {"weight": Shard(1), "bias": Replicate()}
@@ -286,6 +294,8 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features // size, linear.out_features
         self.weight = _shard(linear.weight, size, rank, 1)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        if sequence_parallel and self.bias is not None:
+            self.bias.register_hook(functools.partial(_all_reduce_grad, mesh=mesh))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -335,19 +345,16 @@ def _enter_region(mesh, sequence_parallel, reduce_grad):
     return hook
 
 
-def _all_reduce_grad(grad, mesh):
-    return _all_reduce(grad, tp_group(mesh)[0])
-
-
 def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False,
                 reduce_grad: bool = True) -> nn.Module:
     """The hand-written Megatron path for `tplab.models`: a `(model, mesh) -> model` plan.
 
     Column-parallel layers enter each region (MLP, SwiGLU, attention) through ONE f, where
     DTensor's ColwiseParallel on q, k and v costs three backward all-reduces. Under sequence
-    parallelism the norms run on sequence shards, so their weight gradients are partial:
-    a gradient hook all-reduces them (Megatron does this after backward, in its
-    `finalize_model_grads`). `reduce_grad=False` removes f's backward all-reduce everywhere.
+    parallelism the norms (and the row-parallel biases) run on sequence shards, so their
+    gradients are partial: a gradient hook all-reduces them (Megatron does this after
+    backward, in its `finalize_model_grads`). `reduce_grad=False` removes f's backward
+    all-reduce everywhere. On a 2-D (dp, tp) mesh the layers split over tp only.
     """
     from tplab import models
 

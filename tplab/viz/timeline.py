@@ -37,7 +37,7 @@ def _hover_row(rec: dict) -> list[str]:
     if rec.get("group_size"):
         group += f" ({rec['group_size']} ranks)"
     dur = rec.get("duration_ms")
-    return [op_words(rec.get("op", "?")), rec.get("phase", "?"), rec.get("module") or "(none)",
+    return [op_words(rec.get("op", "?")), rec.get("phase", "?"), rec.get("module") or "(whole model)",
             f"{shape} {rec.get('dtype', '')}".strip(), human_bytes(rec.get("bytes", 0) or 0),
             group, f"{dur:.3f} ms" if isinstance(dur, int | float) else "not measured"]
 
@@ -50,8 +50,9 @@ HOVER = ("<b>%{customdata[0]}</b> (%{customdata[1]})<br>module: %{customdata[2]}
 def _box_text(rec: dict, wide: bool) -> str:
     if not wide:
         return op_label(rec.get("op", "?"))
-    module = ".".join((rec.get("module") or "").split(".")[-2:])
-    return f"{op_words(rec.get('op', '?'))}<br>{module}" if module else op_words(rec.get("op"))
+    # "" is the model itself: a hook on the root module, such as Megatron's f on the input.
+    module = ".".join((rec.get("module") or "").split(".")[-2:]) or "(whole model)"
+    return f"{op_words(rec.get('op', '?'))}<br>{module}"
 
 
 def _phase_runs(recs: list[dict], starts: list[float], ends: list[float]) -> list[tuple]:
