@@ -23,8 +23,11 @@ def mlp_step_times(steps: int, rounds: int) -> dict[str, list[float]]:
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from tplab.lab import rank as rank_side
 
