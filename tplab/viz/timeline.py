@@ -37,7 +37,8 @@ def _hover_row(rec: dict) -> list[str]:
     if rec.get("group_size"):
         group += f" ({rec['group_size']} ranks)"
     dur = rec.get("duration_ms")
-    return [op_words(rec.get("op", "?")), rec.get("phase", "?"), rec.get("module") or "(whole model)",
+    module = rec.get("module") or "(whole model)"
+    return [op_words(rec.get("op", "?")), rec.get("phase", "?"), module,
             f"{shape} {rec.get('dtype', '')}".strip(), human_bytes(rec.get("bytes", 0) or 0),
             group, f"{dur:.3f} ms" if isinstance(dur, int | float) else "not measured"]
 
