@@ -4,6 +4,7 @@ error; and the assembly of shards on the notebook side."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -115,3 +116,75 @@ def test_report_rows_follow_the_contract():
     assert not report.ok and report.max_abs == 1.0 and report.failures == rows[1:]
     assert "gradient of w1.weight wrong" in report.summary()
     assert "<table" in report._repr_html_()
+
+
+# --- 2-D: data parallel over dp, tensor parallel within each tp group ---------------------
+
+BATCH4 = dataclasses.replace(CFG, batch_size=4)  # two sequences for each of 2 dp replicas
+CASES_2D = ["mlp-dtensor", "mlp-megatron", "mlp-megatron-sp", "block-dtensor-sp",
+            "block-megatron", "lm-dtensor", "lm-megatron-sp"]
+
+
+@pytest.mark.parametrize("case", CASES_2D)
+def test_a_2d_check_splits_the_batch_over_dp_and_averages_the_gradients(tp_lab, case):  # noqa: F811
+    if tp_lab.world_size != 4:
+        pytest.skip("a (dp=2, tp=2) mesh needs 4 ranks")
+    cls, plan, lm = CASES[case]
+    make_input, loss = ((tokens(BATCH4), models.lm_loss) if lm else (activations(BATCH4), None))
+    report = tplab.grad_check(tp_lab, build(cls), plan, make_input, loss, dp=2, tp=2)
+    assert report.ok, str(report)
+    names = {r["name"] for r in report.rows if r["kind"] == "param_grad"}
+    assert names == {n for n, _ in cls(CFG).named_parameters()}
+    spread = {r["name"] for r in report.rows if r["kind"] == "replica_spread"}
+    assert names <= spread  # dp replicas (and tp copies) of every gradient compared
+    assert report.mesh_shape == {"dp": 2, "tp": 2} and "(dp=2 x tp=2)" in report.summary()
+    # the reference loss is the mean of the replicas' losses, each on its half of the batch
+    x, model = make_input(), cls(CFG)
+    per_replica = [(loss or (lambda out: 0.5 * out.pow(2).sum()))(model(half), *[half] * lm)
+                   for half in x.chunk(2)]
+    assert report.loss == pytest.approx(float(sum(per_replica).detach() / 2), rel=1e-6)
+
+
+def _mlp_with_own_dp_average(model, mesh):
+    """A plan that does data parallelism itself: hooks average every gradient over dp."""
+    import torch.distributed as dist
+
+    from tplab import plans
+
+    model = tplab.apply_plan(model, mesh, plans.mlp())
+
+    def average(param):
+        grad = param.grad.to_local()
+        dist.all_reduce(grad, group=mesh.get_group("dp"))
+        grad /= mesh["dp"].size()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(average)
+    return model
+
+
+def test_a_2d_check_catches_a_missing_dp_average_and_accepts_the_plans_own():
+    sim = tplab.simulate(4)
+    tp_only = functools.partial(tplab.apply_plan, plan=plans.mlp())
+    # no average over dp at all: each replica keeps the gradient of its own half
+    report = tplab.grad_check(sim, build(models.MLP), tp_only, activations(BATCH4), tp=2,
+                              average_dp=False)
+    failed = {(r["name"], r["kind"]) for r in report.failures}
+    assert ("w1.weight", "param_grad") in failed and ("w1.weight", "replica_spread") in failed
+    assert not {kind for _, kind in failed} & {"output", "input_grad"}
+    # the plan's own average (notebook 06's hooks), so grad_check must not add its own
+    own = tplab.grad_check(sim, build(models.MLP), _mlp_with_own_dp_average,
+                           activations(BATCH4), dp=2, average_dp=False)
+    assert own.ok, str(own)
+
+
+def test_a_2d_check_says_when_the_mesh_or_the_batch_does_not_fit():
+    sim = tplab.simulate(4)
+    with pytest.raises(tplab.LabError, match="tp=3 must be a positive int that divides"):
+        tplab.grad_check(sim, build(models.MLP), plans.mlp(), activations(), tp=3)
+    with pytest.raises(tplab.LabError, match=r"dp=2 x tp=4 = 8 ranks, but the lab has 4"):
+        tplab.grad_check(sim, build(models.MLP), plans.mlp(), activations(), dp=2, tp=4)
+    odd = dataclasses.replace(CFG, batch_size=3)
+    with pytest.raises(tplab.LabError, match=r"dim 0 of the input \(shape \(3, 4, 16\)\) must "
+                                             r"divide into dp=2"):
+        tplab.grad_check(sim, build(models.MLP), plans.mlp(), activations(odd), dp=2)
