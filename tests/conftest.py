@@ -12,8 +12,14 @@ for _var, _sub in [("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "jupyter-co
     os.environ[_var] = os.path.join(_STATE, _sub)
 
 import pytest  # noqa: E402
+import report  # noqa: E402  (tests/report.py)
 
 import tplab  # noqa: E402
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in report.LINES:
+        terminalreporter.write_line(line)
 
 
 class _Labs:

@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+import report
 
 import tplab
 
@@ -148,5 +149,5 @@ def test_interrupt_reaches_every_rank(lab, code):
 
 
 def teardown_module(module):
-    print(f"\nfault injection: {SUMMARY['tried']} faults tried, {SUMMARY['survived']} "
-          f"survived, {SUMMARY['leaked']} processes leaked")
+    report.LINES.append(f"fault injection: {SUMMARY['tried']} faults tried, "
+                        f"{SUMMARY['survived']} survived, {SUMMARY['leaked']} processes leaked")

@@ -12,6 +12,7 @@ import time
 
 import papermill
 import pytest
+import report
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 _times: dict[str, float] = {}
@@ -54,4 +55,4 @@ def teardown_module(module):
     if _times:
         total = sum(_times.values())
         lines = [f"  {name}: {s:.1f} s" for name, s in sorted(_times.items())]
-        print("\nnotebook times:\n" + "\n".join(lines) + f"\n  total: {total:.1f} s")
+        report.LINES.extend(["notebook times:", *lines, f"  total: {total:.1f} s"])

@@ -1,5 +1,6 @@
 """tplab.viz: the figures' data (blocks, boxes, markers, points), on synthetic rank results
-that follow docs/CONTRACTS.md, and on a real trace from tplab.simulate where it exists."""
+that follow docs/CONTRACTS.md. grad_flow, on real traces from tplab.simulate too, is in
+test_viz_flow.py."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import math
 import pytest
 import torch
 
+from tplab import viz
 from tplab.lab.transfer import LocalShard
-from tplab.viz import comm_timeline, grad_error, grad_flow, rank_color, sharding_map
-from tplab.viz.flow import module_order, side
-from tplab.viz.palette import PHASE_COLORS
+from tplab.viz import comm_timeline, grad_error, mesh_map, rank_color, sharding_map
+from tplab.viz.palette import PHASE_COLORS, group_look
 from tplab.viz.sharding import blocks, parse_placement
 
 
@@ -161,63 +162,98 @@ def test_comm_timeline_time_axis_and_disagreeing_ranks():
         comm_timeline(megatron_mlp(), x="bytes")
 
 
-# --- grad_flow ---------------------------------------------------------------------------------
-
-def markers(fig):
-    return [m for t in fig.data if t.name not in ("modules",) and isinstance(t.meta, (list, tuple))
-            for m in t.meta if isinstance(m, dict)]
-
-
-def test_grad_flow_puts_f_and_g_on_their_edges():
-    fig = grad_flow(megatron_mlp(), ["mlp.w1", "mlp.act", "mlp.w2"])
-    nodes = next(t for t in fig.data if t.name == "modules")
-    assert list(nodes.meta) == ["input", "mlp.w1", "mlp.act", "mlp.w2", "loss"]
-    assert "act" in nodes.text  # a module without collectives is still drawn
-    got = {(m["phase"], m["edge"], m["role"]) for m in markers(fig)}
-    # edge k joins node k and k+1: g on the forward edge out of w2 (node 3), f on the
-    # backward edge into w1 (node 1)
-    assert got == {("forward", 3, "g"), ("backward", 0, "f")}
-    g = next(t for t in fig.data if t.name == "forward all-reduce")
-    f = next(t for t in fig.data if t.name == "backward all-reduce")
-    assert g.x[0] == 3.5 and g.y[0] > 0 and f.x[0] == 0.5 and f.y[0] < 0
-    assert "f" in fig.layout.annotations[-1].text and "g" in fig.layout.annotations[-1].text
+def two_d_step():
+    """A step on a dp=2 x tp=2 mesh (notebook 06): g on tp, then each weight's gradient
+    averaged on dp, in the backward pass."""
+    trace = []
+    for r in range(4):
+        recs = [rec(r, 0, "forward", "w2", "all_reduce"),
+                rec(r, 1, "backward", "w1", "all_reduce"),
+                rec(r, 2, "backward", "w2", "all_reduce", shape=(16,)),
+                rec(r, 3, "backward", "w1", "all_reduce", shape=(16, 16))]
+        for x in recs[2:]:
+            x.update(group="dp", group_size=2)
+        trace.append(recs)
+    return trace
 
 
-def test_grad_flow_sequence_parallel_gathers_and_stacking():
-    trace = [rec(0, 0, "forward", "w1", "all_gather"),
-             rec(0, 1, "forward", "w2", "reduce_scatter"),
-             rec(0, 2, "backward", "w2", "all_gather"),
-             rec(0, 3, "backward", "w1", "reduce_scatter"),
-             rec(0, 4, "backward", "w1", "all_reduce")]
-    fig = grad_flow(trace, ["w1", "w2"])
-    where = {(m["phase"], m["op"]): (m["edge"], m["side"]) for m in markers(fig)}
-    assert where == {("forward", "all_gather"): (0, "input"),
-                     ("forward", "reduce_scatter"): (2, "output"),
-                     ("backward", "all_gather"): (2, "output"),
-                     ("backward", "reduce_scatter"): (0, "input"),
-                     ("backward", "all_reduce"): (0, "input")}
-    ys = [t.y[0] for t in fig.data if t.name in ("backward reduce-scatter", "backward all-reduce")]
-    assert len(set(ys)) == 2 and all(y < 0 for y in ys)  # two on one edge: stacked
-    assert side({"op": "all_reduce", "phase": "forward", "edge": "input"}) == "input"
+def test_comm_timeline_tells_the_groups_of_a_2d_mesh_apart():
+    fig = comm_timeline(two_d_step())
+    bars = {t.name: t for t in fig.data if t.type == "bar"}
+    assert list(bars) == ["forward · tp", "backward · tp", "backward · dp"]
+    dp = bars["backward · dp"]
+    assert {m["group"] for m in dp.meta} == {"dp"} and len(dp.meta) == 8
+    assert [m["seq"] for m in dp.meta[:2]] == [2, 3] and list(dp.base[:2]) == [1.55, 2.55]
+    assert dp.text[0] == "all-reduce · dp<br>w2"  # the group is written on every box
+    assert bars["forward · tp"].text[0] == "all-reduce · tp<br>w2"
+    # drawn apart too: tp plain, dp hatched, in the phase's colour; one legend entry each
+    assert bars["forward · tp"].marker.pattern.shape == "" == group_look("tp", ["dp"])[0]
+    assert dp.marker.pattern.shape == "/" and dp.marker.color == PHASE_COLORS["backward"]
+    assert fig.layout.legend.title.text == "phase · group"
+    assert "tp plain, dp hatched" in fig.layout.title.text
+    narrow = comm_timeline([r * 3 for r in two_d_step()])  # 12 columns: short labels
+    assert next(t for t in narrow.data if t.name == "backward · dp").text[0] == "AR·dp"
+    one = comm_timeline(megatron_mlp())  # one group: as before, nothing added
+    assert [t.name for t in one.data if t.type == "bar"] == ["forward", "backward"]
+    assert not any("·" in text for t in one.data if t.type == "bar" for text in t.text)
 
 
-def test_grad_flow_rank_choice_inferred_order_and_strays():
-    trace = megatron_mlp()
-    trace[1][1]["module"] = "head"  # rank 1's backward all-reduce in an unlisted module
-    fig = grad_flow(trace, ["mlp.w1", "mlp.w2"], rank=1)
-    nodes = list(next(t for t in fig.data if t.name == "modules").meta)
-    assert nodes == ["input", "mlp.w1", "mlp.w2", "(outside the modules)", "loss"]
-    assert "rank 1" in fig.layout.title.text
-    # f only shows in the backward pass, yet its module goes first
-    assert module_order(megatron_mlp()[0]) == ["mlp.w1", "mlp.w2"]
-    parent = grad_flow([rec(0, 0, "backward", "mlp", "all_reduce")], ["mlp.w1", "mlp.w2"])
-    assert [m["edge"] for m in markers(parent)] == [0]  # input edge of the first child
-    # a hook on the whole model (module "") sits on the edges of the first and last modules
-    root = grad_flow([rec(0, 0, "backward", "", "all_reduce"),
-                      rec(0, 1, "forward", "", "all_reduce")], ["w1", "w2"])
-    assert sorted(m["edge"] for m in markers(root)) == [0, 2]
-    with pytest.raises(ValueError, match="rank 7"):
-        grad_flow(megatron_mlp(), rank=7)
+# --- mesh_map ----------------------------------------------------------------------------------
+
+def squares(fig):
+    """rank -> (coordinate, centre x, centre y, colour) of its square."""
+    return {t.meta["rank"]: (t.meta["coordinate"], sum(t.x[:4]) / 4, sum(t.y[:4]) / 4,
+                             t.fillcolor)
+            for t in fig.data if isinstance(t.meta, dict) and "rank" in t.meta}
+
+
+def outlines(fig):
+    return [t for t in fig.data if isinstance(t.meta, dict) and "dim" in t.meta]
+
+
+def test_mesh_map_2d_rows_are_tp_groups_columns_dp_groups():
+    fig = mesh_map((2, 2))
+    assert squares(fig) == {0: ((0, 0), 0.5, -0.5, rank_color(0)),
+                            1: ((0, 1), 1.5, -0.5, rank_color(1)),
+                            2: ((1, 0), 0.5, -1.5, rank_color(2)),
+                            3: ((1, 1), 1.5, -1.5, rank_color(3))}
+    groups = {(t.meta["dim"], t.meta["group"]): t.meta["ranks"] for t in outlines(fig)}
+    assert groups == {("tp", 0): [0, 1], ("tp", 1): [2, 3], ("dp", 0): [0, 2], ("dp", 1): [1, 3]}
+    dash = {t.meta["dim"]: t.line.dash for t in outlines(fig)}
+    assert dash == {"tp": "solid", "dp": "dash"}  # as group_look has them in every figure
+    assert [t.name for t in fig.data if t.showlegend] == ["tp group (a row)",
+                                                          "dp group (a column)"]
+    labels = next(t for t in fig.data if t.name == "ranks")
+    assert labels.text[3] == "<b>rank 3</b><br>(1, 1)"
+    assert "dp=2 × tp=2" in fig.layout.title.text and "(dp, tp)" in fig.layout.title.text
+    texts = {a.text for a in fig.layout.annotations}
+    assert {"tp group 0", "tp group 1", "dp group 0", "dp group 1"} <= texts
+    # ranks as DeviceMesh.mesh.tolist() gives them, laid out column-major here
+    turned = mesh_map((2, 2), ("dp", "tp"), ranks=[[0, 2], [1, 3]])
+    assert squares(turned)[2][:3] == ((0, 1), 1.5, -0.5)
+    assert {(t.meta["dim"], t.meta["group"]): t.meta["ranks"] for t in outlines(turned)}[
+        ("tp", 0)] == [0, 2]
+
+
+def test_mesh_map_1d_and_bad_input():
+    fig = mesh_map(4)
+    assert [c for c, *_ in squares(fig).values()] == [(0,), (1,), (2,), (3,)]
+    (row,) = outlines(fig)
+    assert row.meta == {"dim": "tp", "group": 0, "ranks": [0, 1, 2, 3]}
+    assert "tp=4" in fig.layout.title.text
+    with pytest.raises(ValueError, match="1-D and 2-D"):
+        mesh_map((2, 2, 2))
+    with pytest.raises(ValueError, match="dim names"):
+        mesh_map((2, 2), ("tp",))
+    with pytest.raises(ValueError, match="shape"):
+        mesh_map((2, 2), ranks=[[0, 1, 2], [3]])
+
+
+def test_viz_exports():
+    from tplab.viz import palette
+
+    assert viz.style is palette.style and viz.human_bytes(1536) == "1.5 KiB"
+    assert {"mesh_map", "forward_stages", "style", "human_bytes"} <= set(viz.__all__)
 
 
 # --- grad_error --------------------------------------------------------------------------------
@@ -252,26 +288,6 @@ def test_grad_error_log_axis_floor_tolerance_and_spread_panel():
                 for m in t.meta}
     assert statuses == {"plain", "exact"} and not plain.layout.shapes
     assert len([a for a in plain.layout.annotations]) == 1  # one panel title: no spread rows
-
-
-def test_grad_flow_orders_whole_model_hooks_by_the_trace():
-    # A standalone block under sequence parallelism (tplab.megatron): split at the input, a
-    # gather at the output, both by hooks on the whole model (module ""), around the layers'
-    # own collectives.
-    t = [rec(0, 0, "forward", "attention", "all_gather"),
-         rec(0, 1, "forward", "attention.wo", "reduce_scatter"),
-         rec(0, 2, "forward", "", "all_gather"),
-         rec(0, 3, "backward", "attention.wo", "all_gather"),
-         rec(0, 4, "backward", "attention", "reduce_scatter"),
-         rec(0, 5, "backward", "", "all_gather")]  # last in backward: the input's split
-    fig = grad_flow(t, ["attention.wq", "attention.wo"])
-    got = sorted((m["phase"], m["module"], m["edge"]) for m in markers(fig))
-    assert got == [("backward", "", 0), ("backward", "attention", 0),
-                   ("backward", "attention.wo", 2), ("forward", "", 2),
-                   ("forward", "attention", 0), ("forward", "attention.wo", 2)]
-    weight = grad_flow([rec(0, 0, "backward", "ffn_norm", "all_reduce", shape=(32,))],
-                       ["ffn_norm", "w1"])
-    assert [m["role"] for m in markers(weight)] == ["dW"]  # a norm's weight grad is not f
 
 
 def test_grad_error_draws_each_tensors_own_tolerance_with_rtol():
