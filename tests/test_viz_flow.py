@@ -12,7 +12,7 @@ import tplab
 from tplab import models
 from tplab.viz import forward_stages, grad_flow
 from tplab.viz.flow import ROW_Y, module_order, side
-from tplab.widgets import forward_order
+from tplab.widgets import Settings, explore_step, forward_order
 
 CFG = models.Config()
 MODELS = {"mlp": models.MLP, "attention": models.Attention, "block": models.Block}
@@ -128,10 +128,11 @@ def test_siblings_from_the_trace_and_given_by_the_caller():
     assert sorted((m["branch"], m["edge"]) for m, *_ in points(fig, "f")) == [
         ("ff.w1", 0), ("ff.w3", 0)]
     # not siblings: under two parents; or ops that differ; or the first reduces its output
-    for trace in ([{**r, "module": r["module"].replace("ff.w3", "xx.w3")} for r in two],
-                  [*two[:2], {**two[2], "op": "all_gather"}],
-                  [*two, rec(0, 3, "forward", "ff.w1", "all_reduce")]):
-        names = [n.replace("ff.w3", "xx.w3") for n in ("ff.w1", "ff.w3", "ff.w2")]
+    moved = [{**r, "module": r["module"].replace("ff.w3", "xx.w3")} for r in two]
+    for trace, names in ((moved, ["ff.w1", "xx.w3", "ff.w2"]),
+                         ([*two[:2], {**two[2], "op": "all_gather"}], ["ff.w1", "ff.w3", "ff.w2"]),
+                         ([*two, rec(0, 3, "forward", "ff.w1", "all_reduce")],
+                          ["ff.w1", "ff.w3", "ff.w2"])):
         xs = [x for x, _ in boxes(grad_flow(trace, names)).values()]
         assert xs == [0, 1, 2, 3, 4]  # input, three columns, loss
     # the caller's groups win over the trace: wq, wk, wv without a collective of their own
@@ -168,9 +169,15 @@ def real():
     """Rank 0's trace of each (model, path, sequence parallel) on tplab.simulate(4)."""
     sim = tplab.simulate(4)
     runs = [("attention", "dtensor", False), ("attention", "megatron", False),
-            ("attention", "dtensor", True), ("block", "dtensor", False),
-            ("block", "megatron", False)]
-    return {run: sim.run(traced_step, run[0], run[1], CFG, run[2])[0] for run in runs}
+            ("block", "dtensor", False), ("block", "megatron", False)]
+    out = {run: sim.run(traced_step, run[0], run[1], CFG, run[2])[0] for run in runs}
+    # the Explorer's attention under sequence parallelism: each of q, k, v gathers its input
+    model = models.Attention(CFG)
+    settings = Settings(model="attention", tp=4, path="dtensor", sequence_parallel=True)
+    steps = sim.run(explore_step, "attention", CFG, model.state_dict(), models.make_input(CFG),
+                    settings)
+    out[("attention", "dtensor", True)] = steps[0]["records"]
+    return out
 
 
 def test_forward_stages_groups_the_modules_that_read_one_input():

@@ -99,6 +99,8 @@ _OPS = {
     _c10d.monitored_barrier_: ("barrier", lambda args, n: (args[0], 0, [])),
 }
 _NO_WAIT = {"send", "recv"}
+# every op above lives in one of these: the rest (aten, ...) pass through on a fast path
+_NAMESPACES = frozenset(packet._qualified_op_name.partition("::")[0] for packet in _OPS)
 
 
 def _group_of(func, args):
@@ -253,14 +255,23 @@ class Trace(TorchDispatchMode):
         self._modules.__exit__(*exc)
         self._pending.clear()
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo unless this says
+        # False: about 1 us on every op, and nothing in a trace is compiled
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # let DTensor (and AsyncCollectiveTensor) desugar first; their collectives and waits
         # then come back through this mode (CommDebugMode does the same)
-        for t in types:
-            if t in self._defer:
-                return NotImplemented
+        if types and not self._defer.isdisjoint(types):
+            return NotImplemented
+        # every op of the step comes through here: the common case first, with no Python
+        # __hash__ of the op (OpOverload defines one) and no kwargs dict
+        if func.namespace not in _NAMESPACES:
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
-        packet = getattr(func, "_overloadpacket", None)
+        packet = func._overloadpacket
         spec = _OPS.get(packet)
         if spec is None:
             if packet is _funcol.wait_tensor:

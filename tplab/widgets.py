@@ -213,6 +213,7 @@ class Explorer:
     def update(self, raise_errors: bool = False) -> None:
         """Run the step on the ranks, check it against one device, redraw."""
         from tplab import models
+        from tplab.viz import forward_stages
 
         s = self.settings
         self._status(f"running {self._describe()} ...", "#616161")
@@ -220,7 +221,7 @@ class Explorer:
             ref = _build(s.model, self.config)
             state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
             x = models.make_input(self.config)
-            order = forward_order(ref, x)
+            order = forward_stages(ref, x)  # forward order, q/k/v and w1/w3 as branches
             x_ref = x.clone().requires_grad_(True)
             out = ref(x_ref)
             loss = 0.5 * out.pow(2).sum()
@@ -276,7 +277,7 @@ class Explorer:
             add(name, "param_grad", [r["grads"].get(name) for r in results], p.grad)
         return GradCheckReport(rows, len(results), self.atol, self.rtol, loss.item())
 
-    def _figures(self, order: list[str]) -> dict:
+    def _figures(self, order: list) -> dict:
         from tplab.viz import comm_timeline, grad_error, grad_flow, sharding_map
 
         what = self._describe()

@@ -37,6 +37,11 @@ OPS = {
 
 FONT = {"family": "Helvetica, Arial, sans-serif", "size": 14}
 
+# The look of a mesh dim's groups wherever they show: (fill pattern of a box in
+# comm_timeline, dash of a group's outline in mesh_map, colour of that outline).
+GROUP_LOOKS = (("", "solid", "#54278f"), ("/", "dash", "#00695c"), ("x", "dot", "#8c510a"),
+               (".", "dashdot", "#424242"))
+
 
 def rank_color(rank: int) -> str:
     """The colour of `rank` in every figure (cycles after 16 ranks)."""
@@ -53,6 +58,17 @@ def op_symbol(op: str) -> str:
 
 def op_words(op: str) -> str:
     return OPS.get(op, (op, "circle", op.replace("_", "-")))[2]
+
+
+def group_order(names) -> list[str]:
+    """Group (mesh dim) names in the order figures list them: "tp", "dp", then the rest."""
+    return sorted(set(names), key=lambda n: ({"tp": 0, "dp": 1}.get(n, 2), n))
+
+
+def group_look(name: str, names) -> tuple[str, str, str]:
+    """(pattern, dash, colour) of group `name` among `names`, in `group_order`: tp and dp
+    look the same in every figure."""
+    return GROUP_LOOKS[group_order([*names, name]).index(name) % len(GROUP_LOOKS)]
 
 
 def human_bytes(n: float) -> str:

@@ -11,7 +11,16 @@ from collections.abc import Iterable, Mapping
 
 import plotly.graph_objects as go
 
-from tplab.viz.palette import PHASE_COLORS, human_bytes, op_label, op_words, rank_color, style
+from tplab.viz.palette import (
+    PHASE_COLORS,
+    group_look,
+    group_order,
+    human_bytes,
+    op_label,
+    op_words,
+    rank_color,
+    style,
+)
 
 PHASES = ("forward", "backward")
 
@@ -48,12 +57,14 @@ HOVER = ("<b>%{customdata[0]}</b> (%{customdata[1]})<br>module: %{customdata[2]}
          "<br>time: %{customdata[6]}<extra>%{y}</extra>")
 
 
-def _box_text(rec: dict, wide: bool) -> str:
+def _box_text(rec: dict, wide: bool, group: bool = False) -> str:
+    """The op (and the group, where a trace has several), then the module if there is room."""
+    on = f" · {rec.get('group', '?')}" if group else ""
     if not wide:
-        return op_label(rec.get("op", "?"))
+        return op_label(rec.get("op", "?")) + on.replace(" ", "")
     # "" is the model itself: a hook on the root module, such as Megatron's f on the input.
     module = ".".join((rec.get("module") or "").split(".")[-2:]) or "(whole model)"
-    return f"{op_words(rec.get('op', '?'))}<br>{module}"
+    return f"{op_words(rec.get('op', '?'))}{on}<br>{module}"
 
 
 def _phase_runs(recs: list[dict], starts: list[float], ends: list[float]) -> list[tuple]:
@@ -73,7 +84,10 @@ def comm_timeline(trace, *, x: str = "seq", title: str | None = None) -> go.Figu
     `trace`: a list of per-rank record lists, or a flat list of records. `x="seq"` puts
     the n-th collective of every rank in column n; `x="time"` lays boxes end to end by
     `duration_ms` (time spent between collectives is not recorded, so it is not shown).
-    One bar trace per phase; its `meta` lists the (rank, seq, op, module) of each box.
+    One bar trace per phase; its `meta` lists the (rank, seq, op, module, group) of each
+    box. A trace on several groups (tp and dp of a 2-D mesh) gets one bar trace per phase
+    and group, named "backward · dp", each box labelled with its group and each group
+    filled with its own pattern (`palette.group_look`: tp plain, dp hatched).
     """
     if x not in ("seq", "time"):
         raise ValueError(f"x must be 'seq' or 'time', not {x!r}")
@@ -94,27 +108,34 @@ def comm_timeline(trace, *, x: str = "seq", title: str | None = None) -> go.Figu
         pos[r] = (starts, widths)
     columns = max((len(rl) for rl in by_rank.values()), default=0)
     wide = x == "seq" and columns <= 8  # room for the op's name and module in each box
-    for phase in (*PHASES, *sorted({rec.get("phase") for rec in recs} - set(PHASES))):
+    groups = group_order(str(rec.get("group", "")) for rec in recs)
+    several = len(groups) > 1
+    phases = (*PHASES, *sorted({rec.get("phase") for rec in recs} - set(PHASES)))
+    for phase, group in ((p, g) for p in phases for g in (groups if several else [None])):
         ys, xs, bases, text, custom, meta = [], [], [], [], [], []
         for r, rl in by_rank.items():
             for rec, s, w in zip(rl, *pos[r], strict=True):
-                if rec.get("phase") != phase:
+                if rec.get("phase") != phase or group not in (None, str(rec.get("group", ""))):
                     continue
                 ys.append(f"rank {r}")
                 bases.append(s)
                 xs.append(w)
-                text.append(_box_text(rec, wide))
+                text.append(_box_text(rec, wide, several))
                 custom.append(_hover_row(rec))
                 meta.append({"rank": r, "seq": rec.get("seq"), "op": rec.get("op"),
-                             "module": rec.get("module")})
+                             "module": rec.get("module"), "group": rec.get("group")})
         if not ys:
             continue
+        pattern = group_look(group, groups)[0] if several else ""
         fig.add_trace(go.Bar(
-            orientation="h", y=ys, x=xs, base=bases, name=phase, text=text,
+            orientation="h", y=ys, x=xs, base=bases, text=text,
+            name=phase if group is None else f"{phase} · {group}", legendgroup=phase,
             textposition="inside", insidetextanchor="middle", textangle=0,
             textfont={"color": "white", "size": 13}, customdata=custom, hovertemplate=HOVER,
             marker={"color": PHASE_COLORS.get(phase, "#757575"),
-                    "line": {"color": "white", "width": 1}},
+                    "line": {"color": "white", "width": 1},
+                    "pattern": {"shape": pattern, "fgcolor": "rgba(255, 255, 255, 0.45)",
+                                "size": 9, "solidity": 0.2}},
             meta=meta))
     if not recs:
         fig.add_annotation(text="No collectives were recorded in this trace.", showarrow=False,
@@ -144,13 +165,19 @@ def comm_timeline(trace, *, x: str = "seq", title: str | None = None) -> go.Figu
         odd = ", ".join(f"rank {r}: {c}" for r, c in counts.items() if c != most)
         sub += (f"<br><span style='color:#c62828'>ranks disagree: {odd}, the others {most}. "
                 "A collective that some ranks skip makes the others wait forever.</span>")
+    if several:
+        fills = {g: group_look(g, groups)[0] for g in groups}
+        looks = ", ".join(f"{g} {'hatched' if fills[g] else 'plain'}" for g in groups)
+        sub += f"<br>collectives on {len(groups)} groups, each box labelled with its own: {looks}"
     if not wide and recs:
         ops = sorted({rec.get("op", "?") for rec in recs})
         sub += "<br>" + ", ".join(f"{op_label(o)} = {op_words(o)}" for o in ops)
     fig.update_xaxes(tickvals=list(range(columns)) if x == "seq" else None)
+    extra = 22 * max(0, sub.count("<br>") - 1)  # room for a subtitle of three lines or more
     style(fig, title or "Collectives on each rank, in the order issued", sub,
-          barmode="overlay", height=max(320, 140 + 70 * len(lanes)), width=1100,
-          legend={"title": {"text": "phase"}}, margin={"t": 130, "l": 80, "r": 40, "b": 60},
+          barmode="overlay", height=max(320, 140 + 70 * len(lanes)) + extra, width=1100,
+          legend={"title": {"text": "phase · group" if several else "phase"}},
+          margin={"t": 130 + extra, "l": 80, "r": 40, "b": 60},
           bargap=0.35)
     fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], title_text="")
     fig.update_xaxes(
