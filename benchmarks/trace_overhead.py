@@ -2,8 +2,9 @@
 
 A DTensor transformer-block step (forward and backward) at world size 4, traced and
 untraced, alternated in one run so that both see the same machine load; each rank times its
-own steps. Also: the DTensor MLP step against the hand-written Megatron MLP step (a fact for
-the notebooks, not a goal).
+own steps. With more ranks than cores the wall-time ratio is mostly scheduling noise, so the
+main thread's CPU time per step (the trace's own cost) is printed too. Also: the DTensor MLP
+step against the hand-written Megatron MLP step (a fact for the notebooks, not a goal).
 
     .venv/bin/python benchmarks/trace_overhead.py              # real rank processes
     .venv/bin/python benchmarks/trace_overhead.py --simulate   # tplab.simulate, one process
@@ -17,7 +18,8 @@ import time
 
 
 def timed_steps(kind: str, sequence_parallel: bool, repeats: int) -> dict:
-    """Rank side: build, then alternate untraced and traced steps; seconds per step."""
+    """Rank side: build, then alternate untraced and traced steps; seconds per step (wall,
+    and main-thread CPU under "<label> cpu")."""
     import torch
 
     import tplab
@@ -40,10 +42,11 @@ def timed_steps(kind: str, sequence_parallel: bool, repeats: int) -> dict:
         out = model(x)
         out.pow(2).sum().backward()
 
-    times: dict[str, list[float]] = {"plain": [], "traced": []}
+    times: dict[str, list[float]] = {"plain": [], "traced": [], "plain cpu": [],
+                                     "traced cpu": []}
     for i in range(repeats + 2):  # the first two rounds warm up
         for label in ("plain", "traced") if i % 2 else ("traced", "plain"):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             if label == "traced":
                 with tplab.trace():
                     step()
@@ -51,6 +54,7 @@ def timed_steps(kind: str, sequence_parallel: bool, repeats: int) -> dict:
                 step()
             if i >= 2:
                 times[label].append(time.perf_counter() - start)
+                times[f"{label} cpu"].append(time.thread_time() - cpu)
     return times
 
 
@@ -76,7 +80,10 @@ def main() -> None:
                                                             True),
                                ("DTensor MLP", "mlp", False), ("Megatron MLP", "megatron",
                                                                False)]:
-            times = slowest_rank(lab.run(timed_steps, kind, sp, args.repeats))
+            per_rank = lab.run(timed_steps, kind, sp, args.repeats)
+            times = slowest_rank(per_rank)
+            cpu = statistics.median(statistics.median(r["traced cpu"]) -
+                                    statistics.median(r["plain cpu"]) for r in per_rank)
             plain = statistics.median(times["plain"])
             traced = statistics.median(times["traced"])
             # each traced step against the untraced one next to it: robust to load drifts
@@ -84,7 +91,8 @@ def main() -> None:
                                                              strict=True))
             med[name] = plain
             print(f"{name:26s} untraced {plain * 1e3:7.2f} ms  traced {traced * 1e3:7.2f} ms  "
-                  f"ratio of medians {traced / plain:.2f}x  median ratio {paired:.2f}x")
+                  f"ratio of medians {traced / plain:.2f}x  median ratio {paired:.2f}x  "
+                  f"CPU +{cpu * 1e3:.2f} ms")
         print(f"DTensor MLP step / Megatron MLP step: "
               f"{med['DTensor MLP'] / med['Megatron MLP']:.2f}x "
               f"({med['DTensor MLP'] * 1e3:.2f} ms vs {med['Megatron MLP'] * 1e3:.2f} ms)")
