@@ -5,8 +5,9 @@ Two plans, both on a standalone model whose input requires grad (as every layer'
 does inside a network):
 
 - "megatron": `tplab.megatron.parallelize`, one f (or one all-gather under SP) per region:
-  exactly `block_collectives`. Under SP its norms see sequence shards, so their weight
-  gradients are partial and a hook all-reduces each one (dim x dtype bytes) in backward.
+  exactly `block_collectives`. Under SP its norms (and the MLP's row-parallel bias) see
+  sequence shards, so their gradients are partial and a hook all-reduces each one
+  (dim x dtype bytes) in backward.
 - "dtensor": `tplab.plans.mlp()` / `tplab.plans.block(sp)` through `parallelize_module`.
   Without SP, ColwiseParallel turns each column-parallel linear's input into a DTensor of its
   own, so the backward costs one all-reduce per such linear (wq, wk, wv; w1, w3) where
@@ -69,5 +70,8 @@ def lab_collectives(model, cfg, tp: int, sequence_parallel: bool = False,
             backward = [r for region in reversed(regions) for r in
                         [*(b for b in backward if b["module"] == region),
                          rec("backward", at[region], "all_reduce", cfg.dim * shape.dtype_bytes)]]
+        if plan == "megatron" and kind == "mlp":            # w2's bias adds on sequence
+            backward.insert(0, rec("backward", "w2", "all_reduce",   # shards: partial grad
+                                   cfg.dim * shape.dtype_bytes))
         backward.append(rec("backward", "", "all_gather"))   # the whole input's gradient
     return forward + backward
