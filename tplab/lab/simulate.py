@@ -22,6 +22,11 @@ Limits (say them in a lesson that uses it):
 - Random ops through the default generator start from the same state on every rank, but a
   random op on an explicit `torch.Generator` gives each rank different values: make inputs
   outside `run` (pass them as arguments) or with `tplab.models.make_input`.
+- Adding a per-rank number straight to a tensor made outside fn (`t + dist.get_rank()`,
+  `t - mesh.get_local_rank() * 2`) gives wrong values with no error (every rank's result
+  is offset by a sentinel such as -7777777): turn the number into a tensor inside fn
+  first, `t + (torch.zeros((), dtype=t.dtype) + rank)`, or use real processes.
+- FSDP2 (`fully_shard`) does not run here (it resizes storages LocalTensor lacks).
 - A few collectives differ from CPU processes: DTensor's Shard(i) -> Shard(j) is an
   all-to-all here, where gloo (no all-to-all) all-gathers instead.
 - Ops that a DTensor plan leaves as AsyncCollectiveTensors are waited on before results
