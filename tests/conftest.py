@@ -18,8 +18,9 @@ import tplab  # noqa: E402
 
 
 def pytest_terminal_summary(terminalreporter):
-    for line in report.LINES:
-        terminalreporter.write_line(line)
+    for lines in report.LINES.values():
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 class _Labs:

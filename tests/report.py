@@ -1,3 +1,4 @@
-"""Lines that test modules want printed at the end of the run (see conftest.py)."""
+"""Lines that test modules want printed at the end of the run (see conftest.py), by topic:
+a module set up twice (session fixtures with params) overwrites its earlier lines."""
 
-LINES: list[str] = []
+LINES: dict[str, list[str]] = {}

@@ -149,5 +149,6 @@ def test_interrupt_reaches_every_rank(lab, code):
 
 
 def teardown_module(module):
-    report.LINES.append(f"fault injection: {SUMMARY['tried']} faults tried, "
-                        f"{SUMMARY['survived']} survived, {SUMMARY['leaked']} processes leaked")
+    report.LINES["faults"] = [f"fault injection: {SUMMARY['tried']} faults tried, "
+                              f"{SUMMARY['survived']} survived, "
+                              f"{SUMMARY['leaked']} processes leaked"]

@@ -80,6 +80,7 @@ class Lab:
         self._rank_pids: list[int] = []
         self._engine_ids: list[int] = []  # ipyparallel engine id of each rank, in rank order
         self._dead_engine_ids: list[int] = []  # ids of ended ranks the hub may still list
+        self._view = None  # a DirectView on every rank, made once per set of ranks
         self._closed = False
         self._state_dir = tempfile.mkdtemp(prefix="tplab-")  # mode 0700: owner only
         self._finalizer = weakref.finalize(self, Lab._cleanup, self._state_holder())
@@ -334,7 +335,10 @@ class Lab:
         self._check_open()
         ranks = self._ranks(ranks)
         cell = next(self._cells)
-        view = self._client.direct_view([self._engine_ids[r] for r in ranks])
+        targets = [self._engine_ids[r] for r in ranks]
+        if self._view is None or self._view.targets != self._engine_ids:
+            self._view = self._client.direct_view(self._engine_ids)
+        view = self._view if targets == self._engine_ids else self._client.direct_view(targets)
         ar = view.apply_async(remote_fn, payload, cell)  # one request for all ranks
         return self.watchdog.wait(RankResults(ar, ranks), cell, timeout or self.timeout)
 

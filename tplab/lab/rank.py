@@ -23,7 +23,7 @@ import traceback
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 
-from tplab.lab.transfer import pack
+from tplab.lab.transfer import pack, to_wire
 
 WHERE_KEY = "tplab/where/{rank}"
 REPORT_INTERVAL_S = 0.1
@@ -215,17 +215,17 @@ class Reply:
     stderr: str
 
 
-def _run_cell(cell: int, body) -> Reply:
+def _run_cell(cell: int, body) -> tuple:
     out, err = io.StringIO(), io.StringIO()
     with _cell(cell), redirect_stdout(out), redirect_stderr(err):
         try:
             value = pack(body(), STATE.rank)
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
             value = _failure(exc)
-    return Reply(value, out.getvalue(), err.getvalue())
+    return to_wire(Reply(value, out.getvalue(), err.getvalue()))
 
 
-def call_pickled(payload: bytes, cell: int) -> Reply:
+def call_pickled(payload: bytes, cell: int) -> tuple:
     """Run fn(*args, **kwargs) for `lab.run`; payload is cloudpickle of
     (fn, args, kwargs, fn's source)."""
     import cloudpickle
@@ -239,7 +239,7 @@ def call_pickled(payload: bytes, cell: int) -> Reply:
     return _run_cell(cell, body)
 
 
-def execute(code: str, cell: int) -> Reply:
+def execute(code: str, cell: int) -> tuple:
     """Run a cell's code in the rank's namespace; the value is the last expression's."""
     filename = f"<ranks cell {cell}>"
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
@@ -256,13 +256,13 @@ def execute(code: str, cell: int) -> Reply:
     return _run_cell(cell, body)
 
 
-def push_pickled(payload: bytes, cell: int) -> Reply:
+def push_pickled(payload: bytes, cell: int) -> tuple:
     import cloudpickle
 
     return _run_cell(cell, lambda: _user_ns().update(cloudpickle.loads(payload)))
 
 
-def pull(name: str, cell: int) -> Reply:
+def pull(name: str, cell: int) -> tuple:
     ns = _user_ns()
     return _run_cell(cell, lambda: ns[name] if name in ns else Missing())
 

@@ -65,7 +65,9 @@ def _pack_tensor(t: torch.Tensor) -> _PackedTensor:
 
 
 def _unpack_tensor(p: _PackedTensor) -> torch.Tensor:
-    array = p.array if p.array.flags.c_contiguous else np.ascontiguousarray(p.array)
+    array = p.array
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        array = np.array(array, order="C")  # a received buffer is read-only: own a copy
     # (np.ascontiguousarray would also turn a 0-d array, a loss, into shape (1,).)
     t = torch.from_numpy(array.reshape(p.array.shape))
     dtype = getattr(torch, p.dtype)
@@ -140,3 +142,30 @@ def unpack(obj):
     if isinstance(obj, dict):
         return {k: unpack(v) for k, v in obj.items()}
     return obj
+
+
+# --- the wire: how a rank's reply travels -------------------------------------------------
+
+WIRE_TAG = "tplab-wire-1"
+
+
+def to_wire(obj) -> tuple:
+    """Rank side: pickle `obj` with its arrays out of band (pickle protocol 5), as a tuple
+    (tag, header, array, ...) that ipyparallel sends with every array as a zero-copy frame.
+    cloudpickle, so that instances of classes defined in the notebook come back too."""
+    import cloudpickle
+
+    buffers: list = []
+    header = cloudpickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    return (WIRE_TAG, header, *(np.frombuffer(b.raw(), dtype=np.uint8) for b in buffers))
+
+
+def is_wire(message) -> bool:
+    return isinstance(message, tuple) and len(message) >= 2 and message[0] == WIRE_TAG
+
+
+def from_wire(message: tuple):
+    """Notebook side: the inverse of `to_wire`."""
+    import pickle
+
+    return pickle.loads(message[1], buffers=[memoryview(b) for b in message[2:]])

@@ -25,7 +25,7 @@ from tplab.errors import CollectiveHang, LabError, RankDied, RankError
 from tplab.lab import diagnose
 from tplab.lab import rank as rank_side
 from tplab.lab.output import print_grouped
-from tplab.lab.transfer import unpack
+from tplab.lab.transfer import from_wire, is_wire, unpack
 
 STUCK_AFTER_FAILURE_S = 2.0  # ranks still running this long after another rank failed are stuck
 POLL_S = 0.05
@@ -37,6 +37,7 @@ class RankResults:
     def __init__(self, ar, ranks: list[int]):
         self.ar, self.ranks = ar, ranks
         self._futures = dict(zip(ranks, ar._children, strict=True))  # one per target
+        self._replies: dict = {}
 
     def done(self, r: int) -> bool:
         return self._futures[r].done()
@@ -45,8 +46,11 @@ class RankResults:
         return [r for r in self.ranks if not self._futures[r].done()]
 
     def result(self, r: int):
-        """The rank's reply; an ipyparallel error (engine died...) is returned, not raised."""
-        return self._futures[r].result()
+        """The rank's Reply; an ipyparallel error (engine died...) is returned, not raised."""
+        if r not in self._replies:
+            message = self._futures[r].result()
+            self._replies[r] = from_wire(message) if is_wire(message) else message
+        return self._replies[r]
 
     def value(self, r: int):
         """The rank's value, RankFailure or ipyparallel error, once it is done."""
@@ -115,6 +119,7 @@ class Watchdog:
         failed_at = None
         try:
             while True:
+                res.ar.wait(POLL_S)  # returns as soon as every rank is done
                 pending = res.pending()
                 if not pending:
                     break
@@ -130,7 +135,6 @@ class Watchdog:
                     break
                 if now - started > timeout:
                     self._hang(res, cell, timeout)
-                res.ar.wait(POLL_S)
         except KeyboardInterrupt:
             self._interrupt(res)
             raise
