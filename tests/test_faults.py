@@ -9,9 +9,9 @@ import _thread
 import threading
 import time
 
-import psutil
 import pytest
 import report
+from pids import alive
 
 import tplab
 
@@ -27,17 +27,6 @@ def allreduce_sum():
     return x.item()
 
 
-def still_alive(pids) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def inject(lab, fault, check):
     """Run one fault, check the error, then check the lab answers right and leaked nothing."""
     SUMMARY["tried"] += 1
@@ -47,7 +36,7 @@ def inject(lab, fault, check):
     n = lab.world_size
     assert lab.run(allreduce_sum) == [n * (n + 1) / 2] * n
     time.sleep(0.5)
-    leaked = [p for p in still_alive(before) if p not in set(lab.pids)]
+    leaked = [p for p in alive(before) if p not in set(lab.pids)]
     SUMMARY["leaked"] += len(leaked)
     assert leaked == [], f"processes of the old ranks still running: {leaked}"
     SUMMARY["survived"] += 1

@@ -9,30 +9,12 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
+from pids import alive, wait_gone
 
 import tplab
-
-
-def alive(pids) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def wait_gone(pids, seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive(pids)
 
 
 @pytest.fixture(scope="module")
