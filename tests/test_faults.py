@@ -141,3 +141,17 @@ def teardown_module(module):
     report.LINES["faults"] = [f"fault injection: {SUMMARY['tried']} faults tried, "
                               f"{SUMMARY['survived']} survived, "
                               f"{SUMMARY['leaked']} processes leaked"]
+
+
+def test_ranks_still_computing_after_another_failed_are_not_restarted(labs):
+    """Rank 1 fails at once; rank 0 computes for 3 s without a collective: the lab waits
+    for rank 0 rather than restarting it, and rank 0's names survive."""
+    lab = labs.get(2)
+    lab.execute("kept = rank + 100")
+    pids = list(lab._rank_pids)
+    code = "import time\nif rank == 1:\n    raise ValueError('early')\ntime.sleep(3)"
+    with pytest.raises(tplab.RankError) as info:
+        lab.execute(code, timeout=30)
+    assert info.value.ranks == [1] and "restarted" not in str(info.value)
+    assert lab._rank_pids == pids
+    assert lab.execute("kept") == [100, 101]

@@ -27,7 +27,8 @@ from tplab.lab import rank as rank_side
 from tplab.lab.output import print_grouped
 from tplab.lab.transfer import from_wire, is_wire, unpack
 
-STUCK_AFTER_FAILURE_S = 2.0  # ranks still running this long after another rank failed are stuck
+# Ranks still in a collective this long after another rank failed are waiting for it: stuck.
+STUCK_AFTER_FAILURE_S = 2.0
 POLL_S = 0.05
 
 
@@ -131,14 +132,20 @@ class Watchdog:
                 if failed_at is None and any(
                         isinstance(res.value(r), rank_side.RankFailure) for r in finished):
                     failed_at = now
-                if failed_at is not None and now - failed_at > STUCK_AFTER_FAILURE_S:
-                    break
+                if failed_at is not None and now - failed_at > STUCK_AFTER_FAILURE_S \
+                        and self._waiting_in_collective(pending, cell):
+                    break  # they wait for the failed ranks, which will never join
                 if now - started > timeout:
                     self._hang(res, cell, timeout)
         except KeyboardInterrupt:
             self._interrupt(res)
             raise
         return self._collect(res, cell)
+
+    def _waiting_in_collective(self, ranks: list[int], cell: int) -> bool:
+        where = self.where()
+        return any(where.get(r, {}).get("cell") == cell
+                   and where[r].get("state") == "in_collective" for r in ranks)
 
     def _collect(self, res: RankResults, cell: int) -> list:
         stuck = res.pending()
