@@ -43,9 +43,22 @@ COLLECTIVE_FRAMES = {
     "_to_replicate_tensor": "all_gather", "_to_new_shard_dim": "all_to_all",
     "wait_tensor": "wait_tensor",
 }
-_LIBRARY_PARTS = (os.sep + "torch" + os.sep, os.sep + "tplab" + os.sep + "lab" + os.sep,
-                  os.sep + "ipyparallel" + os.sep, os.sep + "IPython" + os.sep,
-                  os.sep + "ipykernel" + os.sep, "threading.py", "<frozen")
+_LIBRARY_PARTS = ("<frozen", "threading.py")  # and the packages' own folders, below
+
+
+def _package_dirs() -> tuple[str, ...]:
+    """Folders of code that is not the learner's: a hang is reported at the learner's line."""
+    import importlib.util
+
+    dirs = []
+    for name in ("torch", "tplab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
+    return tuple(dirs)
+
+
+_LIBRARY_PARTS += _package_dirs()
 
 
 @dataclass
