@@ -240,3 +240,18 @@ def test_functions_passed_as_arguments_travel_by_value(lab):
     # make_three lives in this test file, which the ranks cannot import.
     assert lab.run(lambda f: f() + 1, make_three) == [4] * lab.world_size
     assert lab.run(lambda c: c.bump().value, c=Counter(0)) == [1] * lab.world_size
+
+
+def test_a_traced_function_can_be_sent_after_the_notebook_touched_tplab_trace(lab):
+    # Using tplab.trace in the notebook (as simulate does) must not stop functions that use
+    # it from travelling to the ranks.
+    import tplab.tracing  # noqa: F401
+
+    assert callable(tplab.trace)
+
+    def traced():
+        with tplab.trace() as t:
+            torch.distributed.all_reduce(torch.ones(2))
+        return t.counts()
+
+    assert lab.run(traced)[0]["forward"] == {"all_reduce": 1}

@@ -22,7 +22,8 @@ _LAZY = {
     "make_mesh": "tplab.mesh",
     "apply_plan": "tplab.plans",
     "describe_plan": "tplab.plans",
-    "trace": "tplab.trace",
+    "trace": "tplab.tracing",  # the module is tracing.py, so tplab.trace stays the function
+    "tracing": None,
     "megatron": None,
     "models": None,
     "plans": None,

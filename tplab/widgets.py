@@ -102,7 +102,7 @@ def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> d
     from tplab import megatron
     from tplab.mesh import make_mesh, tp_mesh
     from tplab.plans import apply_plan
-    from tplab.trace import Trace
+    from tplab.tracing import Trace
 
     world = dist.get_world_size()
     mesh = make_mesh(tp=s.tp) if s.tp == world else make_mesh(dp=world // s.tp, tp=s.tp)

@@ -26,9 +26,7 @@ from Python (its ProcessGroup argument is a TorchScript object).
 
 from __future__ import annotations
 
-import sys
 import time
-import types
 from collections import defaultdict
 
 import torch
@@ -345,14 +343,3 @@ class Trace(TorchDispatchMode):
 def trace() -> Trace:
     """A context manager that records every collective this rank issues (see module doc)."""
     return Trace()
-
-
-class _CallableModule(types.ModuleType):
-    """`tplab.trace` names both this module and the function above: importing the module
-    binds it to that name on the package, so the module itself answers `tplab.trace()`."""
-
-    def __call__(self) -> Trace:
-        return Trace()
-
-
-sys.modules[__name__].__class__ = _CallableModule
