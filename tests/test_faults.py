@@ -103,10 +103,12 @@ def test_exception_while_others_wait_is_a_quick_rank_error(lab):
 ])
 def test_a_rank_that_dies_is_named(lab, how, words):
     last = lab.world_size - 1
-    code = f"import os, signal\nif rank == {last}:\n    {how}\ndist.barrier()"
+    code = (f"import os, signal\nprint('rank', rank, 'before the fault')\n"
+            f"if rank == {last}:\n    {how}\ndist.barrier()")
 
     def check(err, lab):
         assert f"rank {last} " in str(err) and words in str(err)
+        assert f"rank {last} before the fault" in str(err)  # what it printed before dying
         assert last in err.ranks
         assert "restarted" in str(err)
 

@@ -72,7 +72,13 @@ def _warm_torch() -> None:
     import torch.distributed.tensor  # noqa: F401
 
 
+LOG_FD_ENV = "TPLAB_LOG_FD"
+
+
 def _run_engine(argv: list[str]) -> None:
+    # Keep a handle on the process's own output (its log) before the engine captures
+    # fds 1 and 2 for the notebook: cells copy their output there (see rank._Capture).
+    os.environ[LOG_FD_ENV] = str(os.dup(2))
     sys.argv = ["tplab-engine", *argv]
     from ipyparallel.engine.app import main as ipengine
 

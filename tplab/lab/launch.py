@@ -37,6 +37,7 @@ _log.addHandler(logging.StreamHandler(sys.stderr))
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
 DEFAULT_TIMEOUT_S = 60.0  # a cell that runs longer than this in a workshop is a hang
+_IPP_LOG_MARKS = ("[IPEngine", "[IPKernelApp]", "[KernelNanny]")  # ipyparallel's own lines
 
 
 def _loopback_interface() -> str | None:
@@ -216,7 +217,13 @@ class Lab:
             for el in getattr(engine_set, "launchers", {}).values():
                 if el.pid == pid and os.path.exists(el.output_file):
                     with open(el.output_file, errors="replace") as f:
-                        return "".join(f.readlines()[-lines:]).rstrip()
+                        # The rank's own output and crash report, not ipyparallel's log.
+                        mine = [x for x in f if not any(p in x for p in _IPP_LOG_MARKS)]
+                    crash = next((i for i, x in enumerate(mine) if x.startswith("Fatal Python")),
+                                 None)
+                    if crash is not None:  # faulthandler's report: the crashing stack first
+                        return "".join(mine[max(0, crash - 3):crash + lines]).rstrip()
+                    return "".join(mine[-lines:]).rstrip()
         return ""
 
     def restart(self) -> float:

@@ -11,6 +11,7 @@ store, so the notebook can say what hangs without asking the busy rank.
 from __future__ import annotations
 
 import ast
+import faulthandler
 import io
 import json
 import linecache
@@ -153,6 +154,8 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
                             world_size=world_size, timeout=timedelta(seconds=timeout_s),
                             **kwargs)
     STATE.rank, STATE.world_size, STATE.store = rank, world_size, store
+    if _log_file() is not None:  # a crash in C code prints the Python stack to the log
+        faulthandler.enable(file=_log_file(), all_threads=False)
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, tplab=tplab)
     threading.Thread(target=_report_loop, daemon=True, name="tplab-reporter").start()
     return os.getpid()
@@ -228,8 +231,41 @@ class Reply:
     stderr: str
 
 
+class _Capture(io.StringIO):
+    """A cell's stdout or stderr: kept to send back with the reply, and copied to the
+    process's own output (the rank's log), so that what a rank printed before it died
+    can be shown in the RankDied message."""
+
+    def __init__(self, log):
+        super().__init__()
+        self._log = log
+
+    def write(self, text: str) -> int:
+        if self._log is not None:
+            try:
+                self._log.write(text)
+                self._log.flush()
+            except (OSError, ValueError):
+                self._log = None
+        return super().write(text)
+
+
+_log = None
+
+
+def _log_file():
+    """The rank process's own output file (its log), or None where there is none."""
+    global _log
+    if _log is None:
+        from tplab.lab.entry import LOG_FD_ENV
+
+        fd = os.environ.get(LOG_FD_ENV)
+        _log = os.fdopen(int(fd), "w", buffering=1, closefd=False) if fd else False
+    return _log or None
+
+
 def _run_cell(cell: int, body) -> tuple:
-    out, err = io.StringIO(), io.StringIO()
+    out, err = _Capture(_log_file()), _Capture(_log_file())
     with _cell(cell), redirect_stdout(out), redirect_stderr(err):
         try:
             value = pack(body(), STATE.rank)

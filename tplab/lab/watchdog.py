@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -109,7 +110,7 @@ class Watchdog:
             try:
                 pids.append(ar.get(0))
             except ipp_error.RemoteError as exc:
-                detail = "\n".join(exc.render_traceback())
+                detail = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(exc.render_traceback()))
                 raise LabError(f"rank {r} could not join the process group "
                                f"({self.lab.backend}):\n{detail}") from None
         return pids
@@ -205,7 +206,9 @@ class Watchdog:
         detail = "".join(f"\n--- last output of rank {r} ---\n{log}"
                          for r, log in zip([r for r in dead if r >= 0], logs, strict=True) if log)
         raise RankDied(f"{'; '.join(lines)} while running the cell.{detail}\nThe lab restarted "
-                       f"its {self.lab.world_size} ranks in {took:.1f} s and is ready again.",
+                       f"its {self.lab.world_size} ranks in {took:.1f} s and is ready again; "
+                       "names defined on the ranks are gone, so rerun the cells that set "
+                       "them up.",
                        ranks=dead)
 
     def _interrupt(self, res: RankResults) -> None:
