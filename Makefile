@@ -9,7 +9,8 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 lab:
 	scripts/env.sh jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(PORT) \
-	  --ServerApp.root_dir=notebooks --ServerApp.open_browser=False $(ROOT_FLAG)
+	  --ServerApp.root_dir=notebooks --ServerApp.open_browser=False \
+	  --LanguageServerManager.autodetect=False $(ROOT_FLAG)
 
 test:
 	scripts/env.sh python -m pytest -q $(PYTEST_ARGS)

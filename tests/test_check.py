@@ -188,3 +188,17 @@ def test_a_2d_check_says_when_the_mesh_or_the_batch_does_not_fit():
     with pytest.raises(tplab.LabError, match=r"dim 0 of the input \(shape \(3, 4, 16\)\) must "
                                              r"divide into dp=2"):
         tplab.grad_check(sim, build(models.MLP), plans.mlp(), activations(odd), dp=2)
+
+
+def test_a_bad_plan_is_refused_in_the_notebook_before_the_ranks_run_anything():
+    import pytest
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    import tplab
+    from tplab import models
+
+    sim = tplab.simulate(2)
+    cfg = models.Config(dim=16, hidden_dim=32, n_heads=2, seq_len=4, batch_size=2)
+    with pytest.raises(tplab.PlanError, match="closest module paths"):
+        tplab.grad_check(sim, lambda: models.MLP(cfg), {"w11": ColwiseParallel()},
+                         lambda: models.make_input(cfg))

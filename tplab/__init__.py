@@ -1,6 +1,6 @@
 """tplab: a lab for learning tensor parallelism with PyTorch DTensor by running it.
 
-The public API (see DESIGN.md). Names are imported lazily so that `import tplab`
+The public API (see docs/DESIGN.md). Names are imported lazily so that `import tplab`
 stays cheap on both sides: the notebook kernel and every rank process.
 """
 

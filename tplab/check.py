@@ -293,6 +293,10 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
     module docstring for how the arguments are called."""
     dp, tp = _mesh_shape(lab.world_size, dp, tp)
     model = build_model()
+    if isinstance(plan, dict):  # a PlanError here, before anything is sent to the ranks
+        from tplab.plans import check_plan
+
+        check_plan(model, plan, tp)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     x = make_input()
     x_ref = x.clone()

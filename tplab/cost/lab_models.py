@@ -11,7 +11,7 @@ does inside a network):
 - "dtensor": `tplab.plans.mlp()` / `tplab.plans.block(sp)` through `parallelize_module`.
   Without SP, ColwiseParallel turns each column-parallel linear's input into a DTensor of its
   own, so the backward costs one all-reduce per such linear (wq, wk, wv; w1, w3) where
-  Megatron's single f costs one per region (DESIGN.md). Under SP it matches Megatron, and
+  Megatron's single f costs one per region (docs/DESIGN.md). Under SP it matches Megatron, and
   the norm gradients stay Partial DTensors (reduced when used, not in this step).
 
 Under SP the standalone model takes and returns the whole sequence: it all-gathers its

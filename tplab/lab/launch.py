@@ -59,7 +59,7 @@ class Lab:
     """N rank processes, each an ipyparallel engine with torch.distributed initialised.
 
     Use `tplab.launch(...)` to make one. `run`, `execute`, `push` and `pull` return one
-    item per rank, in rank order. See DESIGN.md for the whole contract.
+    item per rank, in rank order. See docs/DESIGN.md for the whole contract.
     """
 
     def __init__(self, world_size: int = 4, backend: str = "auto", engines: str = "local",

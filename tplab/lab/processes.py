@@ -106,7 +106,7 @@ def kill_trees(pids, timeout: float = 5.0) -> list[int]:
 class ForkServer:
     """The notebook's handle on a zygote process (`python -m tplab.lab.entry zygote`) that
     imported torch once and forks rank processes on request: a rank starts in a fraction
-    of a second instead of paying torch's import again (DESIGN.md: about 0.4x the floor)."""
+    of a second instead of paying torch's import again (docs/DESIGN.md: about 0.4x the floor)."""
 
     def __init__(self, env: dict[str, str], log_path: str):
         import subprocess

@@ -97,7 +97,7 @@ def _user_ns() -> dict:
 
 def _wait_for_port(host: str, port: int, timeout: float) -> None:
     """Poll until rank 0's store listens: a TCPStore client that connects too early
-    backs off for 0.3-0.7 s (DESIGN.md)."""
+    backs off for 0.3-0.7 s (docs/DESIGN.md)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

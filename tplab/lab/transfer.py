@@ -1,7 +1,7 @@
 """Moving results from ranks to the notebook.
 
 torch's own pickling of tensors is slow through ipyparallel (about 10x numpy for
-4 MB, see DESIGN.md), so a rank turns every tensor into a numpy array, which
+4 MB, see docs/DESIGN.md), so a rank turns every tensor into a numpy array, which
 ipyparallel sends zero-copy, and the notebook turns it back. A DTensor comes back
 as a `LocalShard`: this rank's block plus where it sits in the global tensor.
 """
