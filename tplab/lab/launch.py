@@ -351,12 +351,16 @@ class Lab:
 
 
 def _source_of(fn) -> tuple[str, list[str]] | None:
-    """fn's file name and source lines, so that a rank's traceback shows the code
-    (cloudpickle drops file names of code it sends by value)."""
+    """fn's file name and the lines of its file up to its end (earlier lines blank), so
+    that a rank's traceback shows the code (cloudpickle drops file names of code it sends
+    by value). Only fn's own lines travel, not the whole file."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
-    return code.co_filename, linecache.getlines(code.co_filename)
+    last = max((line for *_, line in code.co_lines() if line), default=code.co_firstlineno)
+    lines = linecache.getlines(code.co_filename)[:last]
+    first = code.co_firstlineno - 1
+    return code.co_filename, ["\n"] * first + lines[first:]
 
 
 def _send_by_value(obj) -> None:
