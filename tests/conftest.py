@@ -17,6 +17,12 @@ import report  # noqa: E402  (tests/report.py)
 import tplab  # noqa: E402
 
 
+def pytest_unconfigure(config):
+    import shutil
+
+    shutil.rmtree(_STATE, ignore_errors=True)
+
+
 def pytest_terminal_summary(terminalreporter):
     for lines in report.LINES.values():
         for line in lines:

@@ -81,6 +81,7 @@ import json, sys, time
 import tplab
 lab = tplab.launch({n})
 print(json.dumps(lab.pids), flush=True)
+print(lab._state_dir, flush=True)
 time.sleep(600)
 """
 
@@ -91,11 +92,14 @@ def test_processes_exit_when_the_owner_is_sigkilled(world_size, tmp_path):
                              stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         pids = json.loads(owner.stdout.readline())
+        state_dir = owner.stdout.readline().strip()
+        assert os.path.isdir(state_dir)
         assert len(pids) >= world_size + 1
         assert alive(pids) == sorted(pids)
         owner.send_signal(signal.SIGKILL)
         owner.wait()
         assert wait_gone(pids, 10) == [], "lab processes outlived their owner by 10 s"
+        assert not os.path.exists(state_dir), "the lab's state folder outlived its owner"
     finally:
         owner.kill()
 

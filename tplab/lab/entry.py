@@ -16,6 +16,7 @@ import threading
 import time
 
 OWNER_ENV = "TPLAB_OWNER"  # "pid:start_time" of the notebook kernel that owns the lab
+STATE_DIR_ENV = "TPLAB_STATE_DIR"  # the lab's private folder, removed when the owner dies
 POLL_S = 0.5
 
 
@@ -53,8 +54,14 @@ def _owner_alive(token: str) -> bool:
 def _watch_owner(token: str) -> None:
     while _owner_alive(token):
         time.sleep(POLL_S)
-    # The owner is gone: end this process and the children it started (the engine's
-    # nanny, the controller's schedulers), which share its process group.
+    # The owner is gone: remove the lab's state folder (the owner cannot any more), then
+    # end this process and the children it started (the engine's nanny, the controller's
+    # schedulers), which share its process group.
+    state_dir = os.environ.get(STATE_DIR_ENV)
+    if state_dir and os.path.basename(state_dir).startswith("tplab-"):
+        import shutil
+
+        shutil.rmtree(state_dir, ignore_errors=True)
     try:
         os.killpg(os.getpgrp(), signal.SIGKILL)
     finally:

@@ -26,7 +26,7 @@ from traitlets.config import Config
 from tplab.errors import LabError
 from tplab.lab import processes
 from tplab.lab import rank as rank_side
-from tplab.lab.entry import OWNER_ENV, owner_token
+from tplab.lab.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
 from tplab.lab.validate import check_launch_args, check_timeout, resolve_backend
 from tplab.lab.watchdog import RankResults, Watchdog
 
@@ -104,6 +104,7 @@ class Lab:
         started = time.monotonic()
         env = {
             OWNER_ENV: owner_token(),
+            STATE_DIR_ENV: self._state_dir,
             "IPYTHONDIR": os.path.join(self._state_dir, "ipython"),
             "OMP_NUM_THREADS": str(self.threads_per_rank),
             "PYTHONUNBUFFERED": "1",
