@@ -246,25 +246,23 @@ class GradCheckReport:
                           for r in self.failures)
         return f"{head}: FAILED: {wrong}"
 
-    def _cells(self):
-        for r in self.rows:
-            yield [r["name"], r["kind"], f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}",
-                   "ok" if r["ok"] else "WRONG", r["note"]]
-
-    def __str__(self) -> str:
+    def _table(self, fmt: str) -> str:
+        """The rows as a table; the note column only when some row has a note."""
         from tabulate import tabulate
 
-        table = tabulate(list(self._cells()),
-                         headers=["tensor", "kind", "max abs", "max rel", "", "note"])
-        return f"{self.summary()}\n{table}"
+        notes = any(r["note"] for r in self.rows)
+        headers = ["tensor", "kind", "max abs", "max rel", "verdict"] + (["note"] if notes else [])
+        cells = [[r["name"], r["kind"], f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}",
+                  "ok" if r["ok"] else "WRONG"] + ([r["note"]] if notes else []) for r in self.rows]
+        return tabulate(cells, headers=headers, tablefmt=fmt)
+
+    def __str__(self) -> str:
+        return f"{self.summary()}\n{self._table('simple')}"
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        from tabulate import tabulate
-
-        table = tabulate(list(self._cells()), tablefmt="html",
-                         headers=["tensor", "kind", "max abs", "max rel", "", "note"])
+        table = self._table("html")
         colour = "green" if self.ok else "red"
         return f'<p style="color:{colour}">{self.summary()}</p>{table}'
 
