@@ -255,3 +255,21 @@ def test_a_traced_function_can_be_sent_after_the_notebook_touched_tplab_trace(la
         return t.counts()
 
     assert lab.run(traced)[0]["forward"] == {"all_reduce": 1}
+
+
+def test_a_plan_error_on_the_ranks_is_also_a_plan_error(lab):
+    def bad_plan():
+        from torch import nn
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        model = nn.Sequential(nn.Linear(4, 8))
+        mesh = tplab.make_mesh(tp=torch.distributed.get_world_size())
+        tplab.apply_plan(model, mesh, {"1": ColwiseParallel()})
+
+    try:
+        lab.run(bad_plan)
+    except tplab.PlanError as exc:
+        assert isinstance(exc, tplab.RankError)
+        assert "matches no module" in str(exc)
+    else:
+        raise AssertionError("no PlanError")

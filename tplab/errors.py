@@ -67,3 +67,8 @@ class CollectiveHang(LabError):
 
 class PlanError(LabError, ValueError):
     """A tensor-parallel plan that does not fit the model or the mesh."""
+
+
+class RankPlanError(RankError, PlanError):
+    """A PlanError raised on the ranks (apply_plan inside a cell): caught by
+    `except tplab.PlanError` as well as by `except tplab.RankError`."""

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 from ipyparallel import error as ipp_error
 
-from tplab.errors import CollectiveHang, LabError, RankDied, RankError
+from tplab.errors import CollectiveHang, LabError, RankDied, RankError, RankPlanError
 from tplab.lab import diagnose
 from tplab.lab import rank as rank_side
 from tplab.lab.output import print_grouped
@@ -168,8 +168,9 @@ class Watchdog:
                 where = self.where()
                 took = self.lab.restart()
                 note = diagnose.stuck_note(stuck, where, cell, took)
-            error = RankError({r: f.traceback for r, f in failures.items()},
-                              self.lab.world_size)
+            kind = RankPlanError if all(f.ename == "PlanError" for f in failures.values()) \
+                else RankError
+            error = kind({r: f.traceback for r, f in failures.items()}, self.lab.world_size)
             if note:
                 error.args = (f"{error.args[0]}\n{note}",)
             raise error
