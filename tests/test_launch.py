@@ -208,10 +208,13 @@ def test_unpicklable_function_is_refused_with_a_clear_error(lab):
 
 def test_magics_through_ipython(lab, capsys):
     from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
 
     from tplab.lab.magics import register_magics
 
-    shell = InteractiveShell.instance()
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"  # no history database left behind
+    shell = InteractiveShell.instance(config=config)
     register_magics(lab)
     n = lab.world_size
     result = shell.run_cell("%%ranks\nz = rank * 2\nz")
