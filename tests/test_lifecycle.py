@@ -127,3 +127,16 @@ def test_kernel_restart_ends_the_lab(now, tmp_path):
         kc.stop_channels()
         km.shutdown_kernel(now=True)
 
+
+
+def test_ranks_started_without_the_fork_server():
+    """fork=False: ipyparallel's own launcher starts each rank (with its nanny); the lab
+    works, reports a death, and ends every process."""
+    with tplab.launch(2, fork=False) as lab:
+        assert lab.execute("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()") \
+            == [3.0, 3.0]
+        with pytest.raises(tplab.RankDied, match="rank 1 exited with status 7"):
+            lab.execute("import os\nif rank == 1:\n    os._exit(7)\ndist.barrier()")
+        assert lab.execute("rank") == [0, 1]
+        pids = lab.pids
+    assert wait_gone(pids, 10) == []
