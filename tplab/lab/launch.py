@@ -64,7 +64,8 @@ class Lab:
 
     def __init__(self, world_size: int = 4, backend: str = "auto", engines: str = "local",
                  timeout: float | None = None, ip: str = "127.0.0.1",
-                 threads_per_rank: int | None = None, fork: bool = True, **cluster_options):
+                 threads_per_rank: int | None = None, fork: bool = True,
+                 master_addr: str | None = None, **cluster_options):
         check_launch_args(world_size, backend, engines, ip)
         self.world_size = world_size
         # Local ranks: decided here. Ranks elsewhere (mpi, slurm...) decide "auto" themselves.
@@ -73,7 +74,11 @@ class Lab:
         self.timeout = check_timeout(timeout, "timeout") or DEFAULT_TIMEOUT_S
         self.ip = ip
         self.threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-        self._cluster_options = cluster_options
+        self._cluster_options = cluster_options  # passed on to ipyparallel.Cluster
+        # Where rank 0's rendezvous store listens: the lab's ip, or this host's name when
+        # the lab listens on every interface (so that ranks elsewhere can reach it).
+        self._master_addr = master_addr or (
+            ip if ip not in ("0.0.0.0", "*", "") else socket.gethostname())
         self.fork = fork  # local ranks forked from a process that imported torch once
         self._fork_server = None
         self._cells = itertools.count(1)
@@ -165,7 +170,7 @@ class Lab:
 
     def _init_ranks(self) -> None:
         port = _free_port(self.ip if self.ip != "0.0.0.0" else "127.0.0.1")
-        self.master_addr, self.master_port = self._master_addr(), port
+        self.master_addr, self.master_port = self._master_addr, port
         ars = [
             self._client[eid].apply_async(
                 rank_side.init_rank, r, self.world_size, self.backend, self.master_addr, port,
@@ -174,10 +179,6 @@ class Lab:
         ]
         self._rank_pids = self.watchdog.wait_for_init(ars)
         self.watchdog.connect_store(self.master_addr, port)
-
-    def _master_addr(self) -> str:
-        return self._cluster_options.get("master_addr") or (
-            self.ip if self.ip not in ("0.0.0.0", "*", "") else socket.gethostname())
 
     def _remember_roots(self) -> None:
         roots = []
@@ -237,7 +238,7 @@ class Lab:
         self._dead_engine_ids += self._engine_ids
         for set_id in list(self._cluster.engines):
             self._cluster.engines.pop(set_id)
-        self._rank_pids = []
+        self._rank_pids, self._view = [], None
         self._start_ranks()
         return time.monotonic() - started
 
@@ -343,10 +344,12 @@ class Lab:
         self._check_open()
         ranks = self._ranks(ranks)
         cell = next(self._cells)
-        targets = [self._engine_ids[r] for r in ranks]
-        if self._view is None or self._view.targets != self._engine_ids:
-            self._view = self._client.direct_view(self._engine_ids)
-        view = self._view if targets == self._engine_ids else self._client.direct_view(targets)
+        if len(ranks) < self.world_size:
+            view = self._client.direct_view([self._engine_ids[r] for r in ranks])
+        else:
+            if self._view is None:  # made once per set of rank processes
+                self._view = self._client.direct_view(self._engine_ids)
+            view = self._view
         ar = view.apply_async(remote_fn, payload, cell)  # one request for all ranks
         return self.watchdog.wait(RankResults(ar, ranks), cell, timeout or self.timeout)
 
