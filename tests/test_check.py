@@ -16,7 +16,7 @@ from tp_fixtures import CFG, activations, build, tokens, tp_lab  # noqa: F401
 import tplab
 from tplab import megatron, models, plans
 from tplab.check import GradCheckReport, assemble
-from tplab.lab.transfer import LocalShard
+from tplab.transfer import LocalShard
 
 SP = functools.partial(megatron.parallelize, sequence_parallel=True)
 

@@ -116,7 +116,7 @@ def _placements(cfg, sequence_parallel):
     from tplab.mesh import make_mesh
 
     model = apply_plan(models.TinyLM(cfg), make_mesh(), plans.lm(sequence_parallel))
-    from tplab.lab.transfer import placement_name
+    from tplab.transfer import placement_name
 
     return {name: [placement_name(p) for p in param.placements]
             if hasattr(param, "placements") else "plain"

@@ -10,7 +10,7 @@ from tp_fixtures import CFG
 
 import tplab
 from tplab import LabError, RankError
-from tplab.lab.transfer import LocalShard
+from tplab.transfer import LocalShard
 
 
 def _dtensors():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tplab import viz
-from tplab.lab.transfer import LocalShard
+from tplab.transfer import LocalShard
 from tplab.viz import comm_timeline, grad_error, mesh_map, rank_color, sharding_map
 from tplab.viz.palette import PHASE_COLORS, group_look
 from tplab.viz.sharding import blocks, parse_placement

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from tplab.errors import CollectiveHang, LabError, PlanError, RankDied, RankError
+from tplab.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
 
 __version__ = "0.1.0"
 
@@ -17,7 +17,7 @@ _LAZY = {
     "Lab": "tplab.lab.launch",
     "simulate": "tplab.lab.simulate",
     "Simulation": "tplab.lab.simulate",
-    "LocalShard": "tplab.lab.transfer",
+    "LocalShard": "tplab.transfer",
     "grad_check": "tplab.check",
     "make_mesh": "tplab.mesh",
     "apply_plan": "tplab.plans",
@@ -32,7 +32,7 @@ _LAZY = {
     "widgets": None,
 }
 
-__all__ = ["CollectiveHang", "LabError", "PlanError", "RankDied", "RankError", *_LAZY]
+__all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError", *_LAZY]
 
 
 def __getattr__(name: str):
@@ -42,3 +42,17 @@ def __getattr__(name: str):
     if module is None:
         return importlib.import_module(f"tplab.{name}")
     return getattr(importlib.import_module(module), name)
+
+
+def _register_magics() -> None:
+    """%%ranks and %%rank exist as soon as tplab is imported in IPython (not on ranks)."""
+    import os
+    import sys
+
+    if "IPython" in sys.modules and not os.environ.get("TPLAB_OWNER"):
+        from tplab.lab.magics import register_magics
+
+        register_magics()
+
+
+_register_magics()

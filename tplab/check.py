@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tplab.errors import LabError
-from tplab.lab.transfer import LocalShard
+from tplab.transfer import LocalShard
 
 _WORDS = {"output": "{name} wrong", "input_grad": "input gradient wrong",
           "param_grad": "gradient of {name} wrong",

@@ -55,13 +55,28 @@ class RankDied(LabError):
 
 
 class CollectiveHang(LabError):
-    """A cell did not finish in time; the message says which rank waits where."""
+    """Ranks waited in collectives that could not complete; the message says which rank
+    waits where, and why. `restarted` is False when the stuck ranks were freed without a
+    restart (names survive, but the cell's results are not valid); `results` has the
+    values of the ranks that finished."""
 
     def __init__(self, message: str, where: dict[int, dict] | None = None,
-                 recovered: bool = False, recovery_s: float | None = None):
+                 recovered: bool = False, recovery_s: float | None = None,
+                 restarted: bool = True, results: dict | None = None):
         self.where = where or {}
         self.recovered = recovered
         self.recovery_s = recovery_s
+        self.restarted = restarted
+        self.results = results or {}
+        super().__init__(message)
+
+
+class CellTimeout(LabError):
+    """A cell ran past its `cell_timeout` (a wall-clock limit, off unless asked for); the
+    message says what each rank was doing."""
+
+    def __init__(self, message: str, where: dict[int, dict] | None = None):
+        self.where = where or {}
         super().__init__(message)
 
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tplab.errors import PlanError
-from tplab.lab.transfer import placement_name
+from tplab.transfer import placement_name
 
 # --- the named plans ---------------------------------------------------------------------
 

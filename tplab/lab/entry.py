@@ -79,14 +79,38 @@ def _warm_torch() -> None:
     import torch.distributed.tensor  # noqa: F401
 
 
-LOG_FD_ENV = "TPLAB_LOG_FD"
+OUTPUT_DIR = "output"  # in the lab's state folder: what each rank wrote to fds 1 and 2
+
+
+def output_paths(state_dir: str, pid: int) -> tuple[str, str]:
+    """The files that hold everything rank process `pid` wrote to its stdout and stderr."""
+    folder = os.path.join(state_dir, OUTPUT_DIR)
+    return os.path.join(folder, f"{pid}.out"), os.path.join(folder, f"{pid}.err")
+
+
+def _capture_output() -> None:
+    """Point fds 1 and 2 at two files of this rank's own, which the notebook reads as they
+    grow (tplab/lab/streams.py). Everything written below Python lands there too: os.write,
+    subprocesses, C++ warnings, threads, and faulthandler's crash report; a file outlives a
+    crash, so nothing printed is lost. ipyparallel's own log keeps the process's old stderr.
+    """
+    state_dir = os.environ.get(STATE_DIR_ENV) or "/tmp"
+    out_path, err_path = output_paths(state_dir, os.getpid())
+    os.makedirs(os.path.dirname(out_path), mode=0o700, exist_ok=True)
+    log = os.fdopen(os.dup(2), "w", buffering=1)
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = log  # until the engine takes over the streams: its log goes to the log
+    sys.__stderr__ = os.fdopen(2, "w", buffering=1, closefd=False)
+    sys.__stdout__ = sys.stdout
 
 
 def _run_engine(argv: list[str]) -> None:
-    # Keep a handle on the process's own output (its log) before the engine captures
-    # fds 1 and 2 for the notebook: cells copy their output there (see rank._Capture).
-    os.environ[LOG_FD_ENV] = str(os.dup(2))
-    sys.argv = ["tplab-engine", *argv]
+    _capture_output()
+    sys.argv = ["tplab-engine", *argv, "--IPEngine.out_stream_factory=tplab.lab.rank_stream.RankStream"]
     from ipyparallel.engine.app import main as ipengine
 
     ipengine()

@@ -11,12 +11,14 @@ import itertools
 import linecache
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
 import sysconfig
 import tempfile
 import time
+import warnings
 import weakref
 
 import cloudpickle
@@ -27,8 +29,16 @@ from tplab.errors import LabError
 from tplab.lab import processes
 from tplab.lab import rank as rank_side
 from tplab.lab.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
-from tplab.lab.validate import check_launch_args, check_timeout, resolve_backend
-from tplab.lab.watchdog import RankResults, Watchdog
+from tplab.lab.names import dumps_for_ranks
+from tplab.lab.validate import (
+    check_launch_args,
+    check_ranks,
+    check_threads,
+    check_timeout,
+    resolve_backend,
+    split_cluster_options,
+)
+from tplab.lab.watchdog import RankResults, Watchdog, deferred_interrupts
 
 _log = logging.getLogger("tplab.ipyparallel")
 _log.setLevel(logging.ERROR)  # keep ipyparallel's log noise out of notebook outputs
@@ -37,7 +47,8 @@ _log.addHandler(logging.StreamHandler(sys.stderr))
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
 DEFAULT_TIMEOUT_S = 60.0  # a cell that runs longer than this in a workshop is a hang
-_IPP_LOG_MARKS = ("[IPEngine", "[IPKernelApp]", "[KernelNanny]")  # ipyparallel's own lines
+_GIVEN_NAMES = ("rank", "world_size", "torch", "dist", "tplab")  # every rank has these
+ENGINE_IDS_PER_START = 1024  # start g of the ranks asks the hub for ids g*1024 + rank
 
 
 def _loopback_interface() -> str | None:
@@ -63,18 +74,25 @@ class Lab:
     """
 
     def __init__(self, world_size: int = 4, backend: str = "auto", engines: str = "local",
-                 timeout: float | None = None, ip: str = "127.0.0.1",
-                 threads_per_rank: int | None = None, fork: bool = True,
-                 master_addr: str | None = None, **cluster_options):
-        check_launch_args(world_size, backend, engines, ip)
+                 timeout: float | None = None, cell_timeout: float | None = None,
+                 ip: str = "127.0.0.1", threads_per_rank: int | None = None, fork: bool = True,
+                 master_addr: str | None = None, cluster_options: dict | None = None,
+                 **more_cluster_options):
+        check_launch_args(world_size, backend, engines, ip, fork)
+        if cluster_options is not None and not isinstance(cluster_options, dict):
+            raise TypeError(f"cluster_options must be a dict of ipyparallel.Cluster options, "
+                            f"got {type(cluster_options).__name__}")
+        self._cluster_options = split_cluster_options(
+            {**(cluster_options or {}), **more_cluster_options})
         self.world_size = world_size
         # Local ranks: decided here. Ranks elsewhere (mpi, slurm...) decide "auto" themselves.
         self.backend = resolve_backend(backend, world_size) if engines == "local" else backend
         self.engines = engines
         self.timeout = check_timeout(timeout, "timeout") or DEFAULT_TIMEOUT_S
+        self.cell_timeout = check_timeout(cell_timeout, "cell_timeout")
         self.ip = ip
-        self.threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-        self._cluster_options = cluster_options  # passed on to ipyparallel.Cluster
+        self.threads_per_rank = check_threads(threads_per_rank) or max(
+            1, (os.cpu_count() or 1) // world_size)
         # Where rank 0's rendezvous store listens: the lab's ip, or this host's name when
         # the lab listens on every interface (so that ranks elsewhere can reach it).
         self._master_addr = master_addr or (
@@ -82,20 +100,40 @@ class Lab:
         self.fork = fork  # local ranks forked from a process that imported torch once
         self._fork_server = None
         self._cells = itertools.count(1)
+        self._starts = itertools.count(1)  # how many times ranks were started
+        self._generation = 0
         self._cluster = self._client = None
-        self._rank_pids: list[int] = []
         self._engine_ids: list[int] = []  # ipyparallel engine id of each rank, in rank order
-        self._dead_engine_ids: list[int] = []  # ids of ended ranks the hub may still list
         self._view = None  # a DirectView on every rank, made once per set of ranks
         self._closed = False
+        self._broken = ""  # why the ranks need a restart before the next cell (or "")
+        self._names: dict[int, set[str]] = {}  # rank -> names the rank defined itself
+        self._warned: set[str] = set()
         self._state_dir = tempfile.mkdtemp(prefix="tplab-")  # mode 0700: owner only
         self._finalizer = weakref.finalize(self, Lab._cleanup, self._state_holder())
-        self.watchdog = Watchdog(self)
+        self.processes = processes.RankProcesses()
+        self.watchdog = Watchdog(world_size, self.processes, self._send, self._restart_ranks,
+                                 self._lost_names)
         try:
             self._start()
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def closed(self) -> bool:
+        """True once the lab was shut down."""
+        return self._closed
+
+    @property
+    def state_dir(self) -> str:
+        """The lab's private folder (mode 0700): logs, the ranks' output files."""
+        return self._state_dir
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The pid of each rank process, in rank order."""
+        return list(self.processes.pids)
 
     # --- life ------------------------------------------------------------------------
 
@@ -151,34 +189,84 @@ class Lab:
 
     def _start_ranks(self) -> None:
         cluster = self._cluster
+        self._generation = next(self._starts)
+        first_id = self._generation * ENGINE_IDS_PER_START
         extra = {"fork_server": self._fork_server} if self._fork_server is not None else {}
-        cluster.start_engines_sync(self.world_size, **extra)
+        if self.engines == "local":
+            extra["first_id"] = first_id
+        before = set(self._client.ids) if self._client is not None else set()
+        engine_set_id = cluster.start_engines_sync(self.world_size, **extra)
+        self.processes.reset([cluster.engines[engine_set_id]])
         self._remember_roots()
         if self._client is None:
             self._client = cluster.connect_client_sync()
+        if self.engines == "local":
+            wanted = [first_id + r for r in range(self.world_size)]
+        else:  # other launchers pick their own ids: take the new ones
+            wanted = None
         deadline = time.monotonic() + max(60.0, self.timeout)
-        while len(set(self._client.ids) - set(self._dead_engine_ids)) < self.world_size:
+        while True:
+            ids = set(self._client.ids)
+            if wanted is not None and ids.issuperset(wanted):
+                self._engine_ids = wanted
+                break
+            new = sorted(ids - before)
+            if wanted is None and len(new) >= self.world_size:
+                self._engine_ids = new[:self.world_size]
+                break
             if time.monotonic() > deadline:
                 raise LabError(
-                    f"only {len(self._client.ids)} of {self.world_size} ranks started within "
+                    f"only {len(ids - before)} of {self.world_size} ranks started within "
                     f"{max(60.0, self.timeout):.0f} s; the engines' logs are in "
                     f"{self._state_dir}/profile/log")
-            self._check_engines_alive(starting=True)
+            self._fail_if_a_rank_exited()
             time.sleep(0.01)
-        self._engine_ids = sorted(set(self._client.ids) - set(self._dead_engine_ids))
         self._init_ranks()
 
     def _init_ranks(self) -> None:
         port = _free_port(self.ip if self.ip != "0.0.0.0" else "127.0.0.1")
         self.master_addr, self.master_port = self._master_addr, port
+        forward = self.engines != "local"
         ars = [
             self._client[eid].apply_async(
                 rank_side.init_rank, r, self.world_size, self.backend, self.master_addr, port,
-                self.threads_per_rank, r if self.engines == "local" else None)
+                self.threads_per_rank, r if self.engines == "local" else None, 120.0, forward)
             for r, eid in enumerate(self._engine_ids)
         ]
-        self._rank_pids = self.watchdog.wait_for_init(ars)
+        infos = self._wait_for_init(ars)
+        self.processes.pids = [info["pid"] for info in infos]
+        host = socket.gethostname()
+        for r, info in enumerate(infos):
+            if info["host"] == host and not forward:
+                self.processes.files.attach(r, *info["output"])
+        self._names = {r: set(_GIVEN_NAMES) for r in range(self.world_size)}
         self.watchdog.connect_store(self.master_addr, port)
+
+    def _wait_for_init(self, ars: list) -> list[dict]:
+        deadline = time.monotonic() + max(60.0, self.timeout)
+        infos = []
+        for r, ar in enumerate(ars):
+            while not ar.ready():
+                self._fail_if_a_rank_exited()
+                if time.monotonic() > deadline:
+                    raise LabError(f"rank {r} did not join the process group in time")
+                ar.wait(0.05)
+            try:
+                infos.append(ar.get(0))
+            except ipp.error.RemoteError as exc:
+                detail = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(exc.render_traceback()))
+                raise LabError(f"rank {r} could not join the process group "
+                               f"({self.backend}):\n{detail}") from None
+        return infos
+
+    def _fail_if_a_rank_exited(self) -> None:
+        dead = self.processes.dead()
+        if dead:
+            pid = next(p for p, c in self.processes.exit_codes().items() if c is not None)
+            log = self._state_dir + "/profile/log"
+            tail = processes.log_tail(log, pid)
+            raise LabError(f"a rank process exited while starting ({next(iter(dead.values()))})"
+                           f"; its last lines:\n{tail}\n(logs: {log}, {self._state_dir}/output)")
 
     def _remember_roots(self) -> None:
         roots = []
@@ -197,50 +285,37 @@ class Lab:
         its schedulers, the fork server, every rank (and its nanny, where ipyparallel
         starts one)."""
         return processes.tree(self._holder["roots"] + self._holder["extra_roots"]
-                              + self._rank_pids)
-
-    def _check_engines_alive(self, starting: bool = False) -> dict[int, str]:
-        """rank -> how it ended, for every rank process that is gone."""
-        dead = {}
-        for engine_set in self._cluster.engines.values():
-            codes = engine_set.exit_codes() if hasattr(engine_set, "exit_codes") else {}
-            for pid, code in codes.items():
-                if code is not None:
-                    rank = self._rank_pids.index(pid) if pid in self._rank_pids else -1
-                    dead[rank] = processes.how_it_ended(code)
-        if starting and dead:
-            raise LabError(f"a rank process exited while starting ({dead[next(iter(dead))]});"
-                           f" its log is in {self._state_dir}/profile/log")
-        return dead
-
-    def _rank_log_tail(self, rank: int, lines: int = 15) -> str:
-        pid = self._rank_pids[rank] if rank < len(self._rank_pids) else None
-        for engine_set in self._cluster.engines.values():
-            for el in getattr(engine_set, "launchers", {}).values():
-                if el.pid == pid and os.path.exists(el.output_file):
-                    with open(el.output_file, errors="replace") as f:
-                        # The rank's own output and crash report, not ipyparallel's log.
-                        mine = [x for x in f if not any(p in x for p in _IPP_LOG_MARKS)]
-                    crash = next((i for i, x in enumerate(mine) if x.startswith("Fatal Python")),
-                                 None)
-                    if crash is not None:  # faulthandler's report: the crashing stack first
-                        return "".join(mine[max(0, crash - 3):crash + lines]).rstrip()
-                    return "".join(mine[-lines:]).rstrip()
-        return ""
+                              + self.processes.pids)
 
     def restart(self) -> float:
-        """Start fresh rank processes (same settings, same controller); returns seconds."""
+        """Start fresh rank processes (same settings, same controller); returns seconds.
+        Names defined on the ranks are gone afterwards."""
         self._check_open()
+        return self._restart_ranks()
+
+    def _restart_ranks(self) -> float:
+        """End every rank process, then start fresh ones. An interrupt in the middle is
+        held back until the ranks are consistent again; if the start itself fails, the
+        lab is marked broken and the next cell (or restart()) starts over."""
         started = time.monotonic()
-        self.watchdog.disconnect_store()
-        old = [pid for pid in self._holder["roots"] if pid != self._controller_pid()]
-        processes.kill_trees(old + self._rank_pids, timeout=0)  # they die on their own time
-        self._dead_engine_ids += self._engine_ids
-        for set_id in list(self._cluster.engines):
-            self._cluster.engines.pop(set_id)
-        self._rank_pids, self._view = [], None
-        self._start_ranks()
+        with deferred_interrupts() as held:
+            self._broken = "the last restart did not finish"
+            self.watchdog.disconnect_store()
+            old = [pid for pid in self._holder["roots"] if pid != self._controller_pid()]
+            processes.kill_trees(old + self.processes.pids, timeout=0)  # they die on their own
+            for set_id in list(self._cluster.engines):
+                self._cluster.engines.pop(set_id)
+            self.processes.reset([])
+            self._view, self._names = None, {}
+            self._start_ranks()
+            self._broken = ""
+        if held.pressed:
+            raise KeyboardInterrupt
         return time.monotonic() - started
+
+    def _lost_names(self) -> list[str]:
+        names = set().union(*self._names.values()) if self._names else set()
+        return sorted(names - set(_GIVEN_NAMES))
 
     def _controller_pid(self) -> int:
         controller = self._cluster.controller
@@ -279,11 +354,120 @@ class Lab:
         self.shutdown()
 
     def __repr__(self) -> str:
-        state = "shut down" if self._closed else f"{len(self._rank_pids)} ranks running"
+        state = "shut down" if self._closed else f"{len(self.processes.pids)} ranks running"
         return (f"<tplab.Lab world_size={self.world_size} backend={self.backend!r} "
                 f"engines={self.engines!r}: {state}>")
 
     # --- work ------------------------------------------------------------------------
+
+    def run(self, fn, *args, timeout: float | None = None, ranks=None,
+            cell_timeout: float | None = None, **kwargs) -> list:
+        """Call fn(*args, **kwargs) on every rank (or on `ranks`, in that order); item i is
+        the result of the i-th rank asked. A function defined in the notebook runs with the
+        rank's namespace as its globals: the rank's own names (rank, world_size, pushed
+        values...) win over the notebook's, and `global` assignments stay on the rank."""
+        if not callable(fn):
+            raise TypeError(f"lab.run needs a function as its first argument, got {fn!r}")
+        timeout = check_timeout(timeout, "timeout")
+        cell_timeout = check_timeout(cell_timeout, "cell_timeout")
+        targets = check_ranks(ranks, self.world_size)
+        name = getattr(fn, "__qualname__", repr(fn))
+        for item in (fn, *args, *kwargs.values()):
+            _send_by_value(item if callable(item) else type(item))
+        known = set.intersection(*(self._names.get(r, set()) for r in targets))
+        try:
+            payload = dumps_for_ranks(fn, args, kwargs, _source_of(fn), frozenset(known))
+        except Exception as exc:
+            raise TypeError(f"function {name!r} or its arguments cannot be sent to the ranks: "
+                            f"{type(exc).__name__}: {exc}. Define it in the notebook or an "
+                            "importable module, and pass plain data (tensors, numbers, lists) "
+                            "as arguments.") from exc
+        return self._dispatch(rank_side.call_pickled, payload, timeout, targets, cell_timeout)
+
+    def execute(self, code: str, timeout: float | None = None, ranks=None,
+                cell_timeout: float | None = None) -> list:
+        """Run code on every rank (what %%ranks does); item r is the last expression's value."""
+        if not isinstance(code, str):
+            raise TypeError(f"lab.execute needs code as a string, got {type(code).__name__}")
+        timeout = check_timeout(timeout, "timeout")
+        cell_timeout = check_timeout(cell_timeout, "cell_timeout")
+        targets = check_ranks(ranks, self.world_size)
+        return self._dispatch(rank_side.execute, code, timeout, targets, cell_timeout)
+
+    def push(self, mapping: dict, ranks=None) -> None:
+        """Set names in every rank's namespace (they are the ranks' own names from then on)."""
+        if not isinstance(mapping, dict):
+            raise TypeError(f"lab.push needs a dict of name -> value, got {type(mapping).__name__}")
+        bad = [k for k in mapping if not isinstance(k, str) or not k.isidentifier()]
+        if bad:
+            raise ValueError(f"lab.push needs names (identifiers) as keys, got {bad[0]!r}")
+        targets = check_ranks(ranks, self.world_size)
+        payload = self._dumps(mapping, "a value pushed")
+        self._dispatch(rank_side.push_pickled, payload, None, targets)
+
+    def pull(self, name: str, ranks=None) -> list:
+        """The value of `name` on every rank; a LabError names the ranks that lack it."""
+        if not isinstance(name, str):
+            raise TypeError(f"lab.pull needs a name (a string), got {type(name).__name__}")
+        targets = check_ranks(ranks, self.world_size)
+        results = self._dispatch(rank_side.pull, name, None, targets)
+        missing = [r for r, v in zip(targets, results, strict=True)
+                   if isinstance(v, rank_side.Missing)]
+        if missing:
+            from tplab.lab.output import format_rank_list
+
+            raise LabError(f"name {name!r} is not defined on {format_rank_list(missing)}")
+        return results
+
+    def _send(self, ranks: list[int], remote_fn, *args):
+        """A request to some ranks, outside a cell's watch (the watchdog uses it)."""
+        view = self._client.direct_view([self._engine_ids[r] for r in ranks])
+        return view.apply_async(remote_fn, *args, next(self._cells))
+
+    def _dispatch(self, remote_fn, payload, timeout, targets: list[int],
+                  cell_timeout: float | None = None) -> list:
+        self._check_open()
+        if self._broken:
+            print(f"[tplab] {self._broken}: restarting the ranks first (names defined on them "
+                  "are gone)", file=sys.stderr, flush=True)
+            self._restart_ranks()
+        cell = next(self._cells)
+        if len(targets) < self.world_size:
+            view = self._client.direct_view([self._engine_ids[r] for r in targets])
+        else:
+            if self._view is None:  # made once per set of rank processes
+                self._view = self._client.direct_view(self._engine_ids)
+            view = self._view
+        ar = view.apply_async(remote_fn, payload, cell)  # one request for all ranks
+        order = targets if len(targets) < self.world_size else list(range(self.world_size))
+        generation = self._generation
+        try:
+            results = self.watchdog.wait(RankResults(ar, order), cell, timeout or self.timeout,
+                                         cell_timeout or self.cell_timeout)
+        finally:
+            if generation == self._generation:  # not after a restart: those names are gone
+                self._learn_names(ar, order)
+        by_rank = dict(zip(order, results, strict=True))
+        return [by_rank[r] for r in targets]
+
+    def _learn_names(self, ar, order: list[int]) -> None:
+        """What the ranks said about their names: which they define (not sent with the
+        next function), and which notebook names they shadowed (a warning, once)."""
+        res = RankResults(ar, order)
+        for r in res.finished():
+            reply = res.reply(r)
+            if not isinstance(reply, rank_side.Reply):
+                continue
+            if reply.names is not None:
+                self._names[r] = set(reply.names) | set(_GIVEN_NAMES)
+            for name, value in reply.shadowed.items():
+                if name not in self._warned:
+                    self._warned.add(name)
+                    warnings.warn(NameShadowedWarning(
+                        f"the notebook's {name!r} ({value}) is not used on the ranks: "
+                        f"names resolve on the ranks first, and rank {r} has its own "
+                        f"{name!r}. Pass it as an argument to use the notebook's value."),
+                        stacklevel=4)
 
     def _dumps(self, obj, what: str) -> bytes:
         try:
@@ -293,65 +477,9 @@ class Lab:
                             "Define it in the notebook or an importable module, and pass "
                             "plain data (tensors, numbers, lists) as arguments.") from exc
 
-    def _ranks(self, ranks) -> list[int]:
-        if ranks is None:
-            return list(range(self.world_size))
-        ranks = [ranks] if isinstance(ranks, int) else list(ranks)
-        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.world_size]
-        if bad or not ranks:
-            raise ValueError(f"ranks must be rank numbers from 0 to {self.world_size - 1}, "
-                             f"got {ranks!r}")
-        return sorted(set(ranks))
 
-    def run(self, fn, *args, timeout: float | None = None, ranks=None, **kwargs) -> list:
-        """Call fn(*args, **kwargs) on every rank (or on `ranks`); item r is rank r's result."""
-        if not callable(fn):
-            raise TypeError(f"lab.run needs a function as its first argument, got {fn!r}")
-        timeout = check_timeout(timeout, "timeout")
-        name = getattr(fn, "__qualname__", repr(fn))
-        for item in (fn, *args, *kwargs.values()):
-            _send_by_value(item if callable(item) else type(item))
-        payload = self._dumps((fn, args, kwargs, _source_of(fn)),
-                              f"function {name!r} or its arguments")
-        return self._dispatch(rank_side.call_pickled, payload, timeout=timeout, ranks=ranks)
-
-    def execute(self, code: str, timeout: float | None = None, ranks=None) -> list:
-        """Run code on every rank (what %%ranks does); item r is the last expression's value."""
-        if not isinstance(code, str):
-            raise TypeError(f"lab.execute needs code as a string, got {type(code).__name__}")
-        timeout = check_timeout(timeout, "timeout")
-        return self._dispatch(rank_side.execute, code, timeout=timeout, ranks=ranks)
-
-    def push(self, mapping: dict, ranks=None) -> None:
-        """Set names in every rank's namespace."""
-        if not isinstance(mapping, dict):
-            raise TypeError(f"lab.push needs a dict of name -> value, got {type(mapping).__name__}")
-        payload = self._dumps(mapping, "a value pushed")
-        self._dispatch(rank_side.push_pickled, payload, timeout=None, ranks=ranks)
-
-    def pull(self, name: str, ranks=None) -> list:
-        """The value of `name` on every rank; a LabError names the ranks that lack it."""
-        results = self._dispatch(rank_side.pull, name, timeout=None, ranks=ranks)
-        missing = [r for r, v in zip(self._ranks(ranks), results, strict=True)
-                   if isinstance(v, rank_side.Missing)]
-        if missing:
-            from tplab.lab.output import format_rank_list
-
-            raise LabError(f"name {name!r} is not defined on {format_rank_list(missing)}")
-        return results
-
-    def _dispatch(self, remote_fn, payload, timeout, ranks) -> list:
-        self._check_open()
-        ranks = self._ranks(ranks)
-        cell = next(self._cells)
-        if len(ranks) < self.world_size:
-            view = self._client.direct_view([self._engine_ids[r] for r in ranks])
-        else:
-            if self._view is None:  # made once per set of rank processes
-                self._view = self._client.direct_view(self._engine_ids)
-            view = self._view
-        ar = view.apply_async(remote_fn, payload, cell)  # one request for all ranks
-        return self.watchdog.wait(RankResults(ar, ranks), cell, timeout or self.timeout)
+class NameShadowedWarning(UserWarning):
+    """A notebook name a function uses is defined differently on the ranks (theirs wins)."""
 
 
 def _source_of(fn) -> tuple[str, list[str]] | None:

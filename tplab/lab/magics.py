@@ -1,39 +1,31 @@
-"""`%%ranks` (run the cell on every rank) and `%%rank 0,2` (on some ranks)."""
+"""`%%ranks` (run the cell on every rank) and `%%rank 0,2` (on some ranks).
+
+The magics are registered when tplab is imported in IPython, so `%%ranks` before any
+launch says how to start a lab instead of "Cell magic not found". They talk to the newest
+lab that is still running.
+"""
 
 from __future__ import annotations
 
 import weakref
 
 from tplab.errors import LabError
+from tplab.lab.validate import check_timeout, parse_rank_spec
 
-_active = {"lab": None}  # a weak reference: the magics must not keep a lab alive
+_labs: list = []  # weak references, oldest first: the magics must not keep a lab alive
+
+
+class MagicError(LabError):
+    """A %%ranks / %%rank line that cannot be used; shown as one line."""
 
 
 def active_lab():
-    ref = _active["lab"]
-    lab = ref() if ref is not None else None
-    if lab is None or lab._closed:
-        raise LabError("no lab is running: start one with lab = tplab.launch(world_size=4)")
-    return lab
-
-
-def _parse_ranks(line: str) -> list[int]:
-    ranks = []
-    for part in line.replace(" ", "").split(","):
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                lo, hi = part.split("-")
-                ranks.extend(range(int(lo), int(hi) + 1))
-            else:
-                ranks.append(int(part))
-        except ValueError:
-            raise LabError(f"%%rank takes rank numbers such as 0 or 0,2 or 1-3, "
-                           f"got {line!r}") from None
-    if not ranks:
-        raise LabError("%%rank needs the ranks to run on, e.g. %%rank 0 or %%rank 0,2")
-    return ranks
+    """The newest lab that is still running."""
+    for ref in reversed(_labs):
+        lab = ref()
+        if lab is not None and not lab.closed:
+            return lab
+    raise MagicError("no lab is running: start one with lab = tplab.launch(world_size=4)")
 
 
 def _show(results: list, ranks: list[int]) -> None:
@@ -49,23 +41,39 @@ def _show(results: list, ranks: list[int]) -> None:
         print(f"[{format_rank_list(rs)}] {text}")
 
 
+def _timeout(line: str) -> float | None:
+    text = line.strip()
+    if not text:
+        return None
+    try:
+        return check_timeout(float(text), "timeout")
+    except ValueError:
+        raise MagicError(f"%%ranks takes an optional timeout in seconds, e.g. %%ranks 30; "
+                         f"got {text!r}") from None
+
+
 def ranks_magic(line: str, cell: str) -> None:
-    """%%ranks [timeout]: run this cell on every rank of the active lab."""
+    """%%ranks [timeout]: run this cell on every rank of the newest running lab."""
+    timeout = _timeout(line)
     lab = active_lab()
-    timeout = float(line) if line.strip() else None
     _show(lab.execute(cell, timeout=timeout), list(range(lab.world_size)))
 
 
 def rank_magic(line: str, cell: str) -> None:
-    """%%rank 0,2: run this cell on the given ranks only."""
+    """%%rank 0,2 (or 0 2, or 1-3): run this cell on the given ranks only."""
     lab = active_lab()
-    ranks = sorted(set(_parse_ranks(line)))
+    try:
+        ranks = parse_rank_spec(line, lab.world_size)
+    except ValueError as exc:
+        raise MagicError(str(exc)) from None
     _show(lab.execute(cell, ranks=ranks), ranks)
 
 
-def register_magics(lab) -> None:
-    """Make `lab` the one %%ranks talks to, and register the magics in IPython."""
-    _active["lab"] = weakref.ref(lab)
+def register_magics(lab=None) -> None:
+    """Remember `lab` as the newest (when given), and register the magics in IPython."""
+    if lab is not None:
+        _labs[:] = [ref for ref in _labs if ref() is not None]
+        _labs.append(weakref.ref(lab))
     try:
         from IPython import get_ipython
     except ImportError:

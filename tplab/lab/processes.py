@@ -11,14 +11,23 @@ import threading
 
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
-from traitlets import Any
+from traitlets import Any, Integer
+
+from tplab.lab.streams import RankFiles
 
 
 class RankLauncher(LocalEngineLauncher):
     """ipyparallel's local engine launcher, keeping the exit code where the lab can read
-    it at once (ipyparallel delivers it on an event loop that a busy kernel is not running)."""
+    it at once (ipyparallel delivers it on an event loop that a busy kernel is not running),
+    and asking the hub for engine id `first_id + i`, so that engine ids say which start
+    of the ranks an engine belongs to."""
 
     exit_code: int | None = None
+
+    def start(self):
+        first = getattr(self.parent, "first_id", 0)
+        self.engine_args = [*self.engine_args, f"--IPEngine.id={first + int(self.identifier)}"]
+        return super().start()
 
     def _wait(self):
         try:
@@ -32,6 +41,7 @@ class RankSetLauncher(LocalEngineSetLauncher):
     """Local engines started together (no 0.1 s stagger), each remembering its exit code."""
 
     launcher_class = RankLauncher
+    first_id = Integer(0)
 
     def exit_codes(self) -> dict[int, int | None]:
         """pid -> exit code (None while running) of every engine in the set."""
@@ -170,7 +180,7 @@ class ForkedEngineSetLauncher(RankSetLauncher):
         for i in range(n):
             log = os.path.join(self.profile_dir, "log",
                                f"ipengine-{self.cluster_id}-{self.engine_set_id}-{i}.log")
-            pid = self.fork_server.fork(argv, env, log)
+            pid = self.fork_server.fork([*argv, f"--IPEngine.id={self.first_id + i}"], env, log)
             self.launchers[str(i)] = ForkedEngine(pid, log, self.fork_server)
         self.notify_start([el.pid for el in self.launchers.values()])
         return []
@@ -188,3 +198,59 @@ class ForkedEngineSetLauncher(RankSetLauncher):
 
     def to_dict(self):
         return {}
+
+
+def log_tail(log_dir: str, pid: int, lines: int = 12) -> str:
+    """The last lines a rank process `pid` wrote while starting: its err file, then the
+    engine logs in `log_dir`."""
+    from tplab.lab.entry import output_paths
+
+    found = []
+    state_dir = os.path.dirname(os.path.dirname(log_dir))
+    candidates = [output_paths(state_dir, pid)[1]]
+    if os.path.isdir(log_dir):
+        candidates += sorted(os.path.join(log_dir, f) for f in os.listdir(log_dir))
+    for path in candidates:
+        try:
+            with open(path, errors="replace") as f:
+                found.extend(x.rstrip() for x in f if x.strip())
+        except OSError:
+            continue
+    return "\n".join(found[-lines:])
+
+
+class RankProcesses:
+    """The rank processes of a lab, as the watchdog sees them: their pids in rank order,
+    which of them ended and how, and what they wrote (their output files)."""
+
+    def __init__(self):
+        self.pids: list[int] = []
+        self.files = RankFiles()
+        self.engine_sets: list = []  # ipyparallel engine set launchers of the current ranks
+
+    def reset(self, engine_sets: list) -> None:
+        self.pids = []
+        self.files.detach_all()
+        self.engine_sets = engine_sets
+
+    def exit_codes(self) -> dict[int, int | None]:
+        """pid -> exit code (None while running) of every rank process started."""
+        codes: dict[int, int | None] = {}
+        for engine_set in self.engine_sets:
+            if hasattr(engine_set, "exit_codes"):
+                codes.update(engine_set.exit_codes())
+        return codes
+
+    def dead(self) -> dict[int, str]:
+        """rank -> how it ended, for every rank process that is gone (-1: not a rank yet)."""
+        out = {}
+        for pid, code in self.exit_codes().items():
+            if code is not None:
+                out[self.pids.index(pid) if pid in self.pids else -1] = how_it_ended(code)
+        return out
+
+    def read_output(self) -> list[tuple[int, str, str]]:
+        return self.files.read()
+
+    def log_tail(self, rank: int, lines: int = 15) -> str:
+        return self.files.tail(rank, lines)

@@ -1,65 +1,41 @@
 """The rank side of a lab: what runs inside each rank process (an ipyparallel engine).
 
 The notebook sends these functions by reference (this module is installed on every
-rank). `init_rank` joins the process group; `call` and `execute` run the user's code
-for one cell and hand back either its result, packed for the trip (see transfer.py),
-or a `RankFailure` with the full traceback. A small reporter thread writes where the
-rank is (which cell, which collective, which line of user code) to the rendezvous
-store, so the notebook can say what hangs without asking the busy rank.
+rank). `init_rank` joins the process group; `call_pickled` and `execute` run the user's
+code for one cell and hand back a `Reply`: the result, packed for the trip (see
+tplab/transfer.py), or a `RankFailure` with the full traceback. What the cell prints goes
+to the rank's output files (fds 1 and 2, see entry.py), which the notebook reads live.
+
+Names resolve on the rank first: a function sent from the notebook runs with the rank's
+namespace as its globals. Names the rank defined (rank, world_size, pushed values, names
+from %%ranks cells, `global` assignments) win over the notebook's; only names the rank
+lacks come from the notebook, and those are refreshed on every call.
 """
 
 from __future__ import annotations
 
 import ast
 import faulthandler
-import io
-import json
 import linecache
 import os
+import pickle
+import re
 import socket
 import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tplab.lab.transfer import pack, to_wire
+from tplab.lab import collectives
+from tplab.lab.collectives import REPORT
+from tplab.transfer import to_wire, unsendable_part
 
-WHERE_KEY = "tplab/where/{rank}"
-REPORT_INTERVAL_S = 0.1
+NAMESPACE_PID = "tplab:rank-namespace"  # the persistent id of the rank's globals (names.py)
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
-
-# Functions (innermost first) whose frame on the stack means "waiting in a collective".
-# torch.distributed's own collectives, then DTensor's redistribution steps, whose
-# functional collectives end in wait_tensor.
-COLLECTIVE_FRAMES = {
-    "all_reduce": "all_reduce", "all_gather": "all_gather",
-    "all_gather_into_tensor": "all_gather", "all_gather_tensor": "all_gather",
-    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast", "send": "send", "recv": "recv", "barrier": "barrier",
-    "gather": "gather", "scatter": "scatter", "reduce": "reduce",
-    "_reduce_value": "all_reduce", "_reduce_shard_value": "reduce_scatter",
-    "_to_replicate_tensor": "all_gather", "_to_new_shard_dim": "all_to_all",
-    "wait_tensor": "wait_tensor",
-}
-_LIBRARY_PARTS = ("<frozen", "threading.py")  # and the packages' own folders, below
-
-
-def _package_dirs() -> tuple[str, ...]:
-    """Folders of code that is not the learner's: a hang is reported at the learner's line."""
-    import importlib.util
-
-    dirs = []
-    for name in ("torch", "tplab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado"):
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations:
-            dirs.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
-    return tuple(dirs)
-
-
-_LIBRARY_PARTS += _package_dirs()
+_IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_HERE = (__file__, collectives.__file__)
 
 
 @dataclass
@@ -71,21 +47,30 @@ class RankFailure:
     traceback: str
 
 
-class _RankState:
+@dataclass
+class Reply:
+    """What a rank sends back for a cell: the packed value (or a RankFailure, or Missing),
+    the rank's own names when they changed, and notebook names this rank shadowed."""
+
+    value: object
+    names: list[str] | None = None
+    shadowed: dict[str, str] = field(default_factory=dict)
+    stdout: str = ""  # only for ranks whose output files the notebook cannot read
+    stderr: str = ""
+
+
+class Missing:
+    """What `pull` returns for a name the rank does not have."""
+
+
+class _Names:
     def __init__(self):
-        self.rank = -1
-        self.world_size = 0
-        self.cell: int | None = None  # the cell running now
-        self.cell_started = 0.0
-        self.seq_at_start = 0
-        self.last_cell: int | None = None
-        self.last_cell_collectives = 0
-        self.main_thread = threading.main_thread().ident
-        self.store = None
-        self.reporting = True  # benchmarks/watchdog_overhead.py turns it off to compare
+        self.from_notebook: dict[str, object] = {}  # name -> the value the notebook sent
+        self.last_sent: list[str] | None = None
+        self.forward_output = False
 
 
-STATE = _RankState()
+NAMES = _Names()
 
 
 def _user_ns() -> dict:
@@ -107,9 +92,17 @@ def _wait_for_port(host: str, port: int, timeout: float) -> None:
             time.sleep(0.01)
 
 
+def _no_breakpoint(*args, **kwargs) -> None:
+    print("breakpoint() cannot stop a rank: a rank process has no terminal to debug in. "
+          "Print the values you need, or run the code in tplab.simulate(...), where "
+          "breakpoint() works in the notebook.", file=sys.stderr)
+
+
 def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master_port: int,
-              threads: int, local_rank: int | None, timeout_s: float = 120.0) -> int:
-    """Join the process group as `rank` and fill the rank's namespace. Returns the pid.
+              threads: int, local_rank: int | None, timeout_s: float = 120.0,
+              forward_output: bool = False) -> dict:
+    """Join the process group as `rank` and fill the rank's namespace. Returns the pid,
+    host and output files of this rank.
 
     local_rank (the GPU index on this machine) is given for local engines; engines that
     another launcher started read it from their launcher's environment.
@@ -153,56 +146,130 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s),
                             **kwargs)
-    STATE.rank, STATE.world_size, STATE.store = rank, world_size, store
-    if _log_file() is not None:  # a crash in C code prints the Python stack to the log
-        faulthandler.enable(file=_log_file(), all_threads=False)
+    collectives.note_collectives()
+    REPORT.rank, REPORT.store = rank, store
+    REPORT.library_parts = ("<frozen", "threading.py", *collectives.package_dirs())
+    NAMES.forward_output = forward_output
+    faulthandler.enable(file=sys.__stderr__, all_threads=False)  # fd 2: the rank's err file
+    sys.breakpointhook = _no_breakpoint
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, tplab=tplab)
-    threading.Thread(target=_report_loop, daemon=True, name="tplab-reporter").start()
-    return os.getpid()
+    threading.Thread(target=collectives.report_loop, daemon=True, name="tplab-reporter").start()
+    from tplab.lab.entry import output_paths
+
+    state_dir = os.environ.get("TPLAB_STATE_DIR") or "/tmp"
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "output": output_paths(state_dir, os.getpid())}
 
 
-def _collective_seq() -> int:
-    import torch.distributed as dist
+# --- a cell ------------------------------------------------------------------------------
 
+
+def _safe_str(exc: BaseException) -> str:
     try:
-        return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
-    except Exception:
-        return 0
-
-
-@contextmanager
-def _cell(cell: int):
-    STATE.seq_at_start = _collective_seq()
-    STATE.cell_started = time.monotonic()
-    STATE.cell = cell
-    try:
-        yield
-    finally:
-        STATE.last_cell_collectives = _collective_seq() - STATE.seq_at_start
-        STATE.last_cell = cell
-        STATE.cell = None
+        return str(exc)
+    except Exception as inner:  # noqa: BLE001 - an exception whose __str__ raises
+        return f"<{type(exc).__name__}.__str__ raised {type(inner).__name__}: {inner}>"
 
 
 def _failure(exc: BaseException) -> RankFailure:
-    tb = exc.__traceback__
-    # Drop the frames of this module: the learner's code starts below them.
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    return RankFailure(type(exc).__name__, str(exc), text)
+    if isinstance(exc, SyntaxError):  # the learner's code, not the parser's frames
+        text = "".join(traceback.format_exception_only(type(exc), exc))
+    else:
+        tb = exc.__traceback__
+        # Drop the frames of tplab's rank side: the learner's code starts below them.
+        while tb is not None and tb.tb_frame.f_code.co_filename in _HERE:
+            tb = tb.tb_next
+        try:
+            text = "".join(traceback.format_exception(type(exc), exc, tb))
+        except Exception:  # noqa: BLE001
+            text = "".join(traceback.format_tb(tb)) + f"{type(exc).__name__}: {_safe_str(exc)}\n"
+    return RankFailure(type(exc).__name__, _safe_str(exc), _ANSI.sub("", text))
 
 
-def _expose_namespace(fn) -> None:
-    """Let a function sent from the notebook see the rank's names (rank, world_size,
-    pushed values) as globals, as code in a %%ranks cell does."""
-    g = getattr(fn, "__globals__", None)
-    if g is not None and g is not _user_ns():
-        for name, value in _user_ns().items():
-            g.setdefault(name, value)
+def _rank_names(ns: dict) -> list[str]:
+    return sorted(k for k in ns if not k.startswith("_") and k not in NAMES.from_notebook
+                  and k not in _IPYTHON_NAMES)
 
 
-class Missing:
-    """What `pull` returns for a name the rank does not have."""
+def _offsets() -> tuple[int, int]:
+    return (os.fstat(1).st_size, os.fstat(2).st_size) if NAMES.forward_output else (0, 0)
+
+
+def _read_from(fd: int, offset: int) -> str:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size - offset, offset).decode("utf-8", "replace") if size > offset else ""
+
+
+def _run_cell(cell: int, body) -> tuple:
+    ns = _user_ns()
+    offsets = _offsets()
+    reply = Reply(None)
+    REPORT.cell_started = time.monotonic()
+    REPORT.cell = cell
+    try:
+        reply.value = body(reply)
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
+        reply.value = _failure(exc)
+    finally:
+        REPORT.last_cell, REPORT.cell = cell, None
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # A notebook name the cell assigned on the rank (`global x`, x = ... in %%ranks) is
+    # the rank's own from now on.
+    for name, sent in list(NAMES.from_notebook.items()):
+        if ns.get(name, Missing) is not sent:
+            del NAMES.from_notebook[name]
+    names = _rank_names(ns)
+    if names != NAMES.last_sent:
+        reply.names = NAMES.last_sent = names
+    collectives.report_now()
+    if NAMES.forward_output:
+        reply.stdout, reply.stderr = _read_from(1, offsets[0]), _read_from(2, offsets[1])
+    try:
+        return to_wire(reply, REPORT.rank)
+    except Exception:  # noqa: BLE001 - the result cannot travel: say where and why
+        path, kind, error = unsendable_part(reply.value, REPORT.rank)
+        reply.value = RankFailure(
+            "UnsendableResult", error,
+            f"the cell's result cannot be sent to the notebook: {path} is a {kind} "
+            f"({error}). Return plain data (tensors, numbers, lists, dicts) instead.\n")
+        return to_wire(reply, REPORT.rank)
+
+
+class _RankUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid):
+        if pid == NAMESPACE_PID:
+            return _user_ns()
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+def _load_with_rank_names(payload: bytes, reply: Reply):
+    """Unpickle a function sent from the notebook into the rank's namespace: names it
+    brings that the rank already defines keep the rank's value (and are reported)."""
+    import io
+
+    ns = _user_ns()
+    before = dict(ns)
+    loaded = _RankUnpickler(io.BytesIO(payload)).load()
+    for name, value in list(ns.items()):
+        old = before.get(name, Missing)
+        if old is value:
+            continue
+        if old is Missing or name in NAMES.from_notebook:
+            NAMES.from_notebook[name] = value  # the notebook's (newer) value
+            continue
+        ns[name] = old  # a name of the rank's own wins
+        if not name.startswith("__"):
+            reply.shadowed[name] = _short(value)
+    return loaded
+
+
+def _short(value) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _refile(code, filename: str):
@@ -221,81 +288,36 @@ def _restore_source(fn, source) -> None:
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
 
 
-@dataclass
-class Reply:
-    """What a rank sends back for a cell: the packed value (or a RankFailure, or
-    Missing) and what the cell printed, captured here so that it arrives with the value."""
-
-    value: object
-    stdout: str
-    stderr: str
-
-
-class _Capture(io.StringIO):
-    """A cell's stdout or stderr: kept to send back with the reply, and copied to the
-    process's own output (the rank's log), so that what a rank printed before it died
-    can be shown in the RankDied message."""
-
-    def __init__(self, log):
-        super().__init__()
-        self._log = log
-
-    def write(self, text: str) -> int:
-        if self._log is not None:
-            try:
-                self._log.write(text)
-                self._log.flush()
-            except (OSError, ValueError):
-                self._log = None
-        return super().write(text)
-
-
-_log = None
-
-
-def _log_file():
-    """The rank process's own output file (its log), or None where there is none."""
-    global _log
-    if _log is None:
-        from tplab.lab.entry import LOG_FD_ENV
-
-        fd = os.environ.get(LOG_FD_ENV)
-        _log = os.fdopen(int(fd), "w", buffering=1, closefd=False) if fd else False
-    return _log or None
-
-
-def _run_cell(cell: int, body) -> tuple:
-    out, err = _Capture(_log_file()), _Capture(_log_file())
-    with _cell(cell), redirect_stdout(out), redirect_stderr(err):
-        try:
-            value = pack(body(), STATE.rank)
-        except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
-            value = _failure(exc)
-    return to_wire(Reply(value, out.getvalue(), err.getvalue()))
-
-
 def call_pickled(payload: bytes, cell: int) -> tuple:
-    """Run fn(*args, **kwargs) for `lab.run`; payload is cloudpickle of
-    (fn, args, kwargs, fn's source)."""
-    import cloudpickle
+    """Run fn(*args, **kwargs) for `lab.run`; payload is a pickle (tplab/lab/names.py) of
+    (fn, args, kwargs, fn's source, the notebook's scalar values of names it left out)."""
 
-    def body():
-        fn, args, kwargs, source = cloudpickle.loads(payload)
+    def body(reply: Reply):
+        fn, args, kwargs, source, scalars = _load_with_rank_names(payload, reply)
+        ns = _user_ns()
+        for name, value in scalars.items():
+            mine = ns.get(name, Missing)
+            if mine is not Missing and type(mine) is type(value) and mine != value:
+                reply.shadowed[name] = _short(value)
         _restore_source(fn, source)
-        _expose_namespace(fn)
         return fn(*args, **kwargs)
 
     return _run_cell(cell, body)
 
 
 def execute(code: str, cell: int) -> tuple:
-    """Run a cell's code in the rank's namespace; the value is the last expression's."""
+    """Run a cell's code in the rank's namespace; the value is the last expression's.
+    IPython syntax (`!cmd`, `%time ...`) is turned into Python by the rank's own shell."""
     filename = f"<ranks cell {cell}>"
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
 
-    def body():
+    def body(reply: Reply):
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        source = shell.transform_cell(code) if shell is not None else code
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         ns = _user_ns()
-        tree = ast.parse(code, filename)
+        tree = ast.parse(source, filename)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
         exec(compile(tree, filename, "exec"), ns)
         if last is not None:
@@ -308,72 +330,20 @@ def execute(code: str, cell: int) -> tuple:
 def push_pickled(payload: bytes, cell: int) -> tuple:
     import cloudpickle
 
-    return _run_cell(cell, lambda: _user_ns().update(cloudpickle.loads(payload)))
+    def body(reply: Reply):
+        values = cloudpickle.loads(payload)
+        for name in values:
+            NAMES.from_notebook.pop(name, None)  # pushed: the rank's own now
+        _user_ns().update(values)
+
+    return _run_cell(cell, body)
 
 
 def pull(name: str, cell: int) -> tuple:
     ns = _user_ns()
-    return _run_cell(cell, lambda: ns[name] if name in ns else Missing())
+    return _run_cell(cell, lambda reply: ns[name] if name in ns else Missing())
 
 
-# --- where is this rank? -------------------------------------------------------------
-
-
-def _shape_of(frame) -> list[int] | None:
-    for name in ("tensor", "input", "input_tensor", "output_tensor", "self", "local_tensor"):
-        value = frame.f_locals.get(name)
-        shape = getattr(value, "shape", None)
-        if shape is not None:
-            try:
-                return [int(s) for s in shape]
-            except TypeError:
-                continue
-    return None
-
-
-def where_now() -> dict:
-    """Snapshot of the main thread: running which cell, in which collective, at which line."""
-    state = STATE
-    snap: dict = {"rank": state.rank, "time": time.time()}
-    if state.cell is None:
-        snap.update(state="finished", cell=state.last_cell,
-                    collectives=state.last_cell_collectives)
-        return snap
-    snap.update(state="running", cell=state.cell,
-                seconds=round(time.monotonic() - state.cell_started, 2),
-                collectives=_collective_seq() - state.seq_at_start)
-    frame = sys._current_frames().get(state.main_thread)
-    op = shape = line = None
-    while frame is not None:
-        code = frame.f_code
-        filename = code.co_filename
-        if op is None and code.co_name in COLLECTIVE_FRAMES and "torch" in filename:
-            op, shape = COLLECTIVE_FRAMES[code.co_name], _shape_of(frame)
-        if line is None and not any(part in filename for part in _LIBRARY_PARTS):
-            text = linecache.getline(filename, frame.f_lineno).strip()
-            line = f"{filename}:{frame.f_lineno} {text}".strip()
-        frame = frame.f_back
-    if op is not None:
-        # c10d numbers a collective when it is issued, so the one waited in is the last.
-        snap.update(state="in_collective", op=op, shape=shape, seq=snap["collectives"])
-    snap["line"] = line
-    return snap
-
-
-def _report_loop() -> None:
-    key = WHERE_KEY.format(rank=STATE.rank)
-    last = None
-    while True:
-        time.sleep(REPORT_INTERVAL_S)
-        if not STATE.reporting:
-            continue
-        running_long = (STATE.cell is not None
-                        and time.monotonic() - STATE.cell_started > REPORT_INTERVAL_S)
-        marker = ("finished", STATE.last_cell) if STATE.cell is None else None
-        if not running_long and marker == last:
-            continue
-        try:
-            STATE.store.set(key, json.dumps(where_now()))
-        except Exception:  # the store went away: the lab is shutting down
-            return
-        last = marker
+def complete_pending(calls: list[dict], cell: int) -> tuple:
+    """Free peers that wait in collectives this rank never called (see collectives.py)."""
+    return _run_cell(cell, lambda reply: collectives.complete_pending(calls))

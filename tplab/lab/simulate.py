@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tplab.errors import LabError, RankError
-from tplab.lab.transfer import LocalShard, describe_dtensor
+from tplab.transfer import LocalShard, describe_dtensor
 
 
 def simulate(world_size: int = 4) -> Simulation:

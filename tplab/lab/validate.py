@@ -9,8 +9,13 @@ import psutil
 from tplab.errors import LabError
 
 BACKENDS = ("auto", "gloo", "nccl")
-RANK_MEMORY_GIB = 0.5  # a rank that imported torch.distributed.tensor holds about this much
+# Memory a local rank holds (PSS: shared pages counted once per sharer), measured by
+# benchmarks/rank_memory.py at world 4-16 on torch 2.13 CPU: ranks forked from the fork
+# server share torch's pages; ranks started as new processes (fork=False) do not.
+RANK_MEMORY_GIB = {"forked": 0.1, "started": 0.5}
 MAX_LOCAL_RANKS = 64
+LAUNCH_KEYWORDS = ("world_size", "backend", "engines", "timeout", "cell_timeout", "ip",
+                   "threads_per_rank", "fork", "master_addr", "cluster_options")
 
 
 def _gpu_count() -> int:
@@ -19,12 +24,114 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_launch_args(world_size, backend, engines, ip) -> None:
+def check_world_size(world_size) -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
         raise TypeError(f"world_size must be an int (the number of ranks), "
                         f"got {type(world_size).__name__} {world_size!r}")
     if world_size < 1:
         raise LabError(f"world_size must be at least 1, got {world_size}")
+    return int(world_size)
+
+
+def closest(name: str, valid) -> str:
+    import difflib
+
+    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def split_cluster_options(options: dict) -> dict:
+    """Keywords that are not tplab's: ipyparallel.Cluster traits pass, others are refused
+    with the closest valid name (a typo such as timout= must not pass silently)."""
+    import ipyparallel as ipp
+
+    traits = set(ipp.Cluster.class_trait_names())
+    for name in options:
+        if name not in traits:
+            raise TypeError(f"tplab.launch() got an unknown keyword {name!r}"
+                            f"{closest(name, [*LAUNCH_KEYWORDS, *sorted(traits)])} "
+                            "(options for ipyparallel.Cluster go in cluster_options={...})")
+    return dict(options)
+
+
+def check_threads(threads) -> int | None:
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
+        raise ValueError(f"threads_per_rank must be a whole number of threads >= 1 (or None "
+                         f"for cores // world_size), got {threads!r}")
+    return int(threads)
+
+
+def check_ip(ip) -> None:
+    """The address the lab listens on must be one of this machine's (or every interface)."""
+    import socket
+
+    if not isinstance(ip, str) or not ip:
+        raise LabError(f"ip must be an address string such as '127.0.0.1', got {ip!r}")
+    if ip in ("0.0.0.0", "*"):
+        return
+    try:
+        address = socket.gethostbyname(ip)
+    except OSError:
+        raise LabError(f"ip={ip!r} is not an address or a host name this machine knows") \
+            from None
+    mine = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    if address not in mine and not address.startswith("127."):
+        raise LabError(f"ip={ip!r} is not an address of this machine, so the lab could not "
+                         f"listen on it; this machine's addresses are "
+                         f"{', '.join(sorted(a for a in mine if '.' in a))} "
+                         "(or ip='0.0.0.0' for every interface)")
+
+
+def check_ranks(ranks, world_size: int) -> list[int]:
+    """ranks=None (every rank), an int, or a list of distinct rank numbers, in the order
+    the results should come back."""
+    if ranks is None:
+        return list(range(world_size))
+    if isinstance(ranks, bool) or isinstance(ranks, str | bytes):
+        raise TypeError(f"ranks must be a rank number or a list of them, got {ranks!r}")
+    if isinstance(ranks, numbers.Integral):
+        ranks = [ranks]
+    try:
+        ranks = list(ranks)
+    except TypeError:
+        raise TypeError(f"ranks must be a rank number or a list of them, got {ranks!r}") \
+            from None
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, numbers.Integral)
+           or not 0 <= r < world_size]
+    if bad or not ranks:
+        raise ValueError(f"ranks must be rank numbers from 0 to {world_size - 1}, got {ranks!r}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks lists a rank twice: {ranks!r}")
+    return [int(r) for r in ranks]
+
+
+def parse_rank_spec(line: str, world_size: int) -> list[int]:
+    """%%rank's argument: "0", "0,2", "0 2", "1-3" (mixed too: "0, 2-3")."""
+    import re
+
+    forms = "%%rank 0,2 or %%rank 0 2 or %%rank 1-3"
+    ranks: list[int] = []
+    for part in [p for p in re.split(r"[,\s]+", line.strip()) if p]:
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if m is None:
+            raise ValueError(f"%%rank takes rank numbers, got {line.strip()!r}: use {forms}")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ValueError(f"%%rank range {part!r} runs backwards: write {hi}-{lo}")
+        ranks.extend(range(lo, hi + 1))
+    if not ranks:
+        raise ValueError(f"%%rank needs the ranks to run on: {forms}")
+    bad = sorted({r for r in ranks if r >= world_size})
+    if bad:
+        raise ValueError(f"%%rank {line.strip()}: this lab has ranks 0 to {world_size - 1} "
+                         f"(no rank {', '.join(map(str, bad))})")
+    return list(dict.fromkeys(ranks))
+
+
+def check_launch_args(world_size, backend, engines, ip, fork: bool = True) -> None:
+    check_world_size(world_size)
     if backend not in BACKENDS:
         raise LabError(f"unknown backend {backend!r}: use one of {', '.join(map(repr, BACKENDS))}")
     if isinstance(engines, str):
@@ -42,15 +149,17 @@ def check_launch_args(world_size, backend, engines, ip) -> None:
     elif not isinstance(engines, type):
         raise LabError(f"engines must be a launcher name such as 'local' or 'mpi', "
                        f"got {engines!r}")
-    if not isinstance(ip, str) or not ip:
-        raise LabError(f"ip must be an address string such as '127.0.0.1', got {ip!r}")
+    check_ip(ip)
+    if not isinstance(fork, bool):
+        raise TypeError(f"fork must be True or False, got {fork!r}")
     if engines == "local":
+        per_rank = RANK_MEMORY_GIB["forked" if fork else "started"]
         available = psutil.virtual_memory().available / 2**30
-        most = int(min(MAX_LOCAL_RANKS, available // RANK_MEMORY_GIB))
+        most = int(min(MAX_LOCAL_RANKS, available // per_rank))
         if world_size > most:
             raise LabError(
                 f"world_size={world_size} is more than this machine can run: each rank needs "
-                f"about {RANK_MEMORY_GIB} GiB and {available:.1f} GiB is available, so at most "
+                f"about {per_rank} GiB and {available:.1f} GiB is available, so at most "
                 f"{most} local ranks (tplab caps local ranks at {MAX_LOCAL_RANKS})")
     if backend == "nccl" and engines == "local":
         gpus = _gpu_count()

@@ -1,20 +1,22 @@
-"""Waiting for a cell on every rank, and saying what went wrong when it does not finish.
+"""Waiting for a cell on every rank: live output, and what to do when it does not finish.
 
-Every `lab.run` / `lab.execute` / `%%ranks` cell goes through `Watchdog.wait`, which
-returns the per-rank results or raises one of:
-- `RankError`: user code raised on some ranks (ranks left waiting for them in a
-  collective are restarted, so the lab stays usable);
-- `RankDied`: a rank process ended mid-cell (crash, signal, os._exit, OOM killer);
-- `CollectiveHang`: the cell ran past its timeout; the message is a per-rank table of
-  where each rank is, read from the reports ranks write to the rendezvous store.
-After each of these the lab restarts its ranks and is ready again.
+Every `lab.run` / `lab.execute` / `%%ranks` cell goes through `Watchdog.wait`. While the
+cell runs, the ranks' output is shown live (streams.py) and their reports (where each rank
+is, collectives.py) are read every 0.1 s. The rules (docs/DESIGN.md, "Cells"):
+- a rank that computes is never timed out; the stop button ends it;
+- `timeout` bounds how long the unfinished ranks may all wait in collectives with none
+  computing; `cell_timeout` (off by default) is a wall-clock limit, for CI;
+- a definite mismatch is reported at once: a rank waits in a collective that a peer
+  finished the cell (or was not asked to run it) without calling, or the waiting ranks'
+  collectives cannot complete. In the first case the finished peers complete it with
+  placeholder zeros (collectives.complete_pending), so no restart is needed and names
+  survive; otherwise `restart` (one place, below) starts fresh ranks and says what was lost.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -22,15 +24,19 @@ from datetime import timedelta
 
 from ipyparallel import error as ipp_error
 
-from tplab.errors import CollectiveHang, LabError, RankDied, RankError, RankPlanError
+from tplab.errors import CellTimeout, CollectiveHang, LabError, RankDied, RankError, RankPlanError
 from tplab.lab import diagnose
 from tplab.lab import rank as rank_side
-from tplab.lab.output import print_grouped
-from tplab.lab.transfer import from_wire, is_wire, unpack
+from tplab.lab.collectives import WHERE_KEY
+from tplab.lab.output import format_rank_list
+from tplab.lab.streams import LiveOutput, StatusLine
+from tplab.transfer import from_wire, is_wire
 
-# Ranks still in a collective this long after another rank failed are waiting for it: stuck.
-STUCK_AFTER_FAILURE_S = 2.0
-POLL_S = 0.05
+POLL_S = 0.02  # how often output is read and replies are looked at
+CHECK_S = 0.1  # how often the ranks' reports are read
+STATUS_AFTER_S = 3.0  # a rank waiting this long for computing peers gets a status line
+FREE_ROUNDS = 8  # collectives completed for stuck ranks, at most, before a restart
+INTERRUPT_GRACE_S = 3.0
 
 
 class RankResults:
@@ -44,31 +50,36 @@ class RankResults:
     def done(self, r: int) -> bool:
         return self._futures[r].done()
 
+    def finished(self) -> list[int]:
+        return [r for r in self.ranks if self._futures[r].done()]
+
     def pending(self) -> list[int]:
         return [r for r in self.ranks if not self._futures[r].done()]
 
-    def result(self, r: int):
+    def reply(self, r: int):
         """The rank's Reply; an ipyparallel error (engine died...) is returned, not raised."""
         if r not in self._replies:
-            message = self._futures[r].result()
+            try:
+                message = self._futures[r].result()
+            except Exception as exc:  # noqa: BLE001 - e.g. an EngineError
+                message = exc
             self._replies[r] = from_wire(message) if is_wire(message) else message
         return self._replies[r]
 
     def value(self, r: int):
-        """The rank's value, RankFailure or ipyparallel error, once it is done."""
-        reply = self.result(r)
+        reply = self.reply(r)
         return reply.value if isinstance(reply, rank_side.Reply) else reply
-
-    def output(self) -> tuple[dict[int, str], dict[int, str]]:
-        replies = {r: self.result(r) for r in self.ranks if self.done(r)}
-        replies = {r: v for r, v in replies.items() if isinstance(v, rank_side.Reply)}
-        return ({r: v.stdout for r, v in replies.items()},
-                {r: v.stderr for r, v in replies.items()})
 
 
 class Watchdog:
-    def __init__(self, lab):
-        self.lab = lab
+    """Runs the rules above for a Lab. What it needs of the lab is narrow: `processes`
+    (exit codes, pids, output files of the ranks), `send` (a request to some ranks),
+    `restart` (fresh ranks, returns seconds) and `rank_names` (names lost on a restart)."""
+
+    def __init__(self, world_size: int, processes, send, restart, rank_names):
+        self.world_size = world_size
+        self.processes, self.send, self._restart, self.rank_names = (
+            processes, send, restart, rank_names)
         self._store = None
 
     # --- the rendezvous store, where ranks report where they are ------------------------
@@ -83,152 +94,332 @@ class Watchdog:
         self._store = None
 
     def where(self) -> dict[int, dict]:
-        """rank -> the latest report of that rank (see rank.where_now)."""
+        """rank -> the latest report of that rank (see collectives.where_now)."""
         found = {}
         if self._store is None:
             return found
-        for r in range(self.lab.world_size):
-            key = rank_side.WHERE_KEY.format(rank=r)
-            try:
-                if self._store.check([key]):
-                    found[r] = json.loads(self._store.get(key))
-            except Exception:
-                continue
+        keys = [WHERE_KEY.format(rank=r) for r in range(self.world_size)]
+        try:
+            values = self._store.multi_get(keys)
+        except Exception:
+            values = []
+            for key in keys:
+                try:
+                    values.append(self._store.get(key) if self._store.check([key]) else b"")
+                except Exception:
+                    values.append(b"")
+        for r, raw in enumerate(values):
+            if raw:
+                try:
+                    found[r] = json.loads(raw)
+                except ValueError:
+                    continue
         return found
+
+    def _views(self, res: RankResults, cell: int) -> dict[int, diagnose.RankView]:
+        return diagnose.views(self.where(), cell, res.ranks, res.finished(), self.world_size,
+                              time.time())
+
+    # --- the one place that restarts ranks --------------------------------------------
+
+    def restart(self, why: str) -> str:
+        """Start fresh ranks; the sentence that says so, and which names were lost."""
+        lost = self.rank_names()
+        took = self._restart()
+        names = f" Names lost: {', '.join(lost)}." if lost else ""
+        return (f"The lab restarted its {self.world_size} ranks in {took:.1f} s ({why}) and is "
+                f"ready again; names defined on the ranks are gone, so rerun the cells that "
+                f"set them up.{names}")
 
     # --- waiting -----------------------------------------------------------------------
 
-    def wait_for_init(self, ars: list) -> list[int]:
-        deadline = time.monotonic() + max(60.0, self.lab.timeout)
-        pids = []
-        for r, ar in enumerate(ars):
-            while not ar.ready():
-                self.lab._check_engines_alive(starting=True)
-                if time.monotonic() > deadline:
-                    raise LabError(f"rank {r} did not join the process group in time")
-                ar.wait(POLL_S)
-            try:
-                pids.append(ar.get(0))
-            except ipp_error.RemoteError as exc:
-                detail = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(exc.render_traceback()))
-                raise LabError(f"rank {r} could not join the process group "
-                               f"({self.lab.backend}):\n{detail}") from None
-        return pids
-
-    def wait(self, cell_results: RankResults, cell: int, timeout: float) -> list:
-        res = cell_results
-        started = time.monotonic()
-        failed_at = None
+    def wait(self, res: RankResults, cell: int, timeout: float,
+             cell_timeout: float | None = None) -> list:
+        live = LiveOutput(res.ranks)
+        status = StatusLine()
+        state = _CellState(time.monotonic())
         try:
-            while True:
-                res.ar.wait(POLL_S)  # returns as soon as every rank is done
-                pending = res.pending()
-                if not pending:
-                    break
-                now = time.monotonic()
-                dead = self.lab._check_engines_alive()
-                finished = [r for r in res.ranks if r not in pending]
-                if dead or any(_engine_died(res.value(r)) for r in finished):
-                    self._rank_died(self._wait_for_exit_codes(dead))
-                if failed_at is None and any(
-                        isinstance(res.value(r), rank_side.RankFailure) for r in finished):
-                    failed_at = now
-                if failed_at is not None and now - failed_at > STUCK_AFTER_FAILURE_S \
-                        and self._waiting_in_collective(pending, cell):
-                    break  # they wait for the failed ranks, which will never join
-                if now - started > timeout:
-                    self._hang(res, cell, timeout)
-        except KeyboardInterrupt:
-            self._interrupt(res)
-            raise
-        return self._collect(res, cell)
+            try:
+                self._watch(res, cell, timeout, cell_timeout, live, status, state)
+            except KeyboardInterrupt:
+                with deferred_interrupts():
+                    self._interrupted(res, cell, live, status, state)
+                raise
+        finally:
+            status.clear()
+            self._pump(live, final=True)
+        return self._collect(res, cell, state)
 
-    def _waiting_in_collective(self, ranks: list[int], cell: int) -> bool:
-        where = self.where()
-        return any(where.get(r, {}).get("cell") == cell
-                   and where[r].get("state") == "in_collective" for r in ranks)
+    def _pump(self, live: LiveOutput, final: bool = False) -> None:
+        live.feed(self.processes.read_output())
+        live.flush(final=final)
 
-    def _collect(self, res: RankResults, cell: int) -> list:
-        stuck = res.pending()
-        results = {r: res.value(r) for r in res.ranks if r not in stuck}
-        for value in results.values():
-            if _engine_died(value):
-                self._rank_died(self._wait_for_exit_codes({}))
-            if isinstance(value, Exception):  # an ipyparallel error outside user code
-                raise LabError(f"the lab could not run the cell: {value}")
-        out, err = res.output()
-        print_grouped(out, sys.stdout)
-        print_grouped(err, sys.stderr)
-        failures = {r: v for r, v in results.items() if isinstance(v, rank_side.RankFailure)}
-        if failures:
-            if all(f.ename == "KeyboardInterrupt" for f in failures.values()):
-                raise KeyboardInterrupt
-            note = ""
-            if stuck:
-                where = self.where()
-                took = self.lab.restart()
-                note = diagnose.stuck_note(stuck, where, cell, took)
-            kind = RankPlanError if all(f.ename == "PlanError" for f in failures.values()) \
-                else RankError
-            error = kind({r: f.traceback for r, f in failures.items()}, self.lab.world_size)
-            if note:
-                error.args = (f"{error.args[0]}\n{note}",)
-            raise error
-        return [unpack(results[r]) for r in res.ranks]
+    def _watch(self, res, cell, timeout, cell_timeout, live, status, state) -> None:
+        next_check = 0.0
+        while True:
+            self._pump(live)
+            res.ar.wait(POLL_S)
+            if not res.pending():
+                return
+            now = time.monotonic()
+            if now < next_check:
+                continue
+            next_check = now + CHECK_S
+            self._check_alive(res, live)
+            views = self._views(res, cell)
+            if self._free_owed(res, cell, views, state, live):
+                continue
+            signature = _signature(views)
+            if signature != state.signature:
+                state.signature, state.changed = signature, now
+            waiting = [r for r, v in views.items() if v.state == "waiting"]
+            if diagnose.deadlocked(views) and now - state.changed > 0.5:
+                self._hang(res, cell, views, live, "the ranks wait in collectives that "
+                           "cannot complete")
+            all_wait = waiting and not any(v.state in ("computing", "no report")
+                                           for v in views.values())
+            if all_wait and now - state.changed > timeout:
+                self._hang(res, cell, views, live,
+                           f"every unfinished rank waited in a collective for {timeout:g} s "
+                           "with none computing", timeout=timeout)
+            if cell_timeout is not None and now - state.started > cell_timeout:
+                self._cell_timeout(res, cell, views, live, status, state, cell_timeout)
+            if waiting and now - state.changed > STATUS_AFTER_S:
+                text = diagnose.waiting_status(views, self.world_size, now - state.changed)
+                if text:
+                    status.show(text)
+            else:
+                status.clear()
+
+    # --- a stuck rank freed: no restart ---------------------------------------------------
+
+    def _free_owed(self, res, cell, views, state, live) -> bool:
+        """Complete, on idle peers, collectives that waiting ranks are stuck in. True when
+        it did (the watch goes on); raises (after a restart) when that is impossible."""
+        debts = diagnose.owed(views)
+        if not debts:
+            return False
+        if not state.freed:
+            state.first_debt = (diagnose.owed_words(views, debts, self.world_size),
+                                diagnose.table(views, self.world_size))
+        calls = self._replays(views, debts)
+        if calls is None or len(state.freed) >= FREE_ROUNDS:
+            why = ("the stuck ranks could not be freed" if calls is None
+                   else f"the stuck ranks still waited after {FREE_ROUNDS} collectives "
+                        "were completed for them")
+            self._hang(res, cell, views, live, why)
+        by_peer: dict[int, list] = {}
+        for (peer, _), rows in calls.items():
+            by_peer.setdefault(peer, []).extend(rows)
+        pending = []
+        for peer, rows in sorted(by_peer.items()):
+            rows.sort(key=lambda c: c["seq"])
+            pending.append(self.send([peer], rank_side.complete_pending, rows))
+        deadline = time.monotonic() + 10.0
+        while any(not ar.ready() for ar in pending):
+            self._pump(live)
+            self._check_alive(res, live)
+            if time.monotonic() > deadline:
+                self._hang(res, cell, self._views(res, cell), live,
+                           "completing the missed collectives did not free the stuck ranks")
+            time.sleep(POLL_S)
+        state.freed.append(sorted(by_peer))
+        return True
+
+    @staticmethod
+    def _replays(views, debts) -> dict | None:
+        """(peer, group) -> the calls the peer must make, from a waiting rank's history."""
+        calls = {}
+        for (peer, group), (have, reached) in debts.items():
+            rows = {}
+            for v in views.values():
+                if v.state == "waiting":
+                    for call in (v.report.get("history") or {}).get(group, []):
+                        if call.get("seq") is not None and have < call["seq"] <= reached:
+                            rows[call["seq"]] = dict(call, group=group)
+            if sorted(rows) != list(range(have + 1, reached + 1)) or any(
+                    "?" in json.dumps(row["args"]) for row in rows.values()):
+                return None
+            calls[(peer, group)] = list(rows.values())
+        return calls
 
     # --- when things go wrong ------------------------------------------------------------
 
-    def _hang(self, res: RankResults, cell: int, timeout: float):
-        time.sleep(3 * rank_side.REPORT_INTERVAL_S)  # let every rank's reporter write
-        finished = [r for r in res.ranks if res.done(r)]
-        where = self.where()
-        table = diagnose.hang_report(where, cell, finished, res.ranks, timeout)
-        took = self.lab.restart()
-        raise CollectiveHang(
-            f"{table}\nThe lab restarted its {self.lab.world_size} ranks in {took:.1f} s and is "
-            "ready again; names defined on the ranks are gone, so rerun the cells that set "
-            "them up.", where=where, recovered=True, recovery_s=took)
+    def _check_alive(self, res: RankResults, live: LiveOutput) -> None:
+        dead = self.processes.dead()
+        if not dead and any(_engine_died(res.value(r)) for r in res.finished()):
+            dead = self._wait_for_exit_codes()
+        if dead:
+            self._rank_died(dead, res, live)
 
-    def _wait_for_exit_codes(self, dead: dict[int, str], seconds: float = 1.0) -> dict:
-        """The hub may hear of a death (from the rank's nanny) before our launcher has
-        reaped the process: give the exit code a moment to arrive, to say how it died."""
+    def _wait_for_exit_codes(self, seconds: float = 1.0) -> dict:
+        """The hub may hear of a death before the launcher has reaped the process: give
+        the exit code a moment to arrive, to say how it died."""
         deadline = time.monotonic() + seconds
+        dead = {}
         while not dead and time.monotonic() < deadline:
             time.sleep(POLL_S)
-            dead = self.lab._check_engines_alive()
-        return dead
+            dead = self.processes.dead()
+        return dead or {-1: "stopped (its engine was reported dead)"}
 
-    def _rank_died(self, dead: dict[int, str]):
-        if not dead:
-            dead = {-1: "stopped (its engine was reported dead)"}
+    def _arrived(self, res: RankResults, cell: int) -> dict:
+        """Results of the ranks that finished; waits for replies still arriving (a rank
+        that reported the end of its cell is sending its result: no limit applies)."""
+        where = self.where()
+        for r in res.pending():
+            report = where.get(r) or {}
+            if report.get("state") == "finished" and report.get("cell") == cell:
+                while not res.done(r) and r not in self.processes.dead():
+                    res.ar.wait(POLL_S)
+        return {r: res.value(r) for r in res.finished()}
+
+    def _rank_died(self, dead: dict[int, str], res: RankResults, live: LiveOutput):
+        self._pump(live, final=True)
         lines = [f"rank {r} {how}" if r >= 0 else f"a rank {how}" for r, how in dead.items()]
-        logs = [self.lab._rank_log_tail(r) for r in dead if r >= 0]
-        took = self.lab.restart()
-        detail = "".join(f"\n--- last output of rank {r} ---\n{log}"
-                         for r, log in zip([r for r in dead if r >= 0], logs, strict=True) if log)
-        raise RankDied(f"{'; '.join(lines)} while running the cell.{detail}\nThe lab restarted "
-                       f"its {self.lab.world_size} ranks in {took:.1f} s and is ready again; "
-                       "names defined on the ranks are gone, so rerun the cells that set "
-                       "them up.",
+        detail = "".join(f"\n--- last output of rank {r} ---\n{self.processes.log_tail(r)}"
+                         for r in dead if r >= 0 and self.processes.log_tail(r))
+        sentence = self.restart("a rank died")
+        raise RankDied(f"{'; '.join(lines)} while running the cell.{detail}\n{sentence}",
                        ranks=dead)
 
-    def _interrupt(self, res: RankResults) -> None:
-        """Interrupt every rank still running; restart those stuck in a collective."""
-        pending = res.pending()
-        for r in pending:
+    def _hang(self, res, cell, views, live, why: str, timeout: float | None = None):
+        self._pump(live, final=True)
+        results = self._arrived(res, cell)
+        text = f"{diagnose.diagnosis(views, self.world_size)}\n{diagnose.table(views, self.world_size)}"
+        if timeout is not None:
+            text = f"the ranks waited in collectives for {timeout:g} s.\n{text}"
+        sentence = self.restart(why)
+        raise CollectiveHang(f"{text}\n{sentence}", where={r: v.report for r, v in views.items()},
+                             recovered=True, restarted=True, results=results)
+
+    def _cell_timeout(self, res, cell, views, live, status, state, limit: float):
+        text = diagnose.table(views, self.world_size)
+        self._signal(res.pending())
+        note = self._settle(res, cell, live, state)
+        raise CellTimeout(f"the cell ran past cell_timeout={limit:g} s; the ranks were "
+                          f"interrupted. What each rank was doing:\n{text}\n{note}",
+                          where={r: v.report for r, v in views.items()})
+
+    def _signal(self, ranks: list[int]) -> None:
+        for r in ranks:
             try:
-                os.kill(self.lab._rank_pids[r], signal.SIGINT)
+                os.kill(self.processes.pids[r], signal.SIGINT)
             except (OSError, IndexError):
                 pass
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and res.pending():
-            time.sleep(POLL_S)
+
+    def _settle(self, res, cell, live, state) -> str:
+        """After interrupting: free ranks stuck in collectives that interrupted peers never
+        call; restart when that fails. Says which happened."""
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while res.pending() and time.monotonic() < deadline:
+            self._pump(live)
+            res.ar.wait(POLL_S)
+            try:
+                self._free_owed(res, cell, self._views(res, cell), state, live)
+            except CollectiveHang as hang:
+                return str(hang).rsplit("\n", 1)[-1]
         if res.pending():
-            took = self.lab.restart()
-            print(f"[tplab] interrupted; ranks waiting in a collective were restarted in "
-                  f"{took:.1f} s, and the lab is ready again", file=sys.stderr)
+            self._arrived(res, cell)
+            return self.restart("ranks still waited in a collective after the interrupt")
+        if state.freed:
+            return ("Ranks waiting in a collective were freed by completing it on their peers "
+                    "with placeholder data; no restart was needed.")
+        return ""
+
+    def _interrupted(self, res, cell, live, status, state) -> None:
+        """The stop button: interrupt every rank still running; free or restart the stuck."""
+        self._signal(res.pending())
+        note = self._settle(res, cell, live, state)
+        self._pump(live, final=True)
+        if note:
+            print(f"[tplab] interrupted. {note}", file=sys.stderr, flush=True)
+
+    # --- the end of a cell ---------------------------------------------------------------
+
+    def _collect(self, res: RankResults, cell: int, state) -> list:
+        results = {r: res.value(r) for r in res.ranks}
+        replies = {r: res.reply(r) for r in res.ranks}
+        for r, value in results.items():
+            if _engine_died(value):
+                self._rank_died(self._wait_for_exit_codes(), res, LiveOutput([]))
+            if isinstance(value, Exception):  # an ipyparallel error outside user code
+                raise LabError(f"the lab could not run the cell on rank {r}: "
+                               f"{_strip_engine_id(value)}")
+        for r, reply in replies.items():
+            if isinstance(reply, rank_side.Reply) and (reply.stdout or reply.stderr):
+                live = LiveOutput([r])
+                live.feed([(r, "stdout", reply.stdout), (r, "stderr", reply.stderr)])
+                live.flush(final=True)
+        failures = {r: v for r, v in results.items() if isinstance(v, rank_side.RankFailure)}
+        freed = _freed_note(state)
+        if failures:
+            if all(f.ename == "KeyboardInterrupt" for f in failures.values()):
+                raise KeyboardInterrupt
+            kind = RankPlanError if all(f.ename == "PlanError" for f in failures.values()) \
+                else RankError
+            error = kind({r: f.traceback for r, f in failures.items()}, self.world_size)
+            if freed:
+                error.args = (f"{error.args[0]}\n{freed}",)
+            raise error
+        if state.freed:
+            owed, table = state.first_debt
+            raise CollectiveHang(f"{owed}\n{table}\n{freed}", recovered=True, restarted=False,
+                                 results={r: results[r] for r in res.ranks})
+        return [results[r] for r in res.ranks]
+
+
+class _CellState:
+    def __init__(self, started: float):
+        self.started = self.changed = started
+        self.signature = None
+        self.freed: list[list[int]] = []
+        self.first_debt = ("", "")
+
+
+def _signature(views) -> tuple:
+    return tuple((r, v.state, json.dumps(v.report.get("groups"), sort_keys=True))
+                 for r, v in sorted(views.items()))
+
+
+def _freed_note(state: _CellState) -> str:
+    if not state.freed:
+        return ""
+    peers = sorted({p for round_ in state.freed for p in round_})
+    n = len(state.freed)
+    return (f"The lab freed the waiting ranks by completing {n} collective"
+            f"{'s' if n != 1 else ''} on {format_rank_list(peers)} with placeholder data "
+            "(zeros), so this cell's results are not valid. No restart was needed: names "
+            "defined on the ranks are kept.")
 
 
 def _engine_died(value) -> bool:
     return isinstance(value, ipp_error.EngineError) or (
         isinstance(value, ipp_error.RemoteError) and value.ename == "EngineError")
+
+
+def _strip_engine_id(error) -> str:
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    return re.sub(r"^\[\d+:apply\]:?\s*", "", text)
+
+
+class deferred_interrupts:
+    """While the lab recovers from an interrupt, a second stop press is held back until
+    the lab is consistent again (a restart cut in half leaves ranks nobody owns)."""
+
+    def __enter__(self):
+        self.pressed = 0
+        try:
+            self.old = signal.signal(signal.SIGINT, self._press)
+        except ValueError:  # not the main thread
+            self.old = None
+        return self
+
+    def _press(self, signum, frame):
+        self.pressed += 1
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+        return False

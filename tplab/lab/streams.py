@@ -1,0 +1,227 @@
+"""Live output: what every rank writes, shown in the notebook while the cell runs.
+
+Each rank's fds 1 and 2 point at two files of its own (tplab/lab/entry.py), so everything
+a rank writes lands there: print, os.write, subprocesses, C++ warnings, threads, a crash
+report. `RankFiles` reads those files as they grow; `LiveOutput` turns the text into
+labelled lines:
+- a line that several ranks print at the same place is shown once, as `[ranks 0-3] ...`,
+  when every rank has printed it (or, for lines that differ, at once, or after `window`);
+- carriage-return progress (a plain tqdm bar) is one line per rank, updated in place (a
+  display in Jupyter; its last state only elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from tplab.lab.output import format_rank_list
+
+WINDOW_S = 0.1  # how long a line waits for the same line from the other ranks
+PROGRESS_EVERY_S = 0.1
+
+
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel, where displays can be updated in place."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+class RankFiles:
+    """The output files of the ranks, read as they grow."""
+
+    def __init__(self):
+        self._files: dict[int, list[list]] = {}  # rank -> [[stream, fd, offset], ...]
+
+    def attach(self, rank: int, out_path: str, err_path: str) -> None:
+        self.detach(rank)
+        files = []
+        for stream, path in (("stdout", out_path), ("stderr", err_path)):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            files.append([stream, fd, 0])
+        self._files[rank] = files
+
+    def detach(self, rank: int) -> None:
+        for _, fd, _ in self._files.pop(rank, []):
+            os.close(fd)
+
+    def detach_all(self) -> None:
+        for rank in list(self._files):
+            self.detach(rank)
+
+    def has(self, rank: int) -> bool:
+        return bool(self._files.get(rank))
+
+    def read(self) -> list[tuple[int, str, str]]:
+        """(rank, stream, text) for everything written since the last read."""
+        found = []
+        for rank, files in self._files.items():
+            for entry in files:
+                stream, fd, offset = entry
+                try:
+                    size = os.fstat(fd).st_size
+                    if size <= offset:
+                        continue
+                    data = os.pread(fd, size - offset, offset)
+                except OSError:
+                    continue
+                entry[2] = offset + len(data)
+                found.append((rank, stream, data.decode("utf-8", "replace")))
+        return found
+
+    def tail(self, rank: int, lines: int = 15) -> str:
+        """The last lines the rank wrote (both streams), for a RankDied message; a crash
+        report (faulthandler's "Fatal Python error") is shown from its start."""
+        text = []
+        for _, fd, _ in self._files.get(rank, []):
+            try:
+                size = os.fstat(fd).st_size
+                text.extend(os.pread(fd, min(size, 65536), max(0, size - 65536))
+                            .decode("utf-8", "replace").splitlines())
+            except OSError:
+                continue
+        crash = next((i for i, x in enumerate(text) if x.startswith("Fatal Python")), None)
+        if crash is not None:
+            return "\n".join(text[max(0, crash - 3):crash + lines])
+        return "\n".join(text[-lines:])
+
+
+class _Progress:
+    """One rank's carriage-return line, shown in place."""
+
+    def __init__(self, live: bool):
+        self.live, self.handle, self.text, self.shown_at = live, None, "", 0.0
+
+    def show(self, label: str, text: str, now: float, final: bool = False) -> None:
+        self.text = text
+        if not self.live or (not final and now - self.shown_at < PROGRESS_EVERY_S):
+            return
+        from IPython.display import display
+
+        data = {"text/plain": f"{label} {text}"}
+        if self.handle is None:
+            self.handle = display(data, raw=True, display_id=True)
+        else:
+            self.handle.update(data, raw=True)
+        self.shown_at = now
+
+
+class _Stream:
+    def __init__(self, file, live: bool):
+        self.file, self.live = file, live
+        self.partial: dict[int, str] = {}
+        self.lines: dict[int, list[tuple[float, str]]] = {}
+        self.progress: dict[int, _Progress] = {}
+
+    def feed(self, rank: int, text: str, now: float) -> None:
+        text = self.partial.pop(rank, "") + text
+        *complete, rest = text.split("\n")
+        queue = self.lines.setdefault(rank, [])
+        for line in complete:
+            if "\r" in line:
+                self._progress(rank, line, now, final=True)
+            else:
+                queue.append((now, line))
+        if rest:
+            self.partial[rank] = rest
+            if "\r" in rest:
+                self._progress(rank, rest, now)
+
+    def _progress(self, rank: int, line: str, now: float, final: bool = False) -> None:
+        parts = [p for p in line.split("\r") if p.strip()]
+        text = parts[-1] if parts else ""
+        bar = self.progress.get(rank)
+        if bar is None:
+            bar = self.progress[rank] = _Progress(self.live)
+        bar.show(f"[rank {rank}]", text, now, final)
+        if final:
+            del self.progress[rank]
+            if not self.live:  # no display to update: the bar's last state, as a line
+                self.lines.setdefault(rank, []).append((now, text))
+
+    def flush(self, participants: set[int], now: float, final: bool) -> None:
+        if final:
+            for rank, rest in list(self.partial.items()):
+                if "\r" in rest:
+                    self._progress(rank, rest, now, final=True)
+                else:
+                    self.lines.setdefault(rank, []).append((now, rest))
+            self.partial.clear()
+        out = []
+        while True:
+            heads = {r: q[0] for r, q in self.lines.items() if q}
+            if not heads:
+                break
+            first = min(heads, key=lambda r: heads[r][0])
+            arrived, line = heads[first]
+            same = [r for r, (_, text) in heads.items() if text == line]
+            silent = [r for r in participants if r not in heads]
+            if final or not silent or now - arrived >= WINDOW_S:
+                out.append(f"[{format_rank_list(same)}] {line}")
+                for r in same:
+                    self.lines[r].pop(0)
+            else:
+                break
+        if out:
+            self.file.write("\n".join(out) + "\n")
+            self.file.flush()
+
+
+class LiveOutput:
+    """Shows the ranks' output of one cell as it arrives (see the module docstring)."""
+
+    def __init__(self, participants, stdout=None, stderr=None, live: bool | None = None):
+        live = in_kernel() if live is None else live
+        self.participants = set(participants)
+        self._streams = {"stdout": _Stream(stdout or sys.stdout, live),
+                         "stderr": _Stream(stderr or sys.stderr, live)}
+
+    def feed(self, chunks: list[tuple[int, str, str]], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for rank, stream, text in chunks:
+            self.participants.add(rank)
+            self._streams[stream].feed(rank, text, now)
+
+    def flush(self, now: float | None = None, final: bool = False) -> None:
+        now = time.monotonic() if now is None else now
+        for stream in self._streams.values():
+            stream.flush(self.participants, now, final)
+
+
+class StatusLine:
+    """One line, updated in place, that says what the lab is waiting for."""
+
+    def __init__(self, live: bool | None = None):
+        self.live = in_kernel() if live is None else live
+        self.handle = None
+        self.text = ""
+        self.printed_at = 0.0
+
+    def show(self, text: str) -> None:
+        if text == self.text:
+            return
+        self.text = text
+        if self.live:
+            from IPython.display import display
+
+            data = {"text/plain": f"[tplab] {text}"}
+            if self.handle is None:
+                self.handle = display(data, raw=True, display_id=True)
+            else:
+                self.handle.update(data, raw=True)
+        elif time.monotonic() - self.printed_at > 5.0:
+            print(f"[tplab] {text}", file=sys.stderr, flush=True)
+            self.printed_at = time.monotonic()
+
+    def clear(self) -> None:
+        if self.handle is not None and self.text:
+            self.handle.update({"text/plain": ""}, raw=True)
+        self.text = ""
