@@ -64,9 +64,26 @@ def test_bad_call_arguments_are_refused(labs):
     assert lab.run(lambda: 2) == [2, 2]  # nothing was changed
 
 
-def test_magic_with_bad_ranks_names_the_problem():
-    from tplab.lab.magics import _parse_ranks
+@pytest.mark.parametrize(("line", "ranks"), [
+    ("0", [0]), ("0,2", [0, 2]), ("0 2", [0, 2]), ("1 0", [1, 0]), ("0, 2-3", [0, 2, 3]),
+    (" 1-3 ", [1, 2, 3]),
+])
+def test_rank_spec_forms(line, ranks):
+    from tplab.lab.validate import parse_rank_spec
 
-    with pytest.raises(tplab.LabError, match="%%rank takes rank numbers"):
-        _parse_ranks("zero")
-    assert _parse_ranks("0, 2-3") == [0, 2, 3]
+    assert parse_rank_spec(line, 4) == ranks
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    ("zero", "%%rank takes rank numbers, got 'zero': use %%rank 0,2 or %%rank 0 2 or %%rank 1-3"),
+    ("9", "this lab has ranks 0 to 3 (no rank 9)"),
+    ("3-1", "range '3-1' runs backwards: write 1-3"),
+    ("", "%%rank needs the ranks to run on"),
+    ("-1", "%%rank takes rank numbers"),
+])
+def test_magic_with_bad_ranks_names_the_problem(line, words):
+    from tplab.lab.validate import parse_rank_spec
+
+    with pytest.raises(ValueError) as info:
+        parse_rank_spec(line, 4)
+    assert words in str(info.value)

@@ -84,16 +84,16 @@ def deadlocked(views_: dict[int, RankView]) -> bool:
     unfinished = [v for v in views_.values() if v.state in ("waiting", "computing", "no report")]
     if not unfinished or any(v.state != "waiting" for v in unfinished):
         return False
+    blocked = {v.rank: blocked_on(v) for v in unfinished}
+    if any(b is None for b in blocked.values()):
+        return False  # cannot tell what some rank waits in
     seen: dict[tuple[str, int], str] = {}
-    for v in unfinished:
-        blocked = blocked_on(v)
-        if blocked is None:
-            return False  # cannot tell what it waits in
-        group, seq, call = blocked
+    for group, seq, call in blocked.values():
         family = call.get("op", call.get("api"))
         if seen.setdefault((group, seq), family) != family:
             return True  # the same collective number, different ops
-        members = ((v.report.get("groups") or {}).get(group) or {}).get("ranks", [])
+    for r, (group, seq, _) in blocked.items():
+        members = ((views_[r].report.get("groups") or {}).get(group) or {}).get("ranks", [])
         if all((views_[m].seq(group) or 0) >= seq for m in members if m in views_):
             return False  # every member issued it: it can complete
     return True

@@ -300,6 +300,10 @@ def call_pickled(payload: bytes, cell: int) -> tuple:
             if mine is not Missing and type(mine) is type(value) and mine != value:
                 reply.shadowed[name] = _short(value)
         _restore_source(fn, source)
+        g = getattr(fn, "__globals__", None)
+        if g is not None and g is not ns:  # a module's function sent by value
+            for name, value in ns.items():  # it sees the rank's names it lacks
+                g.setdefault(name, value)
         return fn(*args, **kwargs)
 
     return _run_cell(cell, body)

@@ -199,9 +199,13 @@ class Watchdog:
         debts = diagnose.owed(views)
         if not debts:
             return False
+        unsure = any(v.state == "no report" for v in views.values())
+        if unsure and time.monotonic() - state.started < 1.0:
+            return False  # a rank's first report is on its way: say who waits, completely
         if not state.freed:
             state.first_debt = (diagnose.owed_words(views, debts, self.world_size),
                                 diagnose.table(views, self.world_size))
+            state.first_where = {r: v.report for r, v in views.items()}
         calls = self._replays(views, debts)
         if calls is None or len(state.freed) >= FREE_ROUNDS:
             why = ("the stuck ranks could not be freed" if calls is None
@@ -359,11 +363,12 @@ class Watchdog:
                 else RankError
             error = kind({r: f.traceback for r, f in failures.items()}, self.world_size)
             if freed:
-                error.args = (f"{error.args[0]}\n{freed}",)
+                error.args = (f"{error.args[0]}\n{state.first_debt[0]}\n{freed}",)
             raise error
         if state.freed:
             owed, table = state.first_debt
-            raise CollectiveHang(f"{owed}\n{table}\n{freed}", recovered=True, restarted=False,
+            raise CollectiveHang(f"{owed}\n{table}\n{freed}", where=state.first_where,
+                                 recovered=True, restarted=False,
                                  results={r: results[r] for r in res.ranks})
         return [results[r] for r in res.ranks]
 
@@ -374,6 +379,7 @@ class _CellState:
         self.signature = None
         self.freed: list[list[int]] = []
         self.first_debt = ("", "")
+        self.first_where: dict[int, dict] = {}
 
 
 def _signature(views) -> tuple:
