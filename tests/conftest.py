@@ -37,7 +37,7 @@ class _Labs:
 
     def get(self, world_size: int) -> tplab.Lab:
         lab = self._labs.get(world_size)
-        if lab is None or lab._closed:
+        if lab is None or lab.closed:
             lab = self._labs[world_size] = tplab.launch(world_size, timeout=60)
         return lab
 

@@ -38,7 +38,7 @@ def test_listening_sockets_are_on_loopback(own_lab):
 
 
 def test_state_is_private_to_the_owner(own_lab):
-    state = own_lab._state_dir
+    state = own_lab.state_dir
     assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
     security = os.path.join(state, "profile", "security")
     files = [os.path.join(security, f) for f in os.listdir(security)]
@@ -48,11 +48,11 @@ def test_state_is_private_to_the_owner(own_lab):
 
 
 def test_restart_replaces_ranks_and_keeps_settings(own_lab):
-    before = list(own_lab._rank_pids)
+    before = list(own_lab.rank_pids)
     own_lab.execute("x = 1")
     took = own_lab.restart()
     assert took > 0
-    assert set(before).isdisjoint(own_lab._rank_pids)
+    assert set(before).isdisjoint(own_lab.rank_pids)
     assert wait_gone(before, 5) == []
     assert own_lab.execute("'x' in dir()") == [False, False]
     assert own_lab.run(lambda: world_size) == [2, 2]  # noqa: F821
@@ -63,7 +63,7 @@ def test_shutdown_leaves_no_process(own_lab):
     assert len(pids) >= 3  # controller + 2 ranks at least
     own_lab.shutdown()
     assert wait_gone(pids, 5) == []
-    assert not os.path.exists(own_lab._state_dir)
+    assert not os.path.exists(own_lab.state_dir)
     with pytest.raises(tplab.LabError, match="shut down"):
         own_lab.run(lambda: 1)
 
@@ -81,7 +81,7 @@ import json, sys, time
 import tplab
 lab = tplab.launch({n})
 print(json.dumps(lab.pids), flush=True)
-print(lab._state_dir, flush=True)
+print(lab.state_dir, flush=True)
 time.sleep(600)
 """
 

@@ -55,6 +55,8 @@ FUNCOL_CALLS = {
     "all_reduce": 2, "all_gather_tensor": 2, "all_gather_tensor_autograd": 2,
     "reduce_scatter_tensor": 3, "reduce_scatter_tensor_autograd": 3,
     "all_to_all_single": 3, "broadcast": 2,
+    "all_gather_single": 2, "all_gather_single_autograd": 2,
+    "reduce_scatter_single": 3, "reduce_scatter_single_autograd": 3,
 }
 
 
@@ -311,9 +313,10 @@ def complete_pending(calls: list[dict]) -> int:
     done = 0
     for call in calls:
         group = c10d._resolve_process_group(call["group"])
-        args = [_placeholder(a) for a in call["args"]]
-        kwargs = {k: _placeholder(v) for k, v in call["kwargs"].items()}
         pos = call["group_pos"]
+        args = [None if i == pos else _placeholder(a) for i, a in enumerate(call["args"])]
+        kwargs = {k: None if k == "group" else _placeholder(v)
+                  for k, v in call["kwargs"].items()}
         if "group" in kwargs or len(args) <= pos:
             kwargs["group"] = group if call["kind"] == "c10d" else call["group"]
         else:

@@ -12,6 +12,7 @@ labelled lines:
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import time
@@ -98,7 +99,7 @@ class _Progress:
     """One rank's carriage-return line, shown in place."""
 
     def __init__(self, live: bool):
-        self.live, self.handle, self.text, self.shown_at = live, None, "", 0.0
+        self.live, self.handle, self.text, self.shown_at = live, None, "", float("-inf")
 
     def show(self, label: str, text: str, now: float, final: bool = False) -> None:
         self.text = text
@@ -118,18 +119,24 @@ class _Stream:
     def __init__(self, file, live: bool):
         self.file, self.live = file, live
         self.partial: dict[int, str] = {}
-        self.lines: dict[int, list[tuple[float, str]]] = {}
+        self.lines: dict[int, collections.deque] = {}  # rank -> (arrival, line), oldest first
+        self.counts: dict[int, collections.Counter] = {}  # rank -> lines waiting, counted
         self.progress: dict[int, _Progress] = {}
+
+    def _queue(self, rank: int, now: float, line: str) -> None:
+        if rank not in self.lines:
+            self.lines[rank], self.counts[rank] = collections.deque(), collections.Counter()
+        self.lines[rank].append((now, line))
+        self.counts[rank][line] += 1
 
     def feed(self, rank: int, text: str, now: float) -> None:
         text = self.partial.pop(rank, "") + text
         *complete, rest = text.split("\n")
-        queue = self.lines.setdefault(rank, [])
         for line in complete:
             if "\r" in line:
                 self._progress(rank, line, now, final=True)
             else:
-                queue.append((now, line))
+                self._queue(rank, now, line)
         if rest:
             self.partial[rank] = rest
             if "\r" in rest:
@@ -145,7 +152,7 @@ class _Stream:
         if final:
             del self.progress[rank]
             if not self.live:  # no display to update: the bar's last state, as a line
-                self.lines.setdefault(rank, []).append((now, text))
+                self._queue(rank, now, text)
 
     def flush(self, participants: set[int], now: float, final: bool) -> None:
         if final:
@@ -153,21 +160,27 @@ class _Stream:
                 if "\r" in rest:
                     self._progress(rank, rest, now, final=True)
                 else:
-                    self.lines.setdefault(rank, []).append((now, rest))
+                    self._queue(rank, now, rest)
             self.partial.clear()
         out = []
         while True:
             heads = {r: q[0] for r, q in self.lines.items() if q}
             if not heads:
                 break
-            first = min(heads, key=lambda r: heads[r][0])
+            # A line some rank has further back in its queue waits for that rank's earlier
+            # lines: so "[ranks 0-3] loss" stays one line when rank 1 printed more first.
+            ready = [r for r, (_, line) in heads.items()
+                     if not any(self.counts[q][line] > (heads.get(q, (0, None))[1] == line)
+                                for q in heads if q != r)]
+            first = min(ready or heads, key=lambda r: heads[r][0])
             arrived, line = heads[first]
             same = [r for r, (_, text) in heads.items() if text == line]
             silent = [r for r in participants if r not in heads]
             if final or not silent or now - arrived >= WINDOW_S:
                 out.append(f"[{format_rank_list(same)}] {line}")
                 for r in same:
-                    self.lines[r].pop(0)
+                    self.lines[r].popleft()
+                    self.counts[r][line] -= 1
             else:
                 break
         if out:

@@ -227,6 +227,11 @@ class Watchdog:
                 self._hang(res, cell, self._views(res, cell), live,
                            "completing the missed collectives did not free the stuck ranks")
             time.sleep(POLL_S)
+        for ar in pending:
+            reply = from_wire(ar.get()) if is_wire(ar.get()) else ar.get()
+            if isinstance(getattr(reply, "value", None), rank_side.RankFailure):
+                self._hang(res, cell, views, live, "completing the missed collectives failed: "
+                           f"{reply.value.ename}: {reply.value.evalue}")
         state.freed.append(sorted(by_peer))
         return True
 
@@ -242,7 +247,7 @@ class Watchdog:
                         if call.get("seq") is not None and have < call["seq"] <= reached:
                             rows[call["seq"]] = dict(call, group=group)
             if sorted(rows) != list(range(have + 1, reached + 1)) or any(
-                    "?" in json.dumps(row["args"]) for row in rows.values()):
+                    _unknown_argument(row) for row in rows.values()):
                 return None
             calls[(peer, group)] = list(rows.values())
         return calls
@@ -385,6 +390,15 @@ class _CellState:
 def _signature(views) -> tuple:
     return tuple((r, v.state, json.dumps(v.report.get("groups"), sort_keys=True))
                  for r, v in sorted(views.items()))
+
+
+def _unknown_argument(call: dict) -> bool:
+    """True when a call has an argument (other than its group) no placeholder can stand
+    for: a peer could not make the same call."""
+    pos = call.get("group_pos")
+    values = [a for i, a in enumerate(call["args"]) if i != pos]
+    values += [v for k, v in call["kwargs"].items() if k != "group"]
+    return any(isinstance(v, list) and v[:1] == ["?"] for v in values)
 
 
 def _freed_note(state: _CellState) -> str:
