@@ -56,9 +56,9 @@ class Simulation:
     backend = "simulated"
 
     def __init__(self, world_size: int = 4):
-        if world_size < 1:
-            raise LabError(f"world_size must be >= 1, got {world_size}")
-        self.world_size = world_size
+        from tplab.lab.validate import check_world_size
+
+        self.world_size = check_world_size(world_size)
         self.pids: list[int] = []
         self._namespace: dict = {}
         self._ensure_process_group()
@@ -86,6 +86,12 @@ class Simulation:
         `timeout` is accepted for parity and ignored (nothing here can hang). `ranks` selects
         which ranks' results come back; fn still runs once for all of them.
         """
+        from tplab.lab.validate import check_ranks, check_timeout
+
+        if not callable(fn):
+            raise TypeError(f"sim.run needs a function as its first argument, got {fn!r}")
+        check_timeout(timeout, "timeout")
+        ranks = check_ranks(ranks, self.world_size)
         return self._per_rank(self._call(fn, args, kwargs), ranks)
 
     def execute(self, code: str, timeout: float | None = None, ranks=None) -> list:
@@ -94,6 +100,8 @@ class Simulation:
         item r is the value of the cell's last expression on rank r."""
         import ast
 
+        if not isinstance(code, str):
+            raise TypeError(f"sim.execute needs code as a string, got {type(code).__name__}")
         if not self._namespace:
             self._fill_namespace()
         tree = ast.parse(code, "<ranks cell>")
@@ -109,11 +117,16 @@ class Simulation:
         return self.run(cell, ranks=ranks)
 
     def push(self, mapping: dict, ranks=None) -> None:
+        if not isinstance(mapping, dict):
+            raise TypeError(f"sim.push needs a dict of name -> value, got {type(mapping).__name__}")
         if not self._namespace:
             self._fill_namespace()
         self._namespace.update(mapping)
 
     def pull(self, name: str, ranks=None) -> list:
+        from tplab.lab.validate import check_ranks
+
+        ranks = check_ranks(ranks, self.world_size)
         if name not in self._namespace:
             raise LabError(f"name {name!r} is not defined on ranks 0-{self.world_size - 1}")
         return self._per_rank(self._namespace[name], ranks)
