@@ -32,7 +32,8 @@ _LAZY = {
     "widgets": None,
 }
 
-__all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError", *_LAZY]
+__all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",
+           *_LAZY]
 
 
 def __getattr__(name: str):

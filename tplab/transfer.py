@@ -176,7 +176,7 @@ def tensor_from_array(array: np.ndarray, dtype: str, shape: tuple) -> torch.Tens
 def sparse_from_parts(indices: torch.Tensor, values: torch.Tensor, shape: tuple,
                       layout: str) -> torch.Tensor:
     """Notebook side: a sparse tensor from its COO parts, in its original layout."""
-    t = torch.sparse_coo_tensor(indices, values, shape).coalesce()
+    t = torch.sparse_coo_tensor(indices, values, shape, check_invariants=True).coalesce()
     return t if layout == "sparse_coo" else getattr(t, f"to_{layout}")()
 
 

@@ -294,7 +294,8 @@ class Watchdog:
     def _hang(self, res, cell, views, live, why: str, timeout: float | None = None):
         self._pump(live, final=True)
         results = self._arrived(res, cell)
-        text = f"{diagnose.diagnosis(views, self.world_size)}\n{diagnose.table(views, self.world_size)}"
+        n = self.world_size
+        text = f"{diagnose.diagnosis(views, n)}\n{diagnose.table(views, n)}"
         if timeout is not None:
             text = f"the ranks waited in collectives for {timeout:g} s.\n{text}"
         sentence = self.restart(why)
