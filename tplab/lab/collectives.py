@@ -81,6 +81,7 @@ class RankReport:
         self.reporting = True  # benchmarks/watchdog_overhead.py turns it off to compare
         self.issued: dict[str, collections.deque] = {}  # group name -> recent calls
         self.order = 0  # calls noted so far, on every group
+        self.reported_cell: int | None = None  # the cell the reporter last wrote about
         self.library_parts: tuple[str, ...] = ("<frozen", "threading.py")
 
 
@@ -234,6 +235,19 @@ def where_now() -> dict:
     return snap
 
 
+def collectives_so_far() -> int:
+    """Collectives issued on every group so far (c10d's per-group sequence numbers)."""
+    import torch.distributed as dist
+
+    total = 0
+    for pg in list(dist.distributed_c10d._world.pg_names):
+        try:
+            total += pg._get_sequence_number_for_group()
+        except Exception:
+            continue
+    return total
+
+
 def report_now() -> None:
     """Write this rank's snapshot at once (at the end of a cell, so the notebook learns the
     final collective counts without waiting for the reporter)."""
@@ -254,6 +268,7 @@ def report_loop() -> None:
             continue
         try:
             REPORT.store.set(key, json.dumps(where_now()))
+            REPORT.reported_cell = REPORT.cell
         except Exception:  # the store went away: the lab is shutting down
             return
 
