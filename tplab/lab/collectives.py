@@ -235,17 +235,18 @@ def where_now() -> dict:
     return snap
 
 
-def collectives_so_far() -> int:
-    """Collectives issued on every group so far (c10d's per-group sequence numbers)."""
+def collectives_so_far() -> tuple[int, int]:
+    """(groups, collectives issued on all of them so far): what a report must follow."""
     import torch.distributed as dist
 
+    groups = list(dist.distributed_c10d._world.pg_names)
     total = 0
-    for pg in list(dist.distributed_c10d._world.pg_names):
+    for pg in groups:
         try:
             total += pg._get_sequence_number_for_group()
         except Exception:
             continue
-    return total
+    return len(groups), total
 
 
 def report_now() -> None:
