@@ -209,3 +209,37 @@ def test_best_tp_with_a_memory_limit():
     assert cost.best_tp(rows, memory_limit=limit) == 16    # fastest that fits: 16, not 8
     with pytest.raises(ValueError, match="memory_bytes"):
         cost.best_tp([{"tp": 1, "step_s": 1.0}], memory_limit=1e9)
+
+
+# --- the explorer's memory view -----------------------------------------------------------
+
+def test_explorer_memory_view_redraws_on_every_control():
+    from tplab.cost.explorer import CostExplorer
+
+    ex = CostExplorer(model="Llama-3 70B", hw="H100 SXM")
+
+    def bars():
+        return {t.name: list(t.y) for t in ex.memory_figure.data if t.type == "bar"}
+
+    def gpu_line():   # the solid line: the chosen GPU's memory, in GB
+        return [s.y0 for s in ex.memory_figure.layout.shapes if s.line.dash is None]
+
+    first = bars()
+    assert list(first) == ["parameters", "gradients", "optimizer state", "activations"]
+    assert first["activations"] == pytest.approx([r["activation_bytes"] / 1e9
+                                                  for r in ex.rows])
+    assert gpu_line() == [80] and ex.fits_tp == cost.best_tp(ex.rows, memory_limit=80e9)
+    seen = [first]
+    for name, value in (("sequence_parallel", True), ("layout", "gpt"),
+                        ("recompute", "selective"), ("precision", "fp32"),
+                        ("recompute", "full"), ("seq", 8192), ("model", "Llama-3 8B")):
+        ex.controls[name].value = value          # as a click does
+        now = bars()
+        assert now != seen[-1], name
+        seen.append(now)
+    acts = [r["activation_bytes"] for r in ex.rows]   # full recomputation, SP: input / t
+    assert acts == pytest.approx([acts[0] / r["tp"] for r in ex.rows])
+    ex.controls["hardware"].value = "H200 SXM"
+    assert gpu_line() == [141]
+    assert ex.fits_tp == cost.best_tp(ex.rows, memory_limit=141e9)
+    assert "141 GB" in ex.summary.value
