@@ -93,16 +93,18 @@ def collective_lines(links: dict[str, Link], op: str, group_size: int,
 
 def memory_bars(rows: list[dict], title: str = "Memory per GPU against TP degree",
                 subtitle: str | None = None, lines: dict[str, float] = GPU_MEMORY,
-                memory: float | None = None) -> go.Figure:
-    """Stacked parameters, gradients, optimizer state and activations (GB per GPU) of
-    `sweep` rows, one bar per TP degree, a dotted line at each of `lines` (GPU memory in
-    bytes) and a solid one at `memory` (the chosen GPU's), the smallest degree that fits it
-    marked."""
+                memory: float | None = None, unit: str = "GB", x: list | None = None,
+                x_title: str = "TP degree") -> go.Figure:
+    """Stacked parameters, gradients, optimizer state and activations (in `unit`: "GB",
+    "MB" or "KB" per GPU) of `sweep` rows (or `tplab.memory` summaries), one bar per TP
+    degree (or per label of `x`), a dotted line at each of `lines` (GPU memory in bytes)
+    and a solid one at `memory` (the chosen GPU's), the smallest degree that fits marked."""
+    scale = {"GB": 1e9, "MB": 1e6, "KB": 1e3}[unit]
     fig = go.Figure()
-    x = [str(r["tp"]) for r in rows]
+    x = x or [str(r["tp"]) for r in rows]
     for key, name, color in MEMORY_PARTS:
-        fig.add_bar(x=x, y=[r[key] / 1e9 for r in rows], name=name, marker_color=color,
-                    hovertemplate="TP %{x}: %{y:.1f} GB<extra>" + name + "</extra>")
+        fig.add_bar(x=x, y=[r[key] / scale for r in rows], name=name, marker_color=color,
+                    hovertemplate="%{x}: %{y:.1f} " + unit + "<extra>" + name + "</extra>")
     for label, nbytes in lines.items():
         if memory is not None and nbytes == memory:
             continue
@@ -118,6 +120,6 @@ def memory_bars(rows: list[dict], title: str = "Memory per GPU against TP degree
             i = fits[0]
             fig.add_annotation(x=i, y=rows[i]["memory_bytes"] / 1e9, text="fits",
                                showarrow=True, arrowhead=2, ax=0, ay=-40)
-    fig.update_xaxes(title_text="TP degree", type="category")
-    fig.update_yaxes(title_text="GB per GPU")
+    fig.update_xaxes(title_text=x_title, type="category")
+    fig.update_yaxes(title_text=f"{unit} per GPU")
     return style(fig, title, subtitle, barmode="stack", height=430)
