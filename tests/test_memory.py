@@ -5,6 +5,7 @@ the paper's constants, and the per-GPU model at scale."""
 from __future__ import annotations
 
 import pytest
+import report
 
 import tplab
 from tplab import cost, models
@@ -46,20 +47,34 @@ def measured_steps(cases, cfg):
     return out
 
 
-def check(per_rank, cfg, world_size):
+_CHECKED: dict[str, int] = {}   # "simulated 2" -> numbers compared, for the report
+
+
+def check(per_rank, cfg, world_size, label):
+    numbers = 0
     for case in CASES:
         predicted = lab_memory(case[0], cfg, world_size, case[2])
         for rank, result in enumerate(per_rank):
             assert result[case] == predicted, (case, rank)
+            numbers += 5 + len(predicted["rows"])
     for rank, (optimizer, params, tensors) in enumerate(r["adam"] for r in per_rank):
         # Adam's exp_avg and exp_avg_sq, fp32 each, and one 4-byte step tensor per parameter
         assert optimizer == 2 * params + 4 * tensors, rank
+    _CHECKED[f"{label} {world_size}"] = numbers
+
+
+def teardown_module(module):
+    if _CHECKED:
+        report.LINES["memory"] = [
+            f"memory model against tplab.memory: 0 bytes off in {sum(_CHECKED.values())} "
+            f"numbers (world sizes: {', '.join(sorted(_CHECKED))})"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_model_equals_measured_bytes_simulated(world_size):
     cfg = models.Config()
-    check(tplab.simulate(world_size).run(measured_steps, CASES, cfg), cfg, world_size)
+    check(tplab.simulate(world_size).run(measured_steps, CASES, cfg), cfg, world_size,
+          "simulated")
 
 
 @pytest.mark.slow
@@ -67,7 +82,7 @@ def test_model_equals_measured_bytes_simulated(world_size):
 def test_model_equals_measured_bytes_on_processes(labs, world_size):
     # batch 3: the all-gathered sequence is a strided view unless made contiguous
     cfg = models.Config(dim=48, hidden_dim=96, seq_len=12, batch_size=3)
-    check(labs.get(world_size).run(measured_steps, CASES, cfg), cfg, world_size)
+    check(labs.get(world_size).run(measured_steps, CASES, cfg), cfg, world_size, "processes")
 
 
 def test_sp_shards_the_norms_and_tp_the_regions():

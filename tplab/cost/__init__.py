@@ -9,8 +9,9 @@ block's bytes and FLOPs, hardware presets, and a calibration of this machine.
 Sources are cited in each submodule: `hardware` (datasheets), `collectives` (ring and
 tree algorithms), `transformer` (Megatron-LM, Korthikanti et al. 2022, the Ultra-Scale
 Playbook, the JAX scaling book), `memory` (per-GPU memory: ZeRO's bytes per parameter,
-Korthikanti et al. 2022's activations, tplab's own block), `calibrate` (the fit). Also: `lab_models` (the lab's own
-MLP and Block under its plans, checked against `tplab.trace`), `figures` (plotly) and
+Korthikanti et al. 2022's activations, tplab's own block), `calibrate` (the fit). Also:
+`lab_models` (the lab's own MLP and Block under its plans, checked against `tplab.trace`
+and `tplab.memory`), `figures` (plotly) and
 `explorer` (an ipywidgets explorer); those two import plotly and ipywidgets, so they are
 not imported here.
 """
@@ -33,7 +34,8 @@ from tplab.cost.transformer import (
 )
 
 __all__ = [
-    "GPU_MEMORY", "HARDWARE", "LINKS", "MODELS", "OPS", "BlockShape", "Calibration", "Hardware", "Link",
+    "GPU_MEMORY", "HARDWARE", "LINKS", "MODELS", "OPS", "BlockShape", "Calibration",
+    "Hardware", "Link",
     "best_tp", "block_collectives", "block_flops", "calibrate", "collective_terms",
     "collective_time", "comm_bound_tp", "mlp_comm_ratio", "records_time", "scaled",
     "step_time", "sweep", "activation_bytes", "gpu_memory", "layer_saved", "param_count",

@@ -30,11 +30,12 @@ seen: 10 sbh stay whole under TP (two LayerNorm inputs, the inputs of the QKV an
 linears, two dropout masks) and SP splits them over the sequence.
 
 **tplab's own block** (`tplab.models.Block`, `tplab_layer`, measured byte for byte by
-`tplab.memory` in tests/test_memory.py) saves, per token, with d-byte activations:
+`tplab.memory` in tests/test_memory.py) saves, per token, with d-byte activations (torch's
+RMSNorm computes in fp32, so its tensors are 4-byte whatever d is):
 
 | module | saved | elements per token (bytes each) | split by |
 |---|---|---|---|
-| attention_norm, ffn_norm | fp32 input, rstd, normalised input | h, 1, h (4: RMSNorm computes in fp32) | SP |
+| attention_norm, ffn_norm | input, rstd, normalised input | h, 1, h (4: fp32) | SP |
 | attention.wq | the normed input (wk, wv share it) | h (d) | - |
 | attention | q, k, v, the output, logsumexp | h + 2 h_kv + h (d), a (4) | TP |
 | feed_forward.w1 | the normed input (w3 shares it) | h (d) | - |
