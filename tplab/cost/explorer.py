@@ -152,7 +152,7 @@ class CostExplorer:
 
     def _bundle(self, figure=None) -> dict:
         # a raw mime bundle: a plotly Figure displays itself and would ignore the display id
-        figure = figure or self.figure
+        figure = self.figure if figure is None else figure
         return {"application/vnd.plotly.v1+json": json.loads(figure.to_json()),
                 "text/plain": f"<figure: {self.shape.name} on {self.hw.name}>"}
 

@@ -98,7 +98,8 @@ def memory_bars(rows: list[dict], title: str = "Memory per GPU against TP degree
     """Stacked parameters, gradients, optimizer state and activations (in `unit`: "GB",
     "MB" or "KB" per GPU) of `sweep` rows (or `tplab.memory` summaries), one bar per TP
     degree (or per label of `x`), a dotted line at each of `lines` (GPU memory in bytes)
-    and a solid one at `memory` (the chosen GPU's), the smallest degree that fits marked."""
+    and a solid one at `memory` (the chosen GPU's), the smallest degree that fits marked.
+    Bars far above the lines are clipped, their totals written at the top."""
     scale = {"GB": 1e9, "MB": 1e6, "KB": 1e3}[unit]
     fig = go.Figure()
     x = x or [str(r["tp"]) for r in rows]
@@ -109,7 +110,7 @@ def memory_bars(rows: list[dict], title: str = "Memory per GPU against TP degree
         if memory is not None and nbytes == memory:
             continue
         fig.add_hline(y=nbytes / 1e9, line={"dash": "dot", "color": "#9e9e9e", "width": 1},
-                      annotation_text=label, annotation_position="top left",
+                      annotation_text=label, annotation_position="top right",
                       annotation_font_color="#757575")
     if memory is not None:
         fig.add_hline(y=memory / 1e9, line={"color": BAD_COLOR, "width": 2},
@@ -120,6 +121,16 @@ def memory_bars(rows: list[dict], title: str = "Memory per GPU against TP degree
             i = fits[0]
             fig.add_annotation(x=i, y=rows[i]["memory_bytes"] / 1e9, text="fits",
                                showarrow=True, arrowhead=2, ax=0, ay=-40)
+    # bars far above the GPUs would squash the lines: clip them, and write their totals
+    marks = [*lines.values(), *([memory] if memory is not None else [])]
+    ceiling = 1.6 * max(marks) / scale if marks else None
+    if ceiling is not None and max(r["memory_bytes"] for r in rows) / scale > ceiling:
+        fig.update_yaxes(range=[0, ceiling])
+        for i, r in enumerate(rows):
+            if r["memory_bytes"] / scale > ceiling:
+                fig.add_annotation(x=i, y=ceiling, yanchor="top", showarrow=False,
+                                   text=f"{r['memory_bytes'] / scale:,.0f} {unit} ↑",
+                                   bgcolor="white")
     fig.update_xaxes(title_text=x_title, type="category")
     fig.update_yaxes(title_text=f"{unit} per GPU")
     return style(fig, title, subtitle, barmode="stack", height=430)
