@@ -79,7 +79,12 @@ class _Ranks:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()
+    """(data_ptr, nbytes) of the storage under `t`; (0, 0) for a tensor without one
+    (sparse, or a tensor subclass that holds no data of its own)."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0, 0
     return storage.data_ptr(), storage.nbytes()
 
 
@@ -138,8 +143,7 @@ class Memory:
         self._peak = dict.fromkeys(self._ranks.ranks, 0)
         self._by_module: dict[str, dict[int, list[int]]] = {}  # path -> rank -> [bytes, n]
         if self.model is not None:
-            self._name(self.model)
-            self._add_params(self.model.parameters())
+            self._root(self.model)
         self._handles.append(register_module_forward_pre_hook(self._pre))
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved.__enter__()
@@ -186,11 +190,11 @@ class Memory:
 
     # --- modules: which one is running, and its parameters ----------------------------------
 
-    def _name(self, module) -> str:
-        if id(module) not in self._names:  # the first module seen is the root: paths from it
-            for path, m in module.named_modules():
-                self._names.setdefault(id(m), path)
-        return self._names[id(module)]
+    def _root(self, module) -> None:
+        """A module not seen yet is a root: paths from it, and all its parameters."""
+        for path, m in module.named_modules():
+            self._names.setdefault(id(m), path)
+        self._add_params(module.parameters())
 
     def _add_params(self, params) -> None:
         for p in params:
@@ -198,16 +202,17 @@ class Memory:
                 continue
             self._params[id(p)] = p
             for r, local in self._ranks.locals(p).items():
-                self._param_ptrs.setdefault(r, set()).add(local.untyped_storage().data_ptr())
+                self._param_ptrs.setdefault(r, set()).add(_storage_key(local)[0])
 
     def _pre(self, module, args):
         if torch._C._current_graph_task_id() != -1:
             return  # a forward re-run inside backward
-        self._stack.append(self._name(module))
+        if id(module) not in self._names:
+            self._root(module)
+        self._stack.append(self._names[id(module)])
         if id(module) not in self._hooked:
             # registered after parallelize_module's own hooks, so it pops after them
             self._hooked.add(id(module))
-            self._add_params(module.parameters(recurse=False))
             self._handles.append(module.register_forward_hook(self._post, always_call=True))
 
     def _post(self, module, args, output):
@@ -257,8 +262,8 @@ class Memory:
 def memory(model: nn.Module | None = None, optimizer=None) -> Memory:
     """A context manager that measures this rank's memory during a step (module doc).
 
-    `model`: whose parameters, gradients and optimizer state to count (default: every module
-    whose forward runs inside the context). `optimizer`: measure its state; without one,
-    Adam's 8 bytes per parameter element are assumed.
+    `model`: whose parameters, gradients and optimizer state to count (default: every model
+    whose forward runs inside the context, with all its submodules). `optimizer`: measure
+    its state; without one, Adam's 8 bytes per parameter element are assumed.
     """
     return Memory(model, optimizer)
