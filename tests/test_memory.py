@@ -129,6 +129,19 @@ def test_memory_tracks_the_peak_and_distinct_storages():
         assert kept["peak_bytes"] == 3 * 4 * 8 * 4   # x once, y1 and y2
 
 
+def test_parameters_used_outside_a_module_are_left_out_when_the_model_is_given():
+    import torch
+
+    lin = torch.nn.Linear(8, 8, bias=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    with tplab.memory() as unknown:
+        (x @ lin.weight.t()).sum().backward()      # no module ran: the weight looks like data
+    with tplab.memory(lin) as known:
+        (x @ lin.weight.t()).sum().backward()
+    assert unknown.activation_bytes == 4 * 8 * 4 + 8 * 8 * 4
+    assert known.activation_bytes == 4 * 8 * 4 and known.param_bytes == 8 * 8 * 4
+
+
 def test_uneven_shards_come_back_per_rank_in_simulate():
     def step():
         import torch
