@@ -30,7 +30,6 @@ forward is only recognised when the model is passed (`tplab.memory(model)`).
 from __future__ import annotations
 
 import sys
-import weakref
 
 import torch
 import torch.nn as nn
@@ -47,22 +46,21 @@ class _Ranks:
     """The ranks this process speaks for: one (a rank process) or all (tplab.simulate)."""
 
     def __init__(self):
-        mode = _local_mode()
-        self.simulated = mode is not None
-        self.ranks = sorted(mode.ranks) if mode is not None else [0]
-
-    def locals(self, t: torch.Tensor) -> dict[int, torch.Tensor]:
-        """{rank: the plain tensor that rank holds} for a tensor, DTensor or LocalTensor."""
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
         from torch.distributed.tensor import DTensor
 
-        while True:
-            if isinstance(t, DTensor):
-                t = t._local_tensor
-            elif isinstance(t, AsyncCollectiveTensor):
-                t = t.elem
-            else:
-                break
+        mode = _local_mode()
+        self.simulated = mode is not None
+        self.ranks = sorted(mode.ranks) if mode is not None else [0]
+        self._wrappers = (DTensor, AsyncCollectiveTensor)
+        self._plain = (torch.Tensor, nn.Parameter)
+
+    def locals(self, t: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{rank: the plain tensor that rank holds} for a tensor, DTensor or LocalTensor."""
+        if type(t) in self._plain:   # the common case, first
+            return dict.fromkeys(self.ranks, t)
+        while isinstance(t, self._wrappers):
+            t = t._local_tensor if isinstance(t, self._wrappers[0]) else t.elem
         per_rank = getattr(t, "_local_tensors", None)   # a LocalTensor (tplab.simulate)
         if per_rank is not None:
             return dict(per_rank)
@@ -105,10 +103,14 @@ class _Packed:
     """What autograd keeps instead of a saved tensor; when autograd drops it (its node ran
     in backward), the storages it held are released in the count."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("tensor", "owner", "keys")
 
-    def __init__(self, tensor):
-        self.tensor = tensor
+    def __init__(self, tensor, owner=None, keys=()):
+        self.tensor, self.owner, self.keys = tensor, owner, keys
+
+    def __del__(self):
+        if self.keys:
+            self.owner._release(self.keys)
 
 
 class Memory:
@@ -239,10 +241,7 @@ class Memory:
                 row[1] += 1
             entry[1] += 1
             keys.append(key)
-        packed = _Packed(tensor)
-        if keys:
-            weakref.finalize(packed, self._release, keys)
-        return packed
+        return _Packed(tensor, self, keys)
 
     @staticmethod
     def _unpack(packed):
