@@ -46,21 +46,23 @@ class _Ranks:
     """The ranks this process speaks for: one (a rank process) or all (tplab.simulate)."""
 
     def __init__(self):
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor
-        from torch.distributed.tensor import DTensor
-
         mode = _local_mode()
         self.simulated = mode is not None
         self.ranks = sorted(mode.ranks) if mode is not None else [0]
-        self._wrappers = (DTensor, AsyncCollectiveTensor)
+        # DTensor and AsyncCollectiveTensor wrap a local tensor; without their modules
+        # imported there can be none (and importing DTensor costs seconds)
+        found = (getattr(sys.modules.get(module), name, None) for module, name in (
+            ("torch.distributed.tensor", "DTensor"),
+            ("torch.distributed._functional_collectives", "AsyncCollectiveTensor")))
+        self._wrappers = tuple(cls for cls in found if cls is not None)
         self._plain = (torch.Tensor, nn.Parameter)
 
     def locals(self, t: torch.Tensor) -> dict[int, torch.Tensor]:
         """{rank: the plain tensor that rank holds} for a tensor, DTensor or LocalTensor."""
         if type(t) in self._plain:   # the common case, first
             return dict.fromkeys(self.ranks, t)
-        while isinstance(t, self._wrappers):
-            t = t._local_tensor if isinstance(t, self._wrappers[0]) else t.elem
+        while self._wrappers and isinstance(t, self._wrappers):
+            t = t._local_tensor if hasattr(t, "_local_tensor") else t.elem
         per_rank = getattr(t, "_local_tensors", None)   # a LocalTensor (tplab.simulate)
         if per_rank is not None:
             return dict(per_rank)
