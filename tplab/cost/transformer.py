@@ -140,16 +140,16 @@ def step_time(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool 
               recompute: str = "none", precision: str = "mixed", optimizer: str = "adam",
               layout: str = "tplab") -> dict:
     """Forward + backward time of the model's blocks on one micro-batch, N-way TP, and the
-    memory one GPU needs for it (`tplab.cost.memory.gpu_memory`: param_bytes, grad_bytes,
-    optimizer_bytes, activation_bytes, memory_bytes, and `fits`: within `hw.memory`).
+    memory one GPU needs for it (`tplab.cost.memory.gpu_memory`, for the whole model
+    whatever `sublayers` says: param_bytes, grad_bytes, optimizer_bytes, activation_bytes,
+    memory_bytes, and `fits`: within `hw.memory`).
 
     Compute runs at the GPU's peak; TP collectives run at the link's peak and do not
     overlap compute (Megatron's TP collectives sit on the critical path). Both are lower
     bounds, so the split between them is what to read, more than the total. Full
     recomputation runs the forward twice (4 passes instead of 3, and the forward's
-    collectives twice); selective recomputation
-    of the paper's GPT layer re-runs the attention scores, 4 b s^2 h FLOPs (Korthikanti et
-    al. 2022, section 5).
+    collectives twice); selective recomputation of the paper's GPT layer re-runs the
+    attention scores, 4 b s^2 h FLOPs (Korthikanti et al. 2022, section 5).
     """
     from tplab.cost.memory import gpu_memory
 
