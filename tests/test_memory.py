@@ -271,3 +271,30 @@ def test_explorer_memory_view_redraws_on_every_control():
     assert gpu_line() == [141]
     assert ex.fits_tp == cost.best_tp(ex.rows, memory_limit=141e9)
     assert "141 GB" in ex.summary.value
+
+
+def test_recomputation_costs_time_and_saves_memory():
+    hw = cost.HARDWARE["H100 SXM"]
+    shape = cost.MODELS["Llama-3 8B"]
+    none, full = (cost.step_time(shape, 8, hw, recompute=rc) for rc in ("none", "full"))
+    assert full["compute_s"] == pytest.approx(4 / 3 * none["compute_s"])   # a second forward
+    assert full["tp_comm_s"] == pytest.approx(1.5 * none["tp_comm_s"])     # its collectives
+    assert full["activation_bytes"] == shape.layers * shape.tokens * shape.hidden * 2
+    gpt = [cost.step_time(shape, 8, hw, layout="gpt", recompute=rc) for rc in ("none",
+                                                                            "selective")]
+    assert gpt[1]["compute_s"] > gpt[0]["compute_s"]
+    assert gpt[1]["activation_bytes"] < gpt[0]["activation_bytes"]
+
+
+def test_memory_bars_clip_what_towers_over_the_gpus():
+    from tplab.cost.figures import memory_bars
+
+    rows = cost.sweep(cost.MODELS["Llama-3 70B"], cost.HARDWARE["H200 SXM"])
+    fig = memory_bars(rows, memory=141e9)
+    top = fig.layout.yaxis.range[1]
+    over = [r for r in rows if r["memory_bytes"] / 1e9 > top]
+    notes = [a.text for a in fig.layout.annotations if "↑" in (a.text or "")]
+    assert over and len(notes) == len(over)
+    assert notes[0] == f"{over[0]['memory_bytes'] / 1e9:,.0f} GB ↑"
+    fits = [a for a in fig.layout.annotations if a.text == "fits"]
+    assert fits[0].x == next(i for i, r in enumerate(rows) if r["fits"])
