@@ -64,7 +64,9 @@ def _all_gather(x, group, size, dim):
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
     dist.all_gather_single(out, x, group=group)
-    return out.movedim(0, dim)
+    # contiguous: the linears this feeds save their input for backward, and a strided view
+    # makes each of them flatten (copy) it, one saved copy per linear (tplab.memory shows it)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x, group, size, dim):
