@@ -312,8 +312,8 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
             wholes.append(full)
             spreads.append(spread)
         tied = [a for a, b in aliases.items() if b == name]
-        label = "; ".join(f"{q['ranks']} {q['placement'] or ''} ({q['how']})".replace(
-            " (name)", "") for q in got)
+        label = "; ".join(q["placement"] if q["ranks"] == name else
+                          f"{q['ranks']} {q['placement']} ({q['how']})" for q in got)
         note = f"tied: also {', '.join(tied)}" if tied else ""
         if len(got) > 1:
             note = ("tied in the reference, separate on the ranks: their gradients are summed "

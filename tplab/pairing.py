@@ -192,14 +192,12 @@ def pair(ref: dict[str, tuple], ranks: dict[str, dict], tp: int, param_map: dict
                                    f"{tuple(ranks[rname]['shape'])} fits no layout over "
                                    f"tp={tp}")
 
-    j = 0  # the rest by registration order and shape
+    # the rest by registration order and shape: each takes the first free one that fits
     for rname in [n for n in free_ranks if n not in problems]:
-        for k in range(j, len(free_ref)):
-            fit = _fits(ranks[rname], ref[free_ref[k]], tp)
+        for refname in free_ref:
+            fit = _fits(ranks[rname], ref[refname], tp)
             if fit is not None:
-                refname = free_ref[k]
                 take(rname, refname, fit, "order and shape")
-                j = k
                 break
     unpaired_ranks = [n for n in ranks if n not in {p["ranks"] for p in pairs}]
     return pairs, unpaired_ranks, list(free_ref), problems
