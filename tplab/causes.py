@@ -163,12 +163,13 @@ class Explanation(list):
         return tabulate(list(self._cells()), headers=self.columns, tablefmt="html")
 
 
-def explain(records: list[dict], rank: int | None = None) -> Explanation:
-    """One row per collective (of `rank`, default the lowest in the records): phase,
-    module, op, bytes, cause and the conjugate collective in the other pass."""
-    ranks = sorted({r.get("rank", 0) for r in records})
-    pick = ranks[0] if rank is None and ranks else rank
+def explain(records: list, rank: int = 0) -> Explanation:
+    """One row per collective: phase, module, op, bytes, cause and the conjugate collective
+    in the other pass. `records`: one rank's (a Trace's), or a list per rank, as
+    `lab.run` returns them (then `rank` picks one)."""
+    if records and isinstance(records[0], (list, tuple)):
+        records = records[rank]
     return Explanation(
         {"phase": r["phase"], "module": r.get("module", ""), "op": r["op"],
          "bytes": r.get("bytes", 0), "cause": r.get("cause", ""), "conjugate": conjugate(r)}
-        for r in sorted(records, key=lambda r: r.get("seq", 0)) if r.get("rank", 0) == pick)
+        for r in sorted(records, key=lambda r: r.get("seq", 0)))
