@@ -142,6 +142,23 @@ def _reverse(before: str, after: str, op: str) -> str:
     return f"{after} -> {before}"
 
 
+def short_cause(cause: str) -> str:
+    """A figure label for a cause: "P(sum)→R" for "Partial(sum) -> Replicate()", a
+    tplab.megatron operator's name as it is (but "f" and "g", drawn as the role letter),
+    "" for a line of user code (too long for a label)."""
+    from tplab import megatron
+
+    if " -> " in cause:
+        text = cause.partition(" (")[0]
+        for long, short in (("Partial(", "P("), ("Replicate()", "R"), ("Shard(", "S("),
+                            (" -> ", "→")):
+            text = text.replace(long, short)
+        return text
+    if cause in megatron.OPERATORS.values() and cause not in ("f", "g"):
+        return cause
+    return ""
+
+
 class Explanation(list):
     """`Trace.explain()`'s rows (dicts); a table in Jupyter and in print()."""
 
