@@ -174,6 +174,8 @@ class Explanation(list):
 
         return tabulate(list(self._cells()), headers=self.columns)
 
+    __repr__ = __str__
+
     def _repr_html_(self) -> str:
         from tabulate import tabulate
 
@@ -181,12 +183,33 @@ class Explanation(list):
 
 
 def explain(records: list, rank: int = 0) -> Explanation:
-    """One row per collective: phase, module, op, bytes, cause and the conjugate collective
-    in the other pass. `records`: one rank's (a Trace's), or a list per rank, as
-    `lab.run` returns them (then `rank` picks one)."""
+    """One row per collective: phase, module, op, bytes, cause, and its conjugate in the
+    other pass, looked up in the trace itself: the matching collective when one ran (the
+    same module first), "none" when the gradient needed none (an all-gather whose
+    gradient arrives whole is only split). `records`: one rank's (a Trace's), or a list
+    per rank, as `lab.run` returns them (then `rank` picks one)."""
     if records and isinstance(records[0], (list, tuple)):
         records = records[rank]
-    return Explanation(
-        {"phase": r["phase"], "module": r.get("module", ""), "op": r["op"],
-         "bytes": r.get("bytes", 0), "cause": r.get("cause", ""), "conjugate": conjugate(r)}
-        for r in sorted(records, key=lambda r: r.get("seq", 0)))
+    recs = sorted(records, key=lambda r: r.get("seq", 0))
+    used: set[int] = set()
+    rows = []
+    for r in recs:
+        text = conjugate(r)
+        want = CONJUGATE_OPS.get(r["op"])
+        if want and r.get("cause") not in _SPLIT:
+            other = [i for i, o in enumerate(recs) if o["phase"] != r["phase"]
+                     and o["op"] == want and i not in used]
+            other.sort(key=lambda i: recs[i].get("module") != r.get("module"))
+            if other:
+                used.add(other[0])
+                match = recs[other[0]]
+                cause = match.get("cause") or ""
+                text = f"{want} in the {match['phase']} pass" + (
+                    f" ({cause.partition(' (')[0]})" if " -> " in cause else "")
+            else:
+                pass_ = "backward" if r["phase"] == "forward" else "forward"
+                text = f"none in the {pass_} pass (no {want} was needed)"
+        rows.append({"phase": r["phase"], "module": r.get("module", ""), "op": r["op"],
+                     "bytes": r.get("bytes", 0), "cause": r.get("cause", ""),
+                     "conjugate": text})
+    return Explanation(rows)
