@@ -18,33 +18,40 @@ def check(*args, cwd=HERE):
                           capture_output=True, text=True, timeout=240)
 
 
-def test_check_passes_fails_and_refuses_bad_arguments():
+def test_check_passes_and_fails_with_its_exit_code():
     ok = check("cli_targets:build", "tplab.plans:mlp", "cli_targets:make_input",
                "--world-size", "2", "--simulated", "--loss", "cli_targets:loss")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "grad_check on 2 ranks" in ok.stdout and ": ok," in ok.stdout
-    bad = check("cli_targets:build", "cli_targets:broken", "cli_targets:make_input",
-                "--world-size", "2", "--simulated")
-    assert bad.returncode == 1, bad.stdout + bad.stderr
-    assert "FAILED: input gradient wrong" in bad.stdout
-    for args, words in [
-            (("cli_targets:nope", "tplab.plans:mlp", "cli_targets:make_input"),
-             "'cli_targets' has no 'nope'"),
-            (("no_such_module:build", "tplab.plans:mlp", "cli_targets:make_input"),
-             "cannot import 'no_such_module'"),
-            (("cli_targets.build", "tplab.plans:mlp", "cli_targets:make_input"),
-             "is not MODULE:NAME")]:
-        got = check(*args, "--world-size", "2", "--simulated")
-        assert got.returncode == 2 and words in got.stderr, got.stderr
-    missing = check("cli_targets:build", "tplab.plans:mlp")  # argparse: missing arguments
-    assert missing.returncode == 2 and "required" in missing.stderr
 
 
 @pytest.mark.slow
 def test_check_on_rank_processes_imports_the_targets_there_too():
-    got = check("cli_targets:build", "tplab.plans:mlp", "cli_targets:make_input",
+    bad = check("cli_targets:build", "cli_targets:broken", "cli_targets:make_input",
                 "--world-size", "2")
-    assert got.returncode == 0, got.stdout + got.stderr
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "FAILED: input gradient wrong" in bad.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    (("cli_targets:nope", "tplab.plans:mlp", "cli_targets:make_input"),
+     "'cli_targets' has no 'nope'"),
+    (("no_such_module:build", "tplab.plans:mlp", "cli_targets:make_input"),
+     "cannot import 'no_such_module'"),
+    (("cli_targets.build", "tplab.plans:mlp", "cli_targets:make_input"),
+     "is not MODULE:NAME")])
+def test_bad_arguments_exit_2_and_say_what_is_wrong(args, words, capsys, monkeypatch):
+    from tplab.__main__ import main
+
+    monkeypatch.chdir(HERE)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # main() sets it
+    monkeypatch.setattr(sys, "path", list(sys.path))  # and puts the cwd on the path
+    assert main(["check", *args, "--world-size", "2", "--simulated"]) == 2
+    assert words in capsys.readouterr().err
+    with pytest.raises(SystemExit) as missing:  # argparse: a missing argument
+        main(["check", "cli_targets:build"])
+    assert missing.value.code == 2 and "required" in capsys.readouterr().err
+    assert main(["chek"]) == 2
 
 
 def test_the_pytest_fixture_shares_one_lab_across_a_users_tests(tmp_path):
