@@ -290,3 +290,35 @@ def test_from_hf_refuses_the_styles_it_cannot_translate():
     with pytest.raises(tplab.PlanError, match="'moe_tp_experts' has no DTensor equivalent.*"
                                               "supported: colwise"):
         plans.from_hf(cfg)
+
+
+class Lookup(nn.Module):
+    def __init__(self, vocab=30):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, D)
+
+    def forward(self, tokens):
+        return self.emb(tokens)
+
+
+def _padded_vocab(model, mesh):
+    """Megatron pads the vocabulary to a multiple of tp: 30 rows become 32 over 4 ranks."""
+    from tplab import megatron
+
+    n, vocab = mesh.size(), model.emb.num_embeddings
+    padded = nn.Embedding(-(-vocab // n) * n, D)
+    with torch.no_grad():
+        padded.weight.zero_()
+        padded.weight[:vocab] = model.emb.weight
+    model.emb = megatron.VocabParallelEmbedding(padded, mesh)
+    return model
+
+
+def test_a_padded_vocabulary_is_cut_back_and_noted():
+    sim = tplab.simulate(4)
+    report = tplab.grad_check(sim, Lookup, _padded_vocab,
+                              lambda: torch.arange(30).reshape(5, 6))
+    assert report.ok, str(report)
+    row = next(r for r in report.rows if r["name"] == "emb.weight")
+    assert row["note"] == "padded to 32 on the ranks; the padding is not compared"

@@ -266,7 +266,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
         if spread is not None:
             rows.append(compare(name, "replica_spread", spread, ref, atol, rtol))
 
-    for name in out_ref.keys() | results[0]["outputs"].keys():
+    for name in [*out_ref, *(k for k in results[0]["outputs"] if k not in out_ref)]:
         add(name, "output", [r["outputs"].get(name) for r in results], out_ref.get(name))
     add("loss", "output", [r["loss"] for r in results], loss_ref,
         f"the mean of the {dp} dp replicas' losses" if dp > 1 else "")
@@ -307,8 +307,14 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
             if q["placement"] == "mesh":
                 full, spread = assemble(values)
             else:
+                dim = _dim(q["placement"])
+                if q["placement"].startswith("Shard") and values[0] is not None:
+                    # every rank's piece as long as rank 0's: a padded tensor (a vocabulary
+                    # padded to a multiple of tp), cut back to the reference's length
+                    length = sum(v.shape[dim] for v in values[:tp])
+                    q["padded"] = length if length > p.shape[dim] else 0
                 full, spread = gather(values, q["placement"] or "Replicate()", tp,
-                                      q["padded"], p.shape[_dim(q["placement"])] if p.ndim else 0)
+                                      q["padded"], p.shape[dim] if p.ndim else 0)
             wholes.append(full)
             spreads.append(spread)
         tied = [a for a, b in aliases.items() if b == name]
