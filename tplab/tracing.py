@@ -27,7 +27,9 @@ collectives, passes through `__torch_dispatch__` in Python. torch's own round tr
 mode is about 5 us per op (more on busy ranks) and is most of the overhead; this mode adds
 little to it: a namespace check for ops that are not collectives. The module hooks cost
 about 40 us per module call. A c10d collective also pays about 25 us to be re-issued
-from Python (its ProcessGroup argument is a TorchScript object).
+from Python (its ProcessGroup argument is a TorchScript object). Each collective's cause is
+read from the Python stack (tplab.causes), a walk of a few dozen frames per collective; on the
+DTensor block step, tracing with causes took 1.10x the untraced step (benchmarks/grad_check.py).
 """
 
 from __future__ import annotations
