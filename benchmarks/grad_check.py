@@ -55,7 +55,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", action="store_true", help="use tplab.simulate(4)")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     cfg = models.Config(vocab_size=256, dim=64, hidden_dim=256, n_layers=2, n_heads=4,
                         seq_len=32, batch_size=4)
