@@ -70,7 +70,8 @@ def test_simulate_world_size(world_size):
         assert sim.world_size == world_size
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ranks=ANYTHING, timeout=ANYTHING, cell_timeout=ANYTHING)
 def test_run_arguments(labs, ranks, timeout, cell_timeout):
     lab = labs.get(2)

@@ -54,10 +54,10 @@ import inspect
 import torch
 
 from tplab.errors import LabError
-from tplab.transfer import LocalShard
 from tplab.pairing import gather, pair, tp_layout
 from tplab.pytrees import call_model, leaves, map_tensors
 from tplab.report import GradCheckReport, compare, unpaired
+from tplab.transfer import LocalShard
 
 __all__ = ["GradCheckReport", "assemble", "compare", "grad_check", "tp_layout"]
 
