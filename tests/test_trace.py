@@ -7,7 +7,7 @@ import pytest
 from tp_fixtures import CFG, tp_lab  # noqa: F401
 
 KEYS = {"rank", "seq", "phase", "module", "op", "shape", "dtype", "bytes", "group",
-        "group_size", "duration_ms", "cause"}
+        "group_size", "duration_ms", "start_ms", "cause"}
 
 
 def _mlp_step(cfg, path, input_grad):

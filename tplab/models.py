@@ -155,6 +155,24 @@ class Block(_Built):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class DropoutBlock(Block):
+    """A Block with hidden dropout (Megatron-LM's, on the residual stream after attention
+    and after the feed-forward layer: OUTSIDE the TP regions), its masks drawn from a
+    `tplab.rng.Dropout` stream: `region="replicated"` is right (the same mask on every
+    rank); `"tp"` is the bug of a per-rank seed (each rank drops different elements)."""
+
+    def __init__(self, cfg: Config, p: float = 0.1, region: str = "replicated",
+                 seed: int = 1234):
+        from tplab.rng import Dropout, RNGTracker
+
+        super().__init__(cfg)
+        self.hidden_dropout = Dropout(p, region, RNGTracker(None, seed))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.hidden_dropout(self.attention(self.attention_norm(x)))
+        return h + self.hidden_dropout(self.feed_forward(self.ffn_norm(h)))
+
+
 class TinyLM(_Built):
     """Token embedding, n_layers blocks, a final norm and the lm head (no position encoding:
     the causal mask is enough for a lab model). forward(tokens (b, s)) -> logits (b, s, vocab).
