@@ -11,7 +11,16 @@ section 4.2.2; the Ultra-Scale Playbook, "Tensor Parallelism" and "Sequence Para
 | TP + SP | 2 all-gather + 2 reduce-scatter | 2 all-gather + 2 reduce-scatter |
 
 An all-reduce is a reduce-scatter followed by an all-gather, so both plans move the same
-bytes; sequence parallelism saves activation memory, not time (Korthikanti et al. 2022).
+bytes; sequence parallelism saves activation memory, not bandwidth (Korthikanti et al.
+2022), though its twice as many calls pay NCCL's per-call latency twice. Under SP Megatron-LM
+keeps a region's input as its 1/t shard and all-gathers it again in backward
+(`sp_saves="shard"`: 10 collectives, 25% more bytes); DTensor keeps it gathered.
+
+Overlap (`overlap=`, `OVERLAPS`): each record has a `role` in its region, and each overlap
+mode names the GEMM a role can hide behind: Megatron-LM's async backward puts the input
+gradient's all-reduce (or reduce-scatter) behind the weight-gradient GEMM; PyTorch's async TP
+pipelines every SP all-gather and reduce-scatter with its matmul. Rows carry `tp_comm_s`
+(all of it) and `exposed_comm_s` (what stays on the critical path).
 
 Compute: forward FLOPs of one block, counting matmuls (2 FLOPs per multiply-add), are
 2bs h (h + 2 h_kv) for q, k, v, 2bs h^2 for the output projection, 4 b s^2 h for the
@@ -23,9 +32,11 @@ using Megatron-LM", section 5.1). The backward pass costs twice the forward.
 Where TP becomes communication-bound: for the MLP alone the ratio of TP communication to
 compute time (bytes terms only, ring all-reduce, N-way TP, peak C FLOP/s, bandwidth B) is
 d (N-1) C / (3 f B): it does not depend on the batch, grows with N and shrinks with the
-feed-forward size f. This is the JAX scaling book's result ("How to Scale Your Model",
-section "Training", model parallelism is comms-bound once N exceeds about f / (C/B)),
-with the all-reduce's factor 2 (N-1)/N kept.
+feed-forward size f. The JAX scaling book ("How to Scale Your Model") has the forward pass:
+model parallelism is comms-bound once N exceeds about f / (C/B), with C/B about 2200 for an
+H100 over NVLink in its GPU chapter (2550 in its TPU training chapter, for a TPU v5e). The
+form here adds x 3/2 for the backward pass, x m/2 for a gated MLP's third matrix, and keeps
+the all-reduce's factor 2 (N-1)/N; C is `mfu` x peak.
 """
 
 from __future__ import annotations
