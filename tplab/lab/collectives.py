@@ -260,18 +260,24 @@ def report_now() -> None:
 
 
 def report_loop() -> None:
+    """Write where this rank is every REPORT_INTERVAL_S while a cell runs. A failed report
+    (a frame that changed under us, a slow store) is retried; only a store that stays
+    unreachable for 10 s (the lab is shutting down) ends the loop."""
     key = WHERE_KEY.format(rank=REPORT.rank)
-    while True:
+    failures = 0
+    while failures < 10 / REPORT_INTERVAL_S:
         time.sleep(REPORT_INTERVAL_S)
-        if not REPORT.reporting or REPORT.cell is None:
+        cell = REPORT.cell
+        if not REPORT.reporting or cell is None:
             continue
         if time.monotonic() - REPORT.cell_started < REPORT_INTERVAL_S:
             continue
         try:
             REPORT.store.set(key, json.dumps(where_now()))
-            REPORT.reported_cell = REPORT.cell
-        except Exception:  # the store went away: the lab is shutting down
-            return
+            REPORT.reported_cell = cell
+            failures = 0
+        except Exception:  # noqa: BLE001 - reported on the next round
+            failures += 1
 
 
 def package_dirs() -> tuple[str, ...]:
