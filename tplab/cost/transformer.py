@@ -34,7 +34,7 @@ compute time (bytes terms only, ring all-reduce, N-way TP, peak C FLOP/s, bandwi
 d (N-1) C / (3 f B): it does not depend on the batch, grows with N and shrinks with the
 feed-forward size f. The JAX scaling book ("How to Scale Your Model") has the forward pass:
 model parallelism is comms-bound once N exceeds about f / (C/B), with C/B about 2200 for an
-H100 over NVLink in its GPU chapter (2550 in its TPU training chapter, for a TPU v5e). The
+H100 over NVLink in its GPU chapter (its TPU training chapter uses 2550). The
 form here adds x 3/2 for the backward pass, x m/2 for a gated MLP's third matrix, and keeps
 the all-reduce's factor 2 (N-1)/N; C is `mfu` x peak.
 """
