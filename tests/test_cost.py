@@ -129,6 +129,11 @@ def test_nvls_reduces_in_the_switch():
         cost.collective_time("all_reduce", 2**26, 16, hw, a) for a in ("ring", "tree"))
     assert cost.collective_time("all_reduce", 2**26, 8, hw, "nvls") < cost.collective_time(
         "all_reduce", 2**26, 8, hw)
+    # a sweep takes it with "auto" where it exists (inside the node), the ring beyond
+    shape = cost.MODELS["Llama-3 8B"]
+    auto, ring = (cost.sweep(shape, hw, (8, 16), algorithm=a) for a in ("auto", "ring"))
+    assert auto[0]["tp_comm_s"] < ring[0]["tp_comm_s"]
+    assert auto[1]["tp_comm_s"] <= ring[1]["tp_comm_s"]
     # gather and scatter ops never use it
     assert cost.collective_terms("all_gather", 8e6, 4, link, "nvls") == cost.collective_terms(
         "all_gather", 8e6, 4, link)
