@@ -2,8 +2,10 @@
 
 The widgets only set values; `update(**values)` does the same from code, so a notebook run
 by papermill drives the explorer (and asserts on `rows`) without anyone clicking. The figure
-is a display with an id, updated in place, not an ipywidgets Output: capturing output into a
-widget made nbclient (papermill) wait out its timeout now and then.
+lives in an ipywidgets Output whose `outputs` are set directly (as the Explorer's are): not
+`with out: display(...)`, whose capture made nbclient (papermill) wait out its timeout now
+and then, and not a display id updated in place, which JupyterLab's plotly renderer never
+redrew (the summary changed, the figure did not).
 """
 
 from __future__ import annotations
@@ -45,14 +47,14 @@ class CostExplorer:
         }
         self.summary = w.HTML()
         self.figure = None          # the plotly figure of the current rows
-        self._handle = None         # its display, once shown
+        self.figure_output = w.Output()  # where it is drawn
         self._updating = False
         self._preset(model, hw)
         for control in self.controls.values():
             control.observe(self._on_change, names="value")
         self.widget = w.VBox([w.HBox([w.VBox(list(self.controls.values())[:4]),
                                       w.VBox(list(self.controls.values())[4:])]),
-                              self.summary])
+                              self.summary, self.figure_output])
         self.update()
 
     def _preset(self, model: str, hw: str) -> None:
@@ -128,14 +130,13 @@ class CostExplorer:
             f"{best['comm_fraction']:.0%} communication); communication-bound from "
             f"<b>TP {bound if bound else '> 1024'}</b>.")
         self.figure = step_breakdown({self.shape.name: self.rows}, title=f"{self.hw.name}")
-        if self._handle is not None:
-            self._handle.update(self._bundle(), raw=True)
+        self.figure_output.outputs = (
+            {"output_type": "display_data", "data": self._bundle(), "metadata": {}},)
 
     def _bundle(self) -> dict:
-        # a raw mime bundle: a plotly Figure displays itself and would ignore the display id
+        # a raw mime bundle: what the Output widget holds (and what the notebook file keeps)
         return {"application/vnd.plotly.v1+json": json.loads(self.figure.to_json()),
                 "text/plain": f"<figure: {self.shape.name} on {self.hw.name}>"}
 
     def _ipython_display_(self) -> None:
         display(self.widget)
-        self._handle = display(self._bundle(), raw=True, display_id=True)
