@@ -25,7 +25,7 @@ from tplab.exercises.feedback import CHECK_TIMEOUT_S, Feedback, Stop
 from tplab.exercises.solutions import SOLUTIONS
 
 __all__ = ["CHECK_TIMEOUT_S", "Feedback", "Workbook", "broken_plan", "check", "hint", "names",
-           "solution", "task"]
+           "reference_answer", "solution", "task"]
 
 
 def names() -> list[str]:
@@ -106,11 +106,14 @@ def check(name: str, answer, lab=None) -> Feedback:
         return stop.feedback
 
 
-def _resolve(name: str, answer, lab):
-    """A reference answer that depends on the lab (the counts of a world size)."""
-    if name == "block_counts" and callable(answer):
+def reference_answer(name: str, lab=None):
+    """The reference solution as an answer to `check` on `lab` (for "block_counts" the
+    counts at the lab's world size)."""
+    _get(name)
+    answer = SOLUTIONS[name]
+    if name == "block_counts":
         return answer(lab.world_size)
-    if name == "cost_prediction" and callable(answer):
+    if name == "cost_prediction":
         return answer()
     return answer
 
@@ -129,7 +132,7 @@ class Workbook:
     def check(self, name: str, answer=None) -> Feedback:
         expect = None
         if self.inject == "solutions":
-            answer = _resolve(name, SOLUTIONS[name], self.lab)
+            answer = reference_answer(name, self.lab)
         elif self.inject == "mistakes":
             _, answer, expect = mistakes.MISTAKES[name][0]
         fb = check(name, answer, self.lab)

@@ -1,0 +1,21 @@
+"""`python -m tplab COMMAND`: command-line tools. `doctor`: is this machine ready?"""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {"doctor": "tplab.doctor"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import importlib
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m tplab {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
