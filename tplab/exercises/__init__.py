@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 
-from IPython.display import Markdown, display
+from IPython.display import Markdown
 
 from tplab.exercises import mistakes
 from tplab.exercises.catalog import BY_NAME, EXERCISES, Exercise
@@ -121,7 +121,8 @@ def reference_answer(name: str, lab=None):
 class Workbook:
     """What a workbook's cells call. `inject`: "" checks the learner's answers; "solutions"
     checks the reference solutions instead (each must pass); "mistakes" checks the first
-    typical mistake of each exercise (each must fail, with its message)."""
+    typical mistake of each exercise (each must fail, with its message). `check` returns
+    the Feedback: the last line of a cell, it shows as a box."""
 
     def __init__(self, lab, inject: str = ""):
         if inject not in ("", "solutions", "mistakes"):
@@ -137,7 +138,6 @@ class Workbook:
             _, answer, expect = mistakes.MISTAKES[name][0]
         fb = check(name, answer, self.lab)
         self.results[name] = fb
-        display(fb)
         if self.inject == "solutions":
             assert fb.passed, f"the reference solution of {name!r} failed: {fb.message}"
         elif self.inject == "mistakes":
