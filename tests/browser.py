@@ -63,7 +63,8 @@ class JupyterLab:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("JupyterLab did not start: "
-                                       + (state / "jupyterlab.log").read_text()[-2000:])
+                                       + (state / "jupyterlab.log").read_text()[-2000:]
+                                       ) from None
                 time.sleep(0.2)
 
     def url(self, path: str, reset: bool = False) -> str:

@@ -21,10 +21,9 @@ import shutil
 import tempfile
 import time
 
+import browser
 import pytest
 import report
-
-import browser
 from test_notebooks import modes
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -212,8 +211,8 @@ def explore_cost(page) -> None:
     panel = page.locator(".widget-vbox:has(label:text-is('GPUs per node'))").first
 
     def select(label):
-        return lambda value: panel.locator(
-            f".widget-dropdown:has(label:text-is('{label}')) select").select_option(label=str(value))
+        box = panel.locator(f".widget-dropdown:has(label:text-is('{label}')) select")
+        return lambda value: box.select_option(label=str(value))
 
     def batch(value):
         box = panel.locator(".widget-text:has(label:text-is('micro-batch')) input")
