@@ -85,3 +85,14 @@ def test_in_a_simulation():
                 continue
             fb = exercises.check(name, answer, sim)
             assert not fb.passed and phrase in fb.message, (name, what, fb.message)
+
+
+def test_rank_side_imports_no_notebook_side():
+    import subprocess
+    import sys
+
+    code = ("import sys, tplab.exercises.steps, tplab.exercises.mistakes; print([m for m in "
+            "sys.modules if m.startswith(('IPython', 'ipywidgets', 'tplab.lab', "
+            "'tplab.exercises.checks', 'tplab.exercises.catalog', 'tplab.exercises.feedback'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -30,6 +30,8 @@ _LAZY = {
     "cost": None,
     "viz": None,
     "widgets": None,
+    "exercises": None,
+    "platforms": None,
 }
 
 __all__ = ["CollectiveHang", "LabError", "PlanError", "RankDied", "RankError", *_LAZY]

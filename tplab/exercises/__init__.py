@@ -17,12 +17,23 @@ from __future__ import annotations
 
 import inspect
 
-from IPython.display import Markdown
-
+# Only rank-side modules at import time: the ranks import this package to reach `steps`,
+# `solutions` and `mistakes`, and must not import the notebook side (catalog, checks,
+# feedback, IPython); those load on first use.
 from tplab.exercises import mistakes
-from tplab.exercises.catalog import BY_NAME, EXERCISES, Exercise
-from tplab.exercises.feedback import CHECK_TIMEOUT_S, Feedback, Stop
 from tplab.exercises.solutions import SOLUTIONS
+
+_NOTEBOOK_SIDE = {"Feedback": "tplab.exercises.feedback",
+                  "CHECK_TIMEOUT_S": "tplab.exercises.feedback",
+                  "EXERCISES": "tplab.exercises.catalog"}
+
+
+def __getattr__(name: str):
+    if name in _NOTEBOOK_SIDE:
+        import importlib
+
+        return getattr(importlib.import_module(_NOTEBOOK_SIDE[name]), name)
+    raise AttributeError(f"module 'tplab.exercises' has no attribute {name!r}")
 
 __all__ = ["CHECK_TIMEOUT_S", "Feedback", "Workbook", "broken_plan", "check", "hint", "names",
            "reference_answer", "solution", "task"]
@@ -30,10 +41,14 @@ __all__ = ["CHECK_TIMEOUT_S", "Feedback", "Workbook", "broken_plan", "check", "h
 
 def names() -> list[str]:
     """The exercises, in curriculum order."""
+    from tplab.exercises.catalog import EXERCISES
+
     return [e.name for e in EXERCISES]
 
 
-def _get(name: str) -> Exercise:
+def _get(name: str):
+    from tplab.exercises.catalog import BY_NAME
+
     if name not in BY_NAME:
         import difflib
 
@@ -92,9 +107,11 @@ def broken_plan() -> dict:
     return dict(mistakes.BROKEN_PLAN)
 
 
-def check(name: str, answer, lab=None) -> Feedback:
+def check(name: str, answer, lab=None):
     """Run `answer` for exercise `name` on `lab` (a Lab or a Simulation) and compare it with
     the reference. Never raises for a wrong answer: the Feedback says what is wrong."""
+    from tplab.exercises.feedback import Feedback, Stop
+
     e = _get(name)
     if e.needs_lab and lab is None:
         raise ValueError(f"exercise {name!r} runs on ranks: check({name!r}, answer, lab)")
@@ -128,9 +145,9 @@ class Workbook:
         if inject not in ("", "solutions", "mistakes"):
             raise ValueError(f'inject is "", "solutions" or "mistakes", not {inject!r}')
         self.lab, self.inject = lab, inject
-        self.results: dict[str, Feedback] = {}
+        self.results: dict = {}
 
-    def check(self, name: str, answer=None) -> Feedback:
+    def check(self, name: str, answer=None):
         expect = None
         if self.inject == "solutions":
             answer = reference_answer(name, self.lab)
@@ -145,7 +162,9 @@ class Workbook:
             assert expect in fb.message, f"{name!r}: {expect!r} not in {fb.message!r}"
         return fb
 
-    def summary(self) -> Markdown:
+    def summary(self):
+        from IPython.display import Markdown
+
         rows = "".join(f"| `{n}` | {'passed' if fb.passed else 'not yet'} |\n"
                        for n, fb in self.results.items())
         return Markdown("| exercise | result |\n|---|---|\n" + rows)
