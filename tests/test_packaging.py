@@ -4,8 +4,8 @@ pin); this repository's own set-up installs the exact torch its tests run on."""
 from __future__ import annotations
 
 import pathlib
-import tomllib
 
+import tomllib
 import torch
 
 ROOT = pathlib.Path(__file__).parent.parent
