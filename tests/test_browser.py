@@ -68,11 +68,12 @@ def chromium():
 @pytest.fixture
 def page(chromium, request):
     page = chromium.new_page(viewport={"width": 1400, "height": 1000})
+    shot = SHOTS / f"{request.node.name}.png"
+    shot.unlink(missing_ok=True)  # a screenshot left from an earlier failure
     failed = request.session.testsfailed
     yield page
     if request.session.testsfailed > failed:  # the call phase is reported before teardown
         SHOTS.mkdir(parents=True, exist_ok=True)
-        shot = SHOTS / f"{request.node.name}.png"
         page.screenshot(path=str(shot), full_page=True)
         print(f"screenshot: {shot}")
     page.close()
@@ -183,7 +184,9 @@ def explore(page) -> None:
 
 def _cost_state(page) -> dict:
     return page.evaluate("""() => {
-        const out = [...document.querySelectorAll('.widget-output .js-plotly-plot')].pop();
+        // the explorer's figure is the notebook's last (its cell comes after every other)
+        const out = [...document.querySelectorAll(
+            '.jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot')].pop();
         const summary = [...document.querySelectorAll('.widget-html-content')]
             .map(e => e.textContent).filter(t => t.includes('fastest at')).pop();
         return {title: out.querySelector('.gtitle').textContent, summary: summary,
@@ -231,8 +234,8 @@ def explore_cost(page) -> None:
              (select("GPUs per node"), "gpus_per_node", 16),
              (sp, "sequence_parallel", False),
              (select("hardware"), "hardware", "H100 SXM")]
-    before = _cost_state(page)
-    assert before == _expected(mirror), (before, _expected(mirror))
+    before = _cost_state(page)  # after the cell that drove it from code
+    assert before == _expected(mirror), f"the page shows {before}, expected {_expected(mirror)}"
     for act, name, value in steps:
         act(value)
         mirror.update(**{name: value})

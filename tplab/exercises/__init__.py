@@ -78,7 +78,7 @@ def hint(name: str, level: int = 1) -> Text:
     if not isinstance(level, int) or level < 1:
         raise ValueError(f"hint level is 1, 2 or {len(e.hints)}; got {level!r}")
     text = e.hints[min(level, len(e.hints)) - 1]
-    more = "" if level >= len(e.hints) else f" (more: hint({name!r}, {level + 1}))"
+    more = "" if level >= len(e.hints) else f" (more: exercises.hint({name!r}, {level + 1}))"
     return Text(f"Hint {min(level, len(e.hints))} of {len(e.hints)} for `{name}`: {text}{more}")
 
 
