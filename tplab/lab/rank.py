@@ -136,9 +136,11 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
         listener.bind((master_addr, master_port))
         listener.listen(128)
         listen_fd = listener.detach()
+    from tplab import platforms
+
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                          master_listen_fd=listen_fd)
+                          master_listen_fd=listen_fd, **platforms.store_options())
     kwargs = {}
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
