@@ -62,7 +62,8 @@ class Lab(Cells):
     def __init__(self, world_size: int = 4, backend: str = "auto", engines: str = "local",
                  timeout: float | None = None, cell_timeout: float | None = None,
                  ip: str = "127.0.0.1", threads_per_rank: int | None = None,
-                 fork: bool | None = None, master_addr: str | None = None, cluster_options: dict | None = None,
+                 fork: bool | None = None, master_addr: str | None = None,
+                 cluster_options: dict | None = None,
                  **more_cluster_options):
         # The fork server is the default on Linux only: on macOS forking after torch is
         # imported crashes the child (tplab/platforms.py says why).
