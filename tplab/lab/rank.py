@@ -73,11 +73,18 @@ class _Names:
 NAMES = _Names()
 
 
-def _user_ns() -> dict:
-    from IPython import get_ipython
+_NAMESPACE: list[dict] = []  # the engine's namespace, looked up once (IPython's is slow)
 
-    shell = get_ipython()
-    return shell.user_ns if shell is not None else sys.modules["__main__"].__dict__
+
+def _user_ns() -> dict:
+    if not _NAMESPACE:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is None:
+            return sys.modules["__main__"].__dict__
+        _NAMESPACE.append(shell.user_ns)
+    return _NAMESPACE[0]
 
 
 def _wait_for_port(host: str, port: int, timeout: float) -> None:
