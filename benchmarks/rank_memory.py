@@ -31,9 +31,11 @@ def warm():
     """A DTensor MLP step, so that the rank has touched what a lesson touches."""
     import torch
 
-    mesh = tplab.make_mesh(tp=torch.distributed.get_world_size())
-    model = tplab.apply_plan(tplab.models.MLP(64, 256), mesh, tplab.plans.mlp())
-    model(torch.randn(4, 64)).sum().backward()
+    n = torch.distributed.get_world_size()
+    cfg = tplab.models.Config(dim=64, hidden_dim=64 * n)
+    mesh = tplab.make_mesh(tp=n)
+    model = tplab.apply_plan(tplab.models.MLP(cfg), mesh, tplab.plans.mlp())
+    model(tplab.models.make_input(cfg)).sum().backward()
 
 
 def main() -> None:

@@ -197,14 +197,17 @@ def _history() -> dict[str, list]:
 
 
 def _shape_of(frame) -> list[int] | None:
+    try:
+        found = frame.f_locals
+    except Exception:  # noqa: BLE001 - a frame in the middle of changing
+        return None
     for name in ("tensor", "input", "input_tensor", "output_tensor", "self", "local_tensor"):
-        value = frame.f_locals.get(name)
-        shape = getattr(value, "shape", None)
-        if shape is not None:
-            try:
+        try:
+            shape = getattr(found.get(name), "shape", None)
+            if shape is not None:
                 return [int(s) for s in shape]
-            except TypeError:
-                continue
+        except Exception:  # noqa: BLE001 - an object whose .shape raises, a symbolic size
+            continue
     return None
 
 
