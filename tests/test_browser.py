@@ -184,20 +184,26 @@ def explore(page) -> None:
 
 def _cost_state(page) -> dict:
     return page.evaluate("""() => {
-        // the explorer's figure is the notebook's last (its cell comes after every other)
-        const out = [...document.querySelectorAll(
-            '.jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot')].pop();
+        // the explorer's two figures are the notebook's last (its cell comes after every
+        // other): the step time, then the memory per GPU
+        const plots = [...document.querySelectorAll(
+            '.jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot')];
+        const [out, memory] = plots.slice(-2);
         const summary = [...document.querySelectorAll('.widget-html-content')]
             .map(e => e.textContent).filter(t => t.includes('fastest at')).pop();
+        const ys = fig => fig.data.map(t => Array.from(t.y).map(v => Number(v.toPrecision(6))));
         return {title: out.querySelector('.gtitle').textContent, summary: summary,
-                y: out.data.map(t => Array.from(t.y).map(v => Number(v.toPrecision(6))))};
+                y: ys(out), memory_y: ys(memory)};
     }""")
 
 
 def _expected(mirror) -> dict:
     summary = html.unescape(re.sub(r"<[^>]+>", "", mirror.summary.value))
-    return {"title": mirror.hw.name, "summary": summary,
-            "y": [[float(f"{v:.6g}") for v in t.y] for t in mirror.figure.data]}
+    def ys(figure):
+        return [[float(f"{v:.6g}") for v in t.y] for t in figure.data]
+
+    return {"title": mirror.hw.name, "summary": summary, "y": ys(mirror.figure),
+            "memory_y": ys(mirror.memory_figure)}
 
 
 def explore_cost(page) -> None:

@@ -10,7 +10,7 @@ import pytest
 import tplab
 from tplab.lessons import SIZES, require_world_size
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("0*.ipynb"))
+NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
 def test_a_size_that_does_not_fit_names_those_that_do():

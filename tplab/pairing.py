@@ -192,13 +192,15 @@ def pair(ref: dict[str, tuple], ranks: dict[str, dict], tp: int, param_map: dict
                                    f"{tuple(ranks[rname]['shape'])} fits no layout over "
                                    f"tp={tp}")
 
-    # the rest by registration order and shape: each takes the first free one that fits
-    for rname in [n for n in free_ranks if n not in problems]:
-        for refname in free_ref:
-            fit = _fits(ranks[rname], ref[refname], tp)
-            if fit is not None:
-                take(rname, refname, fit, "order and shape")
-                break
+    # the rest by registration order and shape: each takes the first free one that fits,
+    # exact fits first, so a padded fit (a vocabulary) never takes another's reference
+    for exact in (True, False):
+        for rname in [n for n in free_ranks if n not in problems]:
+            for refname in free_ref:
+                fit = _fits(ranks[rname], ref[refname], tp)
+                if fit is not None and (fit[1] == 0) == exact:
+                    take(rname, refname, fit, "order and shape")
+                    break
     unpaired_ranks = [n for n in ranks if n not in {p["ranks"] for p in pairs}]
     return pairs, unpaired_ranks, list(free_ref), problems
 
