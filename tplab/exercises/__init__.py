@@ -130,7 +130,7 @@ def reference_answer(name: str, lab=None):
     answer = SOLUTIONS[name]
     if name == "block_counts":
         return answer(lab.world_size)
-    if name == "cost_prediction":
+    if name in ("cost_prediction", "block_memory"):
         return answer()
     return answer
 

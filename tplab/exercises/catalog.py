@@ -50,6 +50,31 @@ def _predict_counts(name, answer, lab):
     return f"right: {traced['counts']} on a {lab.world_size}-rank tp group"
 
 
+def _predict_memory(name, answer, lab=None):
+    """Activation bytes of one Block at TP 4 with SP: tplab.cost's model, which equals what
+    tplab.memory measures on the ranks byte for byte (tests/test_memory.py)."""
+    from tplab import models
+    from tplab.cost.lab_models import lab_memory
+
+    if not (isinstance(answer, dict) and "activation_bytes" in answer):
+        raise fail(name, f'the answer is a dict {{"activation_bytes": ...}}, not {answer!r}')
+    cfg = models.Config()
+    want = lab_memory("block", cfg, 4, sequence_parallel=True)
+    said = float(answer["activation_bytes"])
+    if said == want["activation_bytes"]:
+        return f"right: {int(said):,} bytes saved for backward on each of the 4 ranks"
+    known = {lab_memory("block", cfg, 4)["activation_bytes"]:
+             "that is TP without SP: the norms' inputs and the regions' inputs stay whole on "
+             "every rank; SP splits them by the sequence",
+             lab_memory("block", cfg, 1)["activation_bytes"]:
+             "that is one rank holding the whole block: divide what TP shards by 4"}
+    rows = ", ".join(f"{r['module'] or '(block)'} {r['bytes']:,}" for r in want["rows"])
+    hint = known.get(said, f"per module the model counts {rows}")
+    raise fail(name, f"activation bytes: you said {said:,.0f}, each rank saves "
+                     f"{want['activation_bytes']:,} ({said / want['activation_bytes']:.2f}x "
+                     f"yours): {hint}")
+
+
 def _predict_cost(name, answer, lab=None):
     from tplab import cost
 
@@ -174,6 +199,17 @@ EXERCISES = [
               "bytes = 2 (n-1)/n * 4096*8192*2; seconds = 8.4e-6 + 2 (n-1) * 1.9e-6 "
               "+ bytes / 370e9."),
              _predict_cost, "08", needs_lab=False),
+    Exercise("block_memory", "Predict a block's activation memory at TP 4 with SP",
+             "tplab.models.Block with tplab.models.Config() (float32) under plans.block("
+             "sequence_parallel=True) on 4 ranks: the bytes each rank saves for backward in "
+             'one step, as tplab.memory counts them: {"activation_bytes": N}.',
+             ("tokens = batch_size x seq_len; under SP a rank keeps 1/4 of the sequence "
+              "outside the TP regions, and 1/4 of the heads and hidden units inside.",
+              "Count what each op saves: a linear its input, RMSNorm its input and fp32 "
+              "statistics, attention q, k, v, its output and a logsumexp, SwiGLU its inputs.",
+              "tplab.cost.lab_models.lab_memory('block', cfg, 4, sequence_parallel=True) "
+              "lists every saved tensor; notebook 10 derives them."),
+             _predict_memory, "10", needs_lab=False),
 ]
 
 BY_NAME = {e.name: e for e in EXERCISES}

@@ -212,6 +212,13 @@ NO_SP_PLAN = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel
               "feed_forward.w2": RowwiseParallel()}
 
 # name -> [(what the learner did, the answer, a phrase the feedback must contain)]
+def _no_sp_bytes() -> int:
+    from tplab import models
+    from tplab.cost.lab_models import lab_memory
+
+    return lab_memory("block", models.Config(), 4)["activation_bytes"]
+
+
 MISTAKES = {
     "f": [("no all-reduce in backward", FNoReduce, "each rank's own term"),
           ("an all-reduce in forward", FForwardReduce, "the all-reduce belongs in its backward"),
@@ -242,4 +249,5 @@ MISTAKES = {
                                             "backward": {"all_reduce": 2}}, "backward")],
     "cost_prediction": [("the tensor's bytes", {"bytes": 4096 * 8192 * 2, "seconds": 1e-4},
                          "bytes")],
+    "block_memory": [("TP without SP", {"activation_bytes": _no_sp_bytes()}, "without SP")],
 }

@@ -181,8 +181,19 @@ def cost_prediction() -> dict:
     return {"bytes": sent, "seconds": base + 2 * (n - 1) * alpha + sent / bandwidth}
 
 
+def block_memory() -> dict:
+    """tplab's memory model for the Block at TP 4 with SP (notebook 10 derives it; it
+    equals what tplab.memory measures on the ranks)."""
+    from tplab import models
+    from tplab.cost.lab_models import lab_memory
+
+    return {"activation_bytes": lab_memory("block", models.Config(), 4,
+                                           sequence_parallel=True)["activation_bytes"]}
+
+
 SOLUTIONS = {
     "f": F_, "g": G, "column_parallel": ColumnParallel, "row_parallel": RowParallel,
     "sp_pair": SP_PAIR, "mlp_plan": MLP_PLAN, "block_sp_plan": BLOCK_SP_PLAN,
     "fix_plan": FIXED_PLAN, "block_counts": block_counts, "cost_prediction": cost_prediction,
+    "block_memory": block_memory,
 }
