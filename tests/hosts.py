@@ -66,6 +66,13 @@ class Hosts:
         self.ssh_config = os.path.join(self.tmp, "ssh_config")
 
     def start(self) -> Hosts:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Hosts:
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{self.controller}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
@@ -170,7 +177,8 @@ def _free_port() -> int:
 
 
 class Slurm:
-    """A one-node Slurm cluster (this machine), from ../shared/notes/slurm-one-node.md:
+    """A one-node Slurm cluster (this machine), from ../shared/notes/slurm-one-node.md
+    (with `cpus` CPUs whatever the machine has: SlurmdParameters=config_overrides):
     munged with a key made here, slurmctld and slurmd with a slurm.conf in a temporary
     folder. `env` holds SLURM_CONF for every Slurm command."""
 
@@ -180,18 +188,27 @@ class Slurm:
         self.pids: list[int] = []
         self.conf = os.path.join(self.tmp, "slurm.conf")
         self.env = {"SLURM_CONF": self.conf}
+        self.munge_dir = ""
 
     def start(self) -> Slurm:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Slurm:
         import pwd
 
-        munge_dir = os.path.join(self.tmp, "munge")
-        os.makedirs(munge_dir)
+        munge_dir = self.munge_dir = tempfile.mkdtemp(prefix="tplab-munge-")  # munge's own
         uid = pwd.getpwnam("munge").pw_uid
         key = os.path.join(munge_dir, "munge.key")
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(key, 0o400)
         socket_path = "/run/munge/munge.socket.2"  # where slurm's auth/munge looks
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)  # a stale one; _wait_file waits for ours
         os.makedirs("/run/munge", exist_ok=True)
         for path in (munge_dir, key, "/run/munge"):
             os.chown(path, uid, -1)
@@ -199,13 +216,14 @@ class Slurm:
         munged = subprocess.Popen(
             ["runuser", "-u", "munge", "--", which("munged"), "-F", "--force",
              f"--key-file={key}", f"--socket={socket_path}",
-             f"--pid-file={munge_dir}/munged.pid", f"--log-file={munge_dir}/munged.log",
              f"--seed-file={munge_dir}/seed"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(munge_dir, "munged.log"), "w"))
         self.pids.append(munged.pid)
-        _wait_file(f"{munge_dir}/munged.pid", 10)
-        with open(f"{munge_dir}/munged.pid") as f:
-            self.pids.append(int(f.read().strip()))  # munged itself, a child of runuser
+        _wait_file(socket_path, 10)
+        import psutil
+
+        # munged itself, a child of runuser (in the foreground munged writes no pid file)
+        self.pids += [c.pid for c in psutil.Process(munged.pid).children()]
         host = socket.gethostname()
         for d in ("state", "spool", "log"):
             os.makedirs(os.path.join(self.tmp, d))
@@ -228,6 +246,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 KillWait=2
+SlurmdParameters=config_overrides
 NodeName={host} CPUs={self.cpus} RealMemory=2000 State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
 """)
@@ -265,6 +284,7 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
                 _kill(pid)
         wait_gone(self.pids, 5)
         shutil.rmtree(self.tmp, ignore_errors=True)
+        shutil.rmtree(self.munge_dir, ignore_errors=True)
 
 
 def _wait_file(path: str, seconds: float) -> None:
