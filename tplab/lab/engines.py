@@ -21,6 +21,7 @@ import time
 from ipyparallel.cluster.launcher import (
     BatchSystemLauncher,
     LocalProcessLauncher,
+    SSHEngineSetLauncher,
     SSHLauncher,
 )
 
@@ -104,6 +105,65 @@ def start_error(engines, exc: BaseException, state_dir: str):
                     f"{type(exc).__name__}: {said.strip()}\n"
                     + (f"Fix: {fix}\n" if fix else "")
                     + f"(logs: {state_dir}/profile/log)")
+
+
+class SSHEngineSetLauncherByHost(SSHEngineSetLauncher):
+    """ipyparallel's ssh engine launcher (`engines={"host": n, ...}` and every other
+    setting the same), starting all hosts at once: one thread per host, the engines of a
+    host one after another (the first sends the connection files). ipyparallel starts
+    every engine in turn, several ssh round trips each."""
+
+    def start(self, n):
+        shared = set(self.traits(config=True)).intersection(
+            self.launcher_class.class_traits(config=True))
+        inherited = shared.difference({"location", "user", "hostname", "to_send",
+                                       "to_fetch"}).union({"profile_dir", "cluster_id"})
+        groups, started = [], 0
+        for full_host, n_or_config in self.engines.items():
+            overrides = dict(n_or_config) if isinstance(n_or_config, dict) else {}
+            count = overrides.pop("n", 1) if isinstance(n_or_config, dict) else n_or_config
+            user, _, host = full_host.rpartition("@")
+            host, _, port = host.partition(":")
+            group = []
+            for i in range(min(count, n - started)):
+                key = f"{full_host}/{i}"
+                kwargs = {name: getattr(self, name) for name in inherited}
+                kwargs.update(overrides)
+                el = self.launchers[key] = self.launcher_class(parent=self, identifier=key,
+                                                               **kwargs)
+                if i > 0:
+                    el.to_send = []
+                el.on_stop(self._notice_engine_stopped)
+                el.loop  # noqa: B018 - bind the main thread's event loop before the threads
+                group.append((el, user or None, host, port or None))
+                started += 1
+            groups.append(group)
+        errors: list[BaseException] = []
+
+        def start_one(el, user, host, port):
+            try:
+                el.start(user=user, hostname=host, port=port)
+            except Exception as exc:  # noqa: BLE001 - raised below, in the caller's thread
+                errors.append(exc)
+
+        def start_host(group):  # the first engine makes the profile and sends the files
+            start_one(*group[0])
+            _all_at_once([(start_one, item) for item in group[1:]] if not errors else [])
+
+        _all_at_once([(start_host, (g,)) for g in groups if g])
+        if errors:
+            raise errors[0]
+        self.n = started
+        self.notify_start(list(self.launchers))
+        return list(self.launchers)
+
+
+def _all_at_once(calls) -> None:
+    threads = [threading.Thread(target=fn, args=args, daemon=True) for fn, args in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def hint_for(text: str) -> str:

@@ -167,6 +167,8 @@ class Lab:
         if self.engines != "local":
             other_engines.configure(config, self.engines, env, self._state_dir)
         engines = self.engines
+        if self.engines == "ssh":  # ipyparallel's, starting every host at once
+            engines = other_engines.SSHEngineSetLauncherByHost
         if self.engines == "local":
             engines = processes.ForkedEngineSetLauncher if self.fork else processes.RankSetLauncher
         if self.engines == "local" and self.fork:
