@@ -140,6 +140,7 @@ def test_mpi_ranks_on_two_hosts(hosts, monkeypatch):
     gloo listen on the hosts' addresses only; only signed messages reach the hub; after
     shutdown() nothing is left on either host."""
     need("mpiexec")
+    pytest.importorskip("mpi4py", reason='engines="mpi" needs mpi4py: pip install "tplab[mpi]"')
     for k, v in ROOT_MPI.items():
         monkeypatch.setenv(k, v)
     lab = tplab.launch(4, engines="mpi", ip=hosts.controller, cluster_options=mpi_options(hosts))

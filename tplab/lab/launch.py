@@ -239,8 +239,8 @@ class Lab:
                     f"{self._state_dir}/profile/log")
             self._fail_if_a_rank_exited()
             time.sleep(0.01)
-        self._engine_watch = None
         self._init_ranks()
+        self._engine_watch = None  # started: what engines log from now on is the user's
 
     def _init_ranks(self) -> None:
         port = _free_port(self.ip if self.ip != "0.0.0.0" else "127.0.0.1")
