@@ -16,7 +16,7 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[tplab] installing tplab and its dependencies into $VENV (torch==2.13.0, CPU wheel where available)"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet -e ".[dev]"
+  "$VENV/bin/python" -m pip install --quiet -e ".[dev,hf]"
   echo "$want" > "$stamp"
 fi
 

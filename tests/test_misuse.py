@@ -58,7 +58,7 @@ def test_pushed_names_are_not_sent_again(lab):
     ns = notebook("def total():\n    return w.sum().item()\n")
     ns["w"] = big
     assert lab.run(ns["total"]) == [2e6] * lab.world_size  # the rank's w wins
-    known = frozenset(lab._names[0]) if hasattr(lab, "_names") else frozenset()  # noqa: SLF001
+    known = lab.names.known([0])
     assert "w" in known
     payload = dumps_for_ranks(ns["total"], (), {}, None, known)
     assert len(payload) < 10_000  # w stayed home
@@ -170,7 +170,8 @@ def test_breakpoint_on_a_rank_says_why_it_does_nothing(lab, capfd):
 
 
 @pytest.mark.parametrize(("call", "error", "words"), [
-    (lambda: tplab.launch(2, timout=2), TypeError, "unknown keyword 'timout'; did you mean 'timeout'"),
+    (lambda: tplab.launch(2, timout=2), TypeError,
+     "unknown keyword 'timout'; did you mean 'timeout'"),
     (lambda: tplab.launch(2, threads_per_rank=0), ValueError, "threads_per_rank must be"),
     (lambda: tplab.launch(2, ip="10.255.255.1"), tplab.LabError, "not an address of this machine"),
     (lambda: tplab.launch(2, cluster_options=[1]), TypeError, "cluster_options must be a dict"),

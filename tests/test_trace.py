@@ -7,7 +7,7 @@ import pytest
 from tp_fixtures import CFG, tp_lab  # noqa: F401
 
 KEYS = {"rank", "seq", "phase", "module", "op", "shape", "dtype", "bytes", "group",
-        "group_size", "duration_ms"}
+        "group_size", "duration_ms", "cause"}
 
 
 def _mlp_step(cfg, path, input_grad):
@@ -51,6 +51,10 @@ def test_records_follow_the_contract(tp_lab):  # noqa: F811
         # g sits after w2 (its output redistribution); f's backward at w1's input
         assert (fwd["phase"], fwd["module"]) == ("forward", "w2")
         assert (bwd["phase"], bwd["module"]) == ("backward", "w1")
+        # why: g is RowwiseParallel's output Partial -> Replicate; f is the backward of
+        # ColwiseParallel's replicated input, whose gradient arrives Partial
+        assert fwd["cause"] == "Partial(sum) -> Replicate() (RowwiseParallel output)"
+        assert bwd["cause"] == "Partial(sum) -> Replicate()"
 
 
 def _block_step(cfg, sequence_parallel):

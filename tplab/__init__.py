@@ -23,6 +23,7 @@ _LAZY = {
     "apply_plan": "tplab.plans",
     "describe_plan": "tplab.plans",
     "trace": "tplab.tracing",  # the module is tracing.py, so tplab.trace stays the function
+    "memory": "tplab.footprint",  # likewise: tplab.memory is the function
     "tracing": None,
     "megatron": None,
     "models": None,
@@ -32,7 +33,8 @@ _LAZY = {
     "widgets": None,
 }
 
-__all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError", *_LAZY]
+__all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",
+           *_LAZY]
 
 
 def __getattr__(name: str):

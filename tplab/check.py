@@ -2,6 +2,7 @@
 
     report = tplab.grad_check(lab, build_model, plan, make_input, loss_fn=None)
     report = tplab.grad_check(lab, build_model, plan, make_input, dp=2, tp=2)  # 2-D
+    report = tplab.grad_check(lab, build, my_plan, make_input, param_map={"w1": "fc1.weight"})
 
 How the pieces are called (the same in processes and in `tplab.simulate`):
 - `build_model()` takes no arguments. It is called once in the notebook for the reference,
@@ -9,50 +10,65 @@ How the pieces are called (the same in processes and in `tplab.simulate`):
   weights are identical even if build_model is not deterministic). The model is built
   whole; the plan splits it. By default the tp degree is the lab's world size (a 1-D mesh
   `make_mesh(tp=world_size)` made on the ranks).
-- `make_input()` takes no arguments and is called ONCE, in the notebook; the tensor is sent
-  to every rank (no rank-dependent randomness). A floating-point input gets
-  requires_grad=True, so its gradient is checked too (integer token ids are not).
-- `plan` is a dict for `tplab.apply_plan` or a callable `(model, mesh) -> model`
-  (the hand-written path: `tplab.megatron.parallelize`).
-- `dp=` and/or `tp=` (dp * tp = world size; give one and the other follows) check on a
-  2-D mesh `make_mesh(dp=dp, tp=tp)`, data parallel over dp, tensor parallel within each
-  tp group. `make_input()` then gives the WHOLE batch: dp replica d gets the d-th of dp
-  equal slices of dim 0 (as a DistributedSampler would), so dim 0 must divide by dp. Each
-  replica's loss is its slice's loss, and its parameter gradients are averaged over dp after
-  backward (DDP's all-reduce; `average_dp=False` when the plan does that itself). The
-  reference is the single-device model on the whole batch with the MEAN of the dp slices'
-  losses, so every gradient it gives is the averaged one; the ranks' input gradients are
-  divided by dp to match. Gradients that the plan made DTensors on the whole mesh (FSDP2)
-  are taken as they are.
-- `loss_fn(output, input) -> scalar` (or `loss_fn(output)`); default `0.5 * sum(output**2)`,
-  whose gradient is the output itself. When the output is a DTensor sharded on its last dim
+- `make_input()` takes no arguments and is called ONCE, in the notebook; the value is sent
+  to every rank (no rank-dependent randomness). It may be a tensor (`model(x)`), a tuple
+  or list (`model(*x)`), a dict (`model(**x)`, as transformers models take a batch) or any
+  other pytree (`model(x)`). Its floating-point tensors get requires_grad=True, so their
+  gradients are checked too (integer token ids are not).
+- `plan` is a dict for `tplab.apply_plan` or a callable `(model, mesh) -> model`: the
+  hand-written path, such as `tplab.megatron.parallelize` or your own Megatron-style
+  module with its own parameter names (see "Pairing" below).
+- The output may be a tensor or any pytree: tuples, lists, dicts, dataclasses, transformers'
+  `ModelOutput`. Its tensors are compared leaf by leaf ("output.logits", "output[0]").
+- `loss_fn(output, input) -> scalar` (or `loss_fn(output)`) gets the output as the model
+  returns it. The default is `0.5 * sum(leaf**2)` over the output's floating tensors,
+  whose gradient is the output itself. When an output is a DTensor sharded on its last dim
   (an lm head planned for loss parallelism), loss and backward run under `loss_parallel()`.
+- `dp=` and/or `tp=` (dp * tp = world size; give one and the other follows) check on a
+  2-D mesh `make_mesh(dp=dp, tp=tp)`, data parallel over dp. `make_input()` then gives the
+  WHOLE batch: dp replica d gets the d-th of dp equal slices of dim 0 of every tensor (as
+  a DistributedSampler would). Each replica's parameter gradients are averaged over dp
+  after backward (DDP's all-reduce; `average_dp=False` when the plan does that itself).
+  The reference is the single-device model on the whole batch with the MEAN of the dp
+  slices' losses; the ranks' input gradients are divided by dp to match. Gradients that
+  the plan made DTensors on the whole mesh (FSDP2) are taken as they are.
 
-The report has one row per tensor: the output (and the loss), the input's gradient, every
-parameter's gradient (assembled from the ranks' shards), and for every tensor that should
-be the same on every rank, the spread across ranks (kind "replica_spread").
+Pairing (tplab.pairing): a parameter on the ranks is compared with the reference parameter
+of the same name; the rest are paired by registration order and shape. Its layout comes
+from the DTensor, from a `tp_placements` dict on its module, or from its shape (a replica,
+or one dimension divided by the tp size: sharded there, in rank order, as `torch.chunk`
+splits it). `param_map={"w1": "fc1.weight"}` or `{"w1": ("fc1.weight", 0)}` (0: sharded
+on dim 0; None: replicated) states a pairing. A parameter that pairs with nothing is
+reported as "unpaired" with how to pair it, and the check does not pass.
+
+The report has one row per tensor: every output leaf (and the loss), every input gradient,
+every parameter gradient (assembled from the ranks' pieces), and for every tensor that
+should be the same on every rank, the spread across ranks (kind "replica_spread").
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import math
-from dataclasses import dataclass, field
 
 import torch
 
 from tplab.errors import LabError
+from tplab.pairing import gather, pair, tp_layout
+from tplab.pytrees import call_model, leaves, map_tensors
+from tplab.report import GradCheckReport, compare, unpaired
 from tplab.transfer import LocalShard
 
-_WORDS = {"output": "{name} wrong", "input_grad": "input gradient wrong",
-          "param_grad": "gradient of {name} wrong",
-          "replica_spread": "{name} differs across ranks"}
+__all__ = ["GradCheckReport", "assemble", "compare", "grad_check", "tp_layout"]
 
 
 def _call_loss(loss_fn, out, x):
     if loss_fn is None:
-        return 0.5 * out.pow(2).sum()
+        parts = [t.pow(2).sum() for _, t in leaves(out) if t.is_floating_point()]
+        if not parts:
+            raise LabError("grad_check: the output has no floating-point tensor for the "
+                           "default loss 0.5 * sum(output**2); pass loss_fn=")
+        return 0.5 * sum(parts[1:], parts[0])
     try:
         params = inspect.signature(loss_fn).parameters.values()
         two = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2
@@ -66,17 +82,22 @@ def _loss_context(out):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    if isinstance(out, DTensor) and any(
-            p.is_shard() and p.dim in (-1, out.ndim - 1) for p in out.placements):
-        return loss_parallel()
+    for _, t in leaves(out):
+        if isinstance(t, DTensor) and any(
+                p.is_shard() and p.dim in (-1, t.ndim - 1) for p in t.placements):
+            return loss_parallel()
     return contextlib.nullcontext()
+
+
+def _with_grad(x):
+    return map_tensors(lambda t: t.clone().requires_grad_(t.is_floating_point())
+                       if t.is_floating_point() else t.clone(), x)
 
 
 def _parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     """Rank side: build, load the reference weights, parallelise, one forward and backward.
     With dp > 1 on a (dp, tp) mesh: this replica's slice of the batch (see module doc)."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     from tplab.mesh import make_mesh
     from tplab.plans import apply_plan
@@ -86,25 +107,19 @@ def _parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     model = build_model()
     model.load_state_dict(state)
     model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
-    x = x.clone() if dp == 1 else _replica_slice(x, mesh)
-    if x.is_floating_point():
-        x.requires_grad_(True)
-    out = model(x)  # may be an AsyncCollectiveTensor: its .wait() would cut the graph
+    if dp > 1:
+        x = map_tensors(lambda t: _replica_slice(t, mesh), x)
+    x = _with_grad(x)
+    out = call_model(model, x)  # may hold AsyncCollectiveTensors: .wait() would cut the graph
     with _loss_context(out):
         loss = _call_loss(loss_fn, out, x)
         loss.backward()
-    if dp > 1:
-        return _on_whole_mesh(model, mesh, out, loss, x, average_dp)
-    grads = {}
-    for path, module in model.named_modules():
-        # hand-written layers (tplab.megatron) hold plain local shards: say what they are
-        placements = getattr(module, "tp_placements", {})
-        for name, p in module.named_parameters(recurse=False):
-            g = p.grad
-            if g is not None and not isinstance(g, DTensor) and name in placements:
-                g = DTensor.from_local(g, mesh, [placements[name]], run_check=False)
-            grads[f"{path}.{name}" if path else name] = g
-    return {"output": out, "loss": loss.detach(), "input_grad": x.grad, "grads": grads}
+    params = tp_layout(model)
+    outs = dict(leaves(out, "output"))
+    grads = {k: t.grad for k, t in leaves(x, "input") if t.is_floating_point()}
+    if dp == 1:
+        return {"outputs": outs, "loss": loss.detach(), "input_grads": grads, "params": params}
+    return _on_whole_mesh(mesh, outs, loss, grads, params, average_dp)
 
 
 def _replica_slice(x, mesh):
@@ -115,20 +130,20 @@ def _replica_slice(x, mesh):
     return x.index_select(0, torch.arange(n, device=x.device) + mesh.get_local_rank("dp") * n)
 
 
-def _on_whole_mesh(model, mesh, out, loss, x, average_dp):
-    """Rank side, dp > 1: every result as a DTensor on the whole (dp, tp) mesh, so that the
-    notebook places it (a DTensor on the tp sub-mesh would not say which dp replica holds
-    it): outputs and input grads Shard(0) over dp, the loss Partial over dp (each replica
-    holds loss_d / dp of the mean), parameter gradients Replicate over dp once averaged."""
+def _on_whole_mesh(mesh, outs, loss, grads, params, average_dp):
+    """Rank side, dp > 1: outputs and input grads as DTensors on the whole (dp, tp) mesh,
+    Shard(0) over dp, so that the notebook places them; the loss Partial over dp (each
+    replica holds loss_d / dp of the mean); parameter gradients averaged over dp (DDP)."""
     import torch.distributed as dist
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     dp = mesh["dp"].size()
 
-    def whole(t, over_dp, tp_placement=None):
+    def whole(t, over_dp):
         if t is None:
             return None
+        tp_placement = Replicate()
         if isinstance(t, DTensor):  # on the tp sub-mesh: one placement
             tp_placement, t = t.placements[-1], t.to_local()
         if isinstance(t, AsyncCollectiveTensor):
@@ -136,28 +151,18 @@ def _on_whole_mesh(model, mesh, out, loss, x, average_dp):
         t = t.detach()
         if isinstance(tp_placement, Shard) and tp_placement.dim < 0:
             tp_placement = Shard(tp_placement.dim + t.ndim)
-        return DTensor.from_local(t, mesh, [over_dp, tp_placement or Replicate()],
-                                  run_check=False)
+        return DTensor.from_local(t, mesh, [over_dp, tp_placement], run_check=False)
 
-    grads = {}
-    for path, module in model.named_modules():
-        placements = getattr(module, "tp_placements", {})  # tplab.megatron's layers
-        for name, p in module.named_parameters(recurse=False):
-            g, key = p.grad, f"{path}.{name}" if path else name
-            if isinstance(g, DTensor) and g.device_mesh.ndim > 1:
-                grads[key] = g  # on the whole mesh already: the plan's own dp (FSDP2)
-                continue
-            place = placements.get(name)
-            if isinstance(g, DTensor):
-                place, g = g.placements[-1], g.to_local()
-            if g is not None and average_dp:  # DDP: the mean over the dp replicas
-                g = g.detach().clone()
-                dist.all_reduce(g, group=mesh.get_group("dp"))
-                g = g / dp
-            grads[key] = whole(g, Replicate(), place)
-    grad = None if x.grad is None else x.grad / dp
-    return {"output": whole(out, Shard(0)), "loss": whole(loss / dp, Partial()),
-            "input_grad": whole(grad, Shard(0)), "grads": grads}
+    for info in params.values():
+        g = info["value"]
+        if g is not None and info["placement"] != "mesh" and average_dp:
+            g = g.detach().clone()
+            dist.all_reduce(g, group=mesh.get_group("dp"))
+            info["value"] = g / dp
+    return {"outputs": {k: whole(v, Shard(0)) for k, v in outs.items()},
+            "loss": whole(loss / dp, Partial()), "params": params,
+            "input_grads": {k: whole(None if g is None else g / dp, Shard(0))
+                            for k, g in grads.items()}}
 
 
 def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
@@ -193,80 +198,6 @@ def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
     return full, spread
 
 
-def _row(name, kind, value, ref, atol, rtol, note=""):
-    ref = ref.detach() if isinstance(ref, torch.Tensor) else ref
-    scale = float(ref.abs().max()) if ref is not None and ref.numel() else 0.0
-    if value is None or ref is None or (isinstance(value, torch.Tensor)
-                                        and value.shape != ref.shape):
-        note = note or ("missing" if value is None or ref is None else
-                        f"shape {tuple(value.shape)} != reference {tuple(ref.shape)}")
-        max_abs = math.inf
-    elif isinstance(value, torch.Tensor):
-        max_abs = float((value.double() - ref.double()).abs().max()) if ref.numel() else 0.0
-    else:  # a spread, already a number
-        max_abs = float(value)
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    return {"name": name, "kind": kind, "max_abs": max_abs, "max_rel": max_rel,
-            "ok": max_abs <= atol + rtol * scale, "note": note}
-
-
-@dataclass
-class GradCheckReport:
-    """Rows of {name, kind, max_abs, max_rel, ok, note}; `.ok` when every row is within
-    atol + rtol * max|reference|."""
-
-    rows: list[dict]
-    world_size: int
-    atol: float
-    rtol: float
-    loss: float = float("nan")
-    mesh_shape: dict | None = None  # {"dp": 2, "tp": 2} for a 2-D check
-    failures: list[dict] = field(init=False)
-
-    def __post_init__(self):
-        self.failures = [r for r in self.rows if not r["ok"]]
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    @property
-    def max_abs(self) -> float:
-        return max((r["max_abs"] for r in self.rows), default=0.0)
-
-    def summary(self) -> str:
-        shape = self.mesh_shape or {}
-        on = f" (dp={shape['dp']} x tp={shape['tp']})" if shape.get("dp", 1) > 1 else ""
-        head = (f"grad_check on {self.world_size} ranks{on} "
-                f"(atol {self.atol:g}, rtol {self.rtol:g})")
-        if self.ok:
-            return f"{head}: ok, {len(self.rows)} tensors, max abs error {self.max_abs:.2e}"
-        wrong = "; ".join(f"{_WORDS[r['kind']].format(name=r['name'])} "
-                          f"(max abs {r['max_abs']:.2e}{', ' + r['note'] if r['note'] else ''})"
-                          for r in self.failures)
-        return f"{head}: FAILED: {wrong}"
-
-    def _table(self, fmt: str) -> str:
-        """The rows as a table; the note column only when some row has a note."""
-        from tabulate import tabulate
-
-        notes = any(r["note"] for r in self.rows)
-        headers = ["tensor", "kind", "max abs", "max rel", "verdict"] + (["note"] if notes else [])
-        cells = [[r["name"], r["kind"], f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}",
-                  "ok" if r["ok"] else "WRONG"] + ([r["note"]] if notes else []) for r in self.rows]
-        return tabulate(cells, headers=headers, tablefmt=fmt)
-
-    def __str__(self) -> str:
-        return f"{self.summary()}\n{self._table('simple')}"
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        table = self._table("html")
-        colour = "green" if self.ok else "red"
-        return f'<p style="color:{colour}">{self.summary()}</p>{table}'
-
-
 def _mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
     """(dp, tp) from what was given: neither -> (1, world); one -> the other from world."""
     for name, size in (("dp", dp), ("tp", tp)):
@@ -282,14 +213,39 @@ def _mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
     return dp, tp
 
 
+def _reference(model, x, loss_fn, dp):
+    """The single-device step: (output leaves, loss, input with gradients)."""
+    x_ref = _with_grad(x)
+    if dp == 1:
+        out = call_model(model, x_ref)
+        loss = _call_loss(loss_fn, out, x_ref)
+        outs = dict(leaves(out, "output"))
+    else:  # the mean of the dp replicas' losses, each on its slice of the batch
+        for path, t in leaves(x, "input"):
+            if t.ndim == 0 or t.shape[0] % dp:
+                raise LabError(f"grad_check: dim 0 of the {path} (shape {tuple(t.shape)}) must "
+                               f"divide into dp={dp} equal slices, one per data-parallel "
+                               "replica")
+        parts = [map_tensors(lambda t, d=d: t.chunk(dp)[d], x_ref) for d in range(dp)]
+        results = [call_model(model, part) for part in parts]
+        loss = sum(_call_loss(loss_fn, o, p) for o, p in zip(results, parts, strict=True)) / dp
+        per = [dict(leaves(o, "output")) for o in results]
+        outs = {k: torch.cat([p[k] for p in per]) for k in per[0]}
+    loss.backward()
+    return outs, loss, x_ref
+
+
 def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1e-5,
                rtol: float = 1e-4, *, dp: int | None = None, tp: int | None = None,
-               average_dp: bool = True) -> GradCheckReport:
+               average_dp: bool = True, param_map: dict | None = None) -> GradCheckReport:
     """Run the single-device reference here and the parallel model on `lab` (a Lab or a
-    Simulation) with identical weights and input; compare output, input gradient and every
-    parameter gradient. `dp`/`tp` check data x tensor parallelism on a 2-D mesh. See the
-    module docstring for how the arguments are called."""
+    Simulation) with identical weights and input; compare every output, input gradient
+    and parameter gradient. `dp`/`tp` check data x tensor parallelism on a 2-D mesh;
+    `param_map` pairs parameters by hand. See the module docstring."""
     dp, tp = _mesh_shape(lab.world_size, dp, tp)
+    if param_map is not None and not isinstance(param_map, dict):
+        raise LabError("grad_check: param_map is a dict {parallel name: reference name} or "
+                       "{parallel name: (reference name, shard dim or None)}")
     model = build_model()
     if isinstance(plan, dict):  # a PlanError here, before anything is sent to the ranks
         from tplab.plans import check_plan
@@ -297,23 +253,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
         check_plan(model, plan, tp)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     x = make_input()
-    x_ref = x.clone()
-    if x_ref.is_floating_point():
-        x_ref.requires_grad_(True)
-    if dp == 1:
-        out_ref = model(x_ref)
-        loss_ref = _call_loss(loss_fn, out_ref, x_ref)
-    else:  # the mean of the dp replicas' losses, each on its slice of the batch
-        if x.ndim == 0 or x.shape[0] % dp:
-            raise LabError(f"grad_check: dim 0 of the input (shape {tuple(x.shape)}) must "
-                           f"divide into dp={dp} equal slices, one per data-parallel replica")
-        parts = x_ref.chunk(dp)
-        outs = [model(part) for part in parts]
-        out_ref = torch.cat(outs)
-        losses = [_call_loss(loss_fn, o, part) for o, part in zip(outs, parts, strict=True)]
-        loss_ref = sum(losses) / dp
-    loss_ref.backward()
-
+    out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)
     results = lab.run(_parallel_step, build_model, state, plan, x, loss_fn, dp, average_dp)
     rows: list[dict] = []
 
@@ -322,15 +262,104 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
         if not note and isinstance(values[0], LocalShard) and any(
                 p.startswith("Partial") for p in values[0].placements):
             note = "Partial on the ranks (not yet reduced); summed here"
-        rows.append(_row(name, kind, full, ref, atol, rtol, note))
+        rows.append(compare(name, kind, full, ref, atol, rtol, note))
         if spread is not None:
-            rows.append(_row(name, "replica_spread", spread, ref, atol, rtol))
+            rows.append(compare(name, "replica_spread", spread, ref, atol, rtol))
 
-    add("output", "output", [r["output"] for r in results], out_ref)
+    for name in [*out_ref, *(k for k in results[0]["outputs"] if k not in out_ref)]:
+        add(name, "output", [r["outputs"].get(name) for r in results], out_ref.get(name))
     add("loss", "output", [r["loss"] for r in results], loss_ref,
         f"the mean of the {dp} dp replicas' losses" if dp > 1 else "")
-    if x_ref.grad is not None:
-        add("input", "input_grad", [r["input_grad"] for r in results], x_ref.grad)
-    for name, p in model.named_parameters():
-        add(name, "param_grad", [r["grads"].get(name) for r in results], p.grad)
-    return GradCheckReport(rows, len(results), atol, rtol, loss_ref.item(), {"dp": dp, "tp": tp})
+    for name, t in leaves(x_ref, "input"):
+        if t.grad is not None:
+            add(name, "input_grad", [r["input_grads"].get(name) for r in results], t.grad)
+    notes = _param_rows(model, results, tp, param_map, rows, atol, rtol)
+    return GradCheckReport(rows, len(results), atol, rtol, loss_ref.item(),
+                           {"dp": dp, "tp": tp}, notes)
+
+
+def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
+    """Pair the ranks' parameters with the reference's; a row per pair (see tplab.pairing)."""
+    ref = dict(model.named_parameters())
+    aliases = {n: ref_name for n, p in model.named_parameters(remove_duplicate=False)
+               for ref_name, q in ref.items() if p is q and n != ref_name}
+    buffers = [n for n, _ in model.named_buffers()]
+    ranks = results[0]["params"]
+    pairs, lone_ranks, lone_ref, problems = pair({n: tuple(p.shape) for n, p in ref.items()},
+                                                 ranks, tp, param_map, aliases)
+    notes = []
+    if buffers:
+        notes.append(f"buffers are not compared (they get no gradient): {', '.join(buffers)}")
+    by_ref: dict[str, list[dict]] = {}
+    for p in pairs:
+        by_ref.setdefault(p["ref"], []).append(p)
+    frozen = []
+    for name, p in ref.items():
+        got = by_ref.get(name)
+        if not got:
+            continue
+        if not p.requires_grad:
+            frozen.append(name)
+            continue
+        wholes, spreads = [], []
+        for q in got:
+            values = [r["params"][q["ranks"]]["value"] for r in results]
+            if q["placement"] == "mesh":
+                full, spread = assemble(values)
+            else:
+                dim = _dim(q["placement"])
+                if q["placement"].startswith("Shard") and values[0] is not None:
+                    # every rank's piece as long as rank 0's: a padded tensor (a vocabulary
+                    # padded to a multiple of tp), cut back to the reference's length
+                    length = sum(v.shape[dim] for v in values[:tp])
+                    q["padded"] = length if length > p.shape[dim] else 0
+                full, spread = gather(values, q["placement"] or "Replicate()", tp,
+                                      q["padded"], p.shape[dim] if p.ndim else 0)
+            wholes.append(full)
+            spreads.append(spread)
+        tied = [a for a, b in aliases.items() if b == name]
+        label = "; ".join(q["placement"] if q["ranks"] == name else
+                          f"{q['ranks']} {q['placement']} ({q['how']})" for q in got)
+        note = f"tied: also {', '.join(tied)}" if tied else ""
+        if len(got) > 1:
+            note = ("tied in the reference, separate on the ranks: their gradients are summed "
+                    "here, but an optimizer step would make the copies differ")
+        if any(q["placement"] and q["placement"].startswith("Partial") for q in got):
+            note = note or "Partial on the ranks (not yet reduced); summed here"
+        if any(q["padded"] for q in got):
+            note = note or (f"padded to {got[0]['padded']} on the ranks; the padding is "
+                            "not compared")
+        if p.grad is None and all(w is None for w in wholes):
+            notes.append(f"{name}: no gradient on either side (not used by the loss)")
+            continue
+        full = None if any(w is None for w in wholes) else sum(wholes[1:], wholes[0])
+        rows.append(compare(name, "param_grad", full, p.grad, atol, rtol, note, label))
+        spread = max((s for s in spreads if s is not None), default=None)
+        if spread is not None:
+            rows.append(compare(name, "replica_spread", spread, p.grad, atol, rtol))
+    if frozen:
+        notes.append(f"need no gradient (requires_grad=False), not compared: "
+                     f"{', '.join(frozen)}")
+    for name in lone_ranks:
+        info = ranks[name]
+        if not info["requires_grad"]:
+            notes.append(f"{name} (only on the ranks) needs no gradient: not compared")
+            continue
+        why = problems.get(name) or (f"only on the ranks, local shape {info['shape']}: no "
+                                     "reference parameter left fits it by order and shape")
+        hint = f"{lone_ref[0]!r}" if lone_ref else "'<reference name>'"
+        rows.append(unpaired(name, f"{why}; pair it with param_map={{{name!r}: {hint}}}"))
+    for name in lone_ref:
+        if not ref[name].requires_grad:
+            continue
+        cands = ", ".join(lone_ranks) or "none"
+        rows.append(unpaired(name, f"only in the reference, shape {tuple(ref[name].shape)}; "
+                                   f"unpaired on the ranks: {cands}; pair with "
+                                   f"param_map={{'<name on the ranks>': {name!r}}}"))
+    return notes
+
+
+def _dim(placement: str | None) -> int:
+    if placement and placement.startswith("Shard("):
+        return int(placement[6:-1])
+    return 0

@@ -53,7 +53,15 @@ def _all_reduce(x, group):
     return x
 
 
-def _all_reduce_grad(grad, mesh):
+# The name `tplab.trace` gives each operator's collectives (a record's "cause"), by the
+# Function (or hook) that issues them; see `Trace.explain()`.
+OPERATORS = {"CopyToTP": "f", "CopyToTPNoReduce": "f", "ReduceFromTP": "g",
+             "ScatterToTP": "scatter", "GatherFromTP": "gather",
+             "AllGatherSeq": "sp all-gather", "ReduceScatterSeq": "sp reduce-scatter",
+             "all_reduce_grad": "dW all-reduce"}
+
+
+def all_reduce_grad(grad, mesh):
     """A gradient hook: sum a replicated parameter's partial gradient over the tp ranks."""
     return _all_reduce(grad, tp_group(mesh)[0])
 
@@ -64,7 +72,9 @@ def _all_gather(x, group, size, dim):
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
     dist.all_gather_single(out, x, group=group)
-    return out.movedim(0, dim)
+    # contiguous: the linears this feeds save their input for backward, and a strided view
+    # makes each of them flatten (copy) it, one saved copy per linear (tplab.memory shows it)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x, group, size, dim):
@@ -90,7 +100,7 @@ def _check_divisible(what, length, size):
 
 # --- the conjugate operators -------------------------------------------------------------
 
-class _CopyToTP(torch.autograd.Function):
+class CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce backward (Megatron `_CopyToModelParallelRegion`)."""
 
     @staticmethod
@@ -104,7 +114,7 @@ class _CopyToTP(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
-class _CopyToTPNoReduce(torch.autograd.Function):
+class CopyToTPNoReduce(torch.autograd.Function):
     """f with its backward all-reduce removed: the bug the lessons show (input grads wrong)."""
 
     @staticmethod
@@ -116,7 +126,7 @@ class _CopyToTPNoReduce(torch.autograd.Function):
         return grad
 
 
-class _ReduceFromTP(torch.autograd.Function):
+class ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward, identity backward (Megatron `_ReduceFromModelParallelRegion`)."""
 
     @staticmethod
@@ -128,7 +138,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTP(torch.autograd.Function):
+class ScatterToTP(torch.autograd.Function):
     """Split on `dim`, keep my chunk; backward all-gathers (Megatron
     `_ScatterToModelParallelRegion`; on the sequence dim `_ScatterToSequenceParallelRegion`).
     """
@@ -144,7 +154,7 @@ class _ScatterToTP(torch.autograd.Function):
         return _all_gather(grad, group, size, dim), None, None, None, None
 
 
-class _GatherFromTP(torch.autograd.Function):
+class GatherFromTP(torch.autograd.Function):
     """All-gather on `dim`; backward keeps my chunk (Megatron `_GatherFromModelParallelRegion`)."""
 
     @staticmethod
@@ -158,7 +168,7 @@ class _GatherFromTP(torch.autograd.Function):
         return _split(grad, size, rank, dim), None, None, None, None
 
 
-class _AllGatherSeq(torch.autograd.Function):
+class AllGatherSeq(torch.autograd.Function):
     """All-gather forward, reduce-scatter backward
     (Megatron `_GatherFromSequenceParallelRegion`, the g-bar of sequence parallelism).
     """
@@ -173,7 +183,7 @@ class _AllGatherSeq(torch.autograd.Function):
         return _reduce_scatter(grad, *ctx.args), None, None, None
 
 
-class _ReduceScatterSeq(torch.autograd.Function):
+class ReduceScatterSeq(torch.autograd.Function):
     """Reduce-scatter forward, all-gather backward
     (Megatron `_ReduceScatterToSequenceParallelRegion`, the g of sequence parallelism).
     """
@@ -193,14 +203,14 @@ def copy_to_tp(x: torch.Tensor, mesh, *, reduce_grad: bool = True) -> torch.Tens
     backward. `reduce_grad=False` builds f without its backward all-reduce, to see what
     breaks: every rank's input gradient is then only its own share of the sum."""
     if not reduce_grad:
-        return _CopyToTPNoReduce.apply(x)
-    return _CopyToTP.apply(x, tp_group(mesh)[0])
+        return CopyToTPNoReduce.apply(x)
+    return CopyToTP.apply(x, tp_group(mesh)[0])
 
 
 def reduce_from_tp(x: torch.Tensor, mesh) -> torch.Tensor:
     """g (Megatron `reduce_from_tensor_model_parallel_region`): all-reduce forward, identity
     backward; sums the ranks' partial outputs."""
-    return _ReduceFromTP.apply(x, tp_group(mesh)[0])
+    return ReduceFromTP.apply(x, tp_group(mesh)[0])
 
 
 def scatter_to_tp(x: torch.Tensor, mesh, dim: int = -1) -> torch.Tensor:
@@ -208,14 +218,14 @@ def scatter_to_tp(x: torch.Tensor, mesh, dim: int = -1) -> torch.Tensor:
     (Megatron `scatter_to_tensor_model_parallel_region`)."""
     group, size, rank = tp_group(mesh)
     _check_divisible(f"dim {dim} of the input", x.shape[dim], size)
-    return _ScatterToTP.apply(x, group, size, rank, dim)
+    return ScatterToTP.apply(x, group, size, rank, dim)
 
 
 def gather_from_tp(x: torch.Tensor, mesh, dim: int = -1) -> torch.Tensor:
     """Concatenate the ranks' chunks on `dim` (default: the last); backward keeps this
     rank's chunk (Megatron `gather_from_tensor_model_parallel_region`)."""
     group, size, rank = tp_group(mesh)
-    return _GatherFromTP.apply(x, group, size, rank, dim)
+    return GatherFromTP.apply(x, group, size, rank, dim)
 
 
 def all_gather_seq(x: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:
@@ -223,7 +233,7 @@ def all_gather_seq(x: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:
     reduce-scatter backward; replaces f under SP (Megatron
     `gather_from_sequence_parallel_region`)."""
     group, size, _ = tp_group(mesh)
-    return _AllGatherSeq.apply(x, group, size, dim)
+    return AllGatherSeq.apply(x, group, size, dim)
 
 
 def reduce_scatter_seq(x: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:
@@ -232,7 +242,7 @@ def reduce_scatter_seq(x: torch.Tensor, mesh, dim: int = 1) -> torch.Tensor:
     `reduce_scatter_to_sequence_parallel_region`)."""
     group, size, _ = tp_group(mesh)
     _check_divisible(f"dim {dim} (sequence)", x.shape[dim], size)
-    return _ReduceScatterSeq.apply(x, group, size, dim)
+    return ReduceScatterSeq.apply(x, group, size, dim)
 
 
 # --- parallel layers ---------------------------------------------------------------------
@@ -295,7 +305,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _shard(linear.weight, size, rank, 1)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
         if sequence_parallel and self.bias is not None:
-            self.bias.register_hook(functools.partial(_all_reduce_grad, mesh=mesh))
+            self.bias.register_hook(functools.partial(all_reduce_grad, mesh=mesh))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -382,7 +392,7 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False,
         for m in model.modules():
             if isinstance(m, nn.RMSNorm):
                 for p in m.parameters():
-                    p.register_hook(functools.partial(_all_reduce_grad, mesh=mesh))
+                    p.register_hook(functools.partial(all_reduce_grad, mesh=mesh))
     if isinstance(model, models.TinyLM):
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, mesh,
                                                       sequence_parallel=sp)

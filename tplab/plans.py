@@ -30,59 +30,77 @@ from tplab.transfer import placement_name
 # --- the named plans ---------------------------------------------------------------------
 
 
-def mlp() -> dict:
-    """Megatron's MLP: w1 column-wise (its output stays sharded), w2 row-wise (summed)."""
-    return {
+def _sequence_parallel(plan: dict) -> dict:
+    """A plan of column- then row-parallel layers, made sequence parallel: each
+    column-parallel layer all-gathers its sequence-sharded (Shard(1)) input, each
+    row-parallel one reduce-scatters its output back to sequence shards."""
+    return {key: ColwiseParallel(input_layouts=Shard(1)) if isinstance(style, ColwiseParallel)
+            else RowwiseParallel(output_layouts=Shard(1)) for key, style in plan.items()}
+
+
+def _standalone(local_input: bool) -> dict:
+    """The whole sequence in and out of a lone module under sequence parallelism: shard it
+    at the input, gather it at the output."""
+    return {"": PrepareModuleInputOutput(
+        input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_input=local_input,
+        output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)}
+
+
+def mlp(sequence_parallel: bool = False) -> dict:
+    """Megatron's MLP: w1 column-wise (its output stays sharded), w2 row-wise (summed).
+    With sequence parallelism (a lone MLP): the input sharded on the sequence, w1
+    all-gathers it, w2 reduce-scatters, and the output is gathered whole again."""
+    plan = {
         "w1": ColwiseParallel(),
         "w2": RowwiseParallel(),
     }
+    if not sequence_parallel:
+        return plan
+    # the input stays a DTensor (use_local_input=False): each colwise layer gathers it
+    return _standalone(False) | _sequence_parallel(plan)
 
 
-def attention() -> dict:
-    """Heads split across ranks: q, k, v column-wise, the output projection row-wise."""
-    return {
-        "wq": ColwiseParallel(),
-        "wk": ColwiseParallel(),
-        "wv": ColwiseParallel(),
-        "wo": RowwiseParallel(),
+def attention(sequence_parallel: bool = False, prefix: str = "") -> dict:
+    """Heads split across ranks: q, k, v column-wise, the output projection row-wise.
+    `prefix` ("attention.") names the module inside a block. With sequence parallelism (a
+    lone attention): as `mlp(sequence_parallel=True)`; attention reads the sequence length
+    from x.shape, which stays the global one on a DTensor input."""
+    plan = {
+        f"{prefix}wq": ColwiseParallel(),
+        f"{prefix}wk": ColwiseParallel(),
+        f"{prefix}wv": ColwiseParallel(),
+        f"{prefix}wo": RowwiseParallel(),
     }
+    if not sequence_parallel or prefix:
+        return plan
+    return _standalone(False) | _sequence_parallel(plan)
+
+
+def feed_forward(prefix: str = "") -> dict:
+    """Llama's SwiGLU feed-forward: w1 and w3 column-wise, w2 row-wise."""
+    return {f"{prefix}w1": ColwiseParallel(), f"{prefix}w3": ColwiseParallel(),
+            f"{prefix}w2": RowwiseParallel()}
 
 
 def block(sequence_parallel: bool = False, *, standalone: bool = True) -> dict:
-    """A transformer block. With sequence parallelism the norms and residuals run on sequence
-    shards (Shard(1)): all-gather entering attention and feed-forward, reduce-scatter leaving.
+    """A transformer block: `attention()` and `feed_forward()` under their module names.
+    With sequence parallelism the norms and residuals run on sequence shards (Shard(1)):
+    all-gather entering attention and feed-forward, reduce-scatter leaving.
     `standalone` adds the shard/unshard of the block's own input and output.
     """
+    inner = attention(prefix="attention.") | feed_forward(prefix="feed_forward.")
     if not sequence_parallel:
-        return {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-        }
-    plan = {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=Shard(1),
-                                           desired_input_layouts=Replicate()),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    }
-    if standalone:
-        whole = {"": PrepareModuleInputOutput(
-            input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_input=True,
-            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)}
-        plan = whole | plan
-    return plan
+        return inner
+    gather = PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    plan = {"attention_norm": SequenceParallel(), "attention": gather}
+    plan |= {k: RowwiseParallel(output_layouts=Shard(1)) if isinstance(s, RowwiseParallel)
+             else s for k, s in inner.items() if k.startswith("attention.")}
+    plan |= {"ffn_norm": SequenceParallel(),
+             "feed_forward": PrepareModuleInput(input_layouts=Shard(1),
+                                                desired_input_layouts=Replicate())}
+    plan |= {k: RowwiseParallel(output_layouts=Shard(1)) if isinstance(s, RowwiseParallel)
+             else s for k, s in inner.items() if k.startswith("feed_forward.")}
+    return _standalone(True) | plan if standalone else plan
 
 
 def lm(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
@@ -257,3 +275,63 @@ def describe_plan(model: nn.Module, plan: dict) -> PlanTable:
             rows.append({"module": path or "(root)", "style": type(style).__name__,
                          "parameters": params, "inputs": inputs, "outputs": outputs})
     return rows
+
+
+# --- Hugging Face transformers' published plans ------------------------------------------
+
+def _hf_styles() -> dict:
+    """transformers' tp_plan strings (transformers/distributed/tensor_parallel.py) that
+    have a torch DTensor style of the same layouts."""
+    return {
+        "colwise": ColwiseParallel(),
+        "rowwise": RowwiseParallel(),
+        "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
+        "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
+        "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
+        "embedding_colwise": ColwiseParallel(input_layouts=Replicate(),
+                                             output_layouts=Replicate()),
+        "sequence_parallel": SequenceParallel(use_local_output=True),
+        "replicate": None,  # every rank keeps the whole parameter: nothing to plan
+    }
+
+
+HF_SUPPORTED = tuple(sorted(["colwise", "rowwise", "colwise_rep", "colwise_gather_output",
+                             "rowwise_rep", "rowwise_split_input", "embedding_rowwise",
+                             "embedding_colwise", "sequence_parallel", "replicate"]))
+
+
+def from_hf(config_or_model, prefix: str | None = None) -> dict:
+    """A DTensor plan from a transformers config's `base_model_tp_plan` (the plan the
+    model's authors publish), its wildcards kept ("model.layers.*.self_attn.q_proj").
+
+    Given a config, keys are prefixed with `prefix` ("" by default: for the base model, such
+    as `LlamaModel`; "model." for `LlamaForCausalLM`). Given a model, the prefix is its
+    `base_model_prefix` when the base model sits under it, and the model class's own
+    `_tp_plan` (Llama's lm_head: "colwise_gather_output") is added. Supported strings:
+    `HF_SUPPORTED`; "replicate" adds nothing. Any other (packed, MoE, local_* styles)
+    raises a PlanError that names it and its module.
+    """
+    config = getattr(config_or_model, "config", config_or_model)
+    extra: dict = {}
+    if config is not config_or_model:  # a model
+        model = config_or_model
+        base = getattr(model, "base_model_prefix", "")
+        if prefix is None:
+            prefix = f"{base}." if base and hasattr(model, base) else ""
+        extra = dict(getattr(type(model), "_tp_plan", None) or {})
+    prefix = prefix or ""
+    published = getattr(config, "base_model_tp_plan", None)
+    if not published:
+        raise PlanError(f"{type(config).__name__} publishes no base_model_tp_plan")
+    styles = _hf_styles()
+    plan = {}
+    for key, name in [*((prefix + k, v) for k, v in published.items()), *extra.items()]:
+        if name not in styles:
+            raise PlanError(f"{key}: transformers' tp_plan style {name!r} has no DTensor "
+                            f"equivalent in tplab.plans.from_hf; supported: "
+                            f"{', '.join(HF_SUPPORTED)}")
+        if styles[name] is not None:
+            plan[key] = styles[name]
+    return plan

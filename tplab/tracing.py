@@ -7,9 +7,15 @@ collective op as it is dispatched, both DTensor's functional collectives
 keeps one record per call, with the message size and the time, in the format of
 docs/CONTRACTS.md (plain dicts that travel back to the notebook).
 
+Each record's `cause` says why it ran (tplab.causes): the placements of a DTensor
+redistribution, the tplab.megatron operator ("f", "g", ...), or the user's line of code;
+`t.explain()` is a table of them with each collective's conjugate in the other pass.
+
 The module path comes from module hooks: the innermost module whose forward is running
 (including its own hooks, where parallelize_module redistributes outputs), and in the
-backward pass the innermost module whose gradients are being computed.
+backward pass the innermost module whose gradients are being computed, except for a
+collective in a hand-written autograd Function's backward: it belongs to the module that
+read the Function's output in the forward pass (f's all-reduce to the layer f guards).
 
 Timing: `duration_ms` of a functional collective runs from its issue to its wait (DTensor
 waits lazily, so this includes any compute it overlapped); a c10d call is waited on by the
@@ -21,7 +27,10 @@ collectives, passes through `__torch_dispatch__` in Python. torch's own round tr
 mode is about 5 us per op (more on busy ranks) and is most of the overhead; this mode adds
 little to it: a namespace check for ops that are not collectives. The module hooks cost
 about 40 us per module call. A c10d collective also pays about 25 us to be re-issued
-from Python (its ProcessGroup argument is a TorchScript object).
+from Python (its ProcessGroup argument is a TorchScript object). Each collective's cause is
+read from the Python stack (tplab.causes), a walk of a few dozen frames per collective; on the
+DTensor block step, tracing with causes took 1.10x-1.28x the untraced step on a loaded
+machine (benchmarks/grad_check.py).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from torch._C._distributed_c10d import ProcessGroup, Work
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tplab.causes import explain, find_cause
 from tplab.mesh import GROUP_NAMES
 
 _c10d = torch.ops.c10d
@@ -158,6 +168,10 @@ class _Modules:
         self.backward: list[str] = []
         self.handles: list = []
         self.hooked: set[int] = set()
+        # a hand-written autograd Function's node -> the modules that read its output:
+        # its backward collective belongs to them (f guards w1's input), not to whichever
+        # module's gradients are being computed when it runs
+        self.readers: dict[int, tuple[object, list[str]]] = {}
 
     def __enter__(self):
         from torch.nn.modules.module import register_module_forward_pre_hook
@@ -171,6 +185,7 @@ class _Modules:
             h.remove()
         self.handles.clear()
         self.hooked.clear()
+        self.readers.clear()
         self.forward.clear()
         self.backward.clear()
 
@@ -198,7 +213,28 @@ class _Modules:
             self.hooked.add(id(module))
             self.handles.append(module.register_forward_hook(self._post, always_call=True))
         if torch.is_grad_enabled():
-            self._on_grads(_needs_grad(args), self._leave(name), "all")
+            tensors = _needs_grad(args)
+            for t in tensors:
+                node = t.grad_fn
+                if isinstance(node, torch.autograd.function.BackwardCFunction):
+                    if len(self.readers) > 4096:  # forward passes with no backward
+                        self.readers.clear()
+                    self.readers.setdefault(id(node), (node, []))[1].append(name)
+            self._on_grads(tensors, self._leave(name), "all")
+
+    def reader(self, node) -> str | None:
+        """The module whose input `node`'s output is (their common parent if several)."""
+        entry = self.readers.get(id(node)) if node is not None else None
+        if entry is None or entry[0] is not node:
+            return None
+        names = [n.split(".") if n else [] for n in entry[1]]
+        common = names[0]
+        for other in names[1:]:
+            k = 0
+            while k < min(len(common), len(other)) and common[k] == other[k]:
+                k += 1
+            common = common[:k]
+        return ".".join(common)
 
     def _post(self, module, args, output):
         if torch._C._current_graph_task_id() != -1 or not self.forward:
@@ -308,11 +344,13 @@ class Trace(TorchDispatchMode):
         label, size = self._groups[key]
         tensor, numel, shape = message(args, size)
         backward = torch._C._current_graph_task_id() != -1
+        cause, node = find_cause()
+        module = self._modules.reader(node) if backward else None
         record = {
             "rank": self._rank,
             "seq": len(self.records),
             "phase": "backward" if backward else "forward",
-            "module": self._modules.current(backward),
+            "module": self._modules.current(backward) if module is None else module,
             "op": op,
             "shape": shape,
             "dtype": str(tensor.dtype).removeprefix("torch."),
@@ -320,6 +358,7 @@ class Trace(TorchDispatchMode):
             "group": label,
             "group_size": size,
             "duration_ms": 0.0,
+            "cause": cause,
         }
         self.records.append(record)
         return record
@@ -331,6 +370,11 @@ class Trace(TorchDispatchMode):
             phase = out[r["phase"]]
             phase[r["op"]] = phase.get(r["op"], 0) + 1
         return out
+
+    def explain(self):
+        """A table, one row per collective: phase, module, op, bytes, cause, and the
+        conjugate collective in the other pass (`tplab.causes`)."""
+        return explain(self.records)
 
     def bytes(self) -> dict[str, dict[str, int]]:
         """Total message bytes per phase and op, in the same shape as counts()."""

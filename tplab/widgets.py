@@ -55,31 +55,23 @@ def _build(kind: str, cfg):
 
 
 def _dtensor_plan(kind: str, sequence_parallel: bool) -> dict:
-    """`tplab.plans`' plan; for a lone MLP or attention under SP, shard the sequence at the
-    input and gather it at the output, as `plans.block(standalone=True)` does for a block."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInputOutput,
-        RowwiseParallel,
-    )
-
+    """`tplab.plans`' plan for the model (a lone MLP or attention under SP shards the
+    sequence at its input and gathers it at its output, as `plans.block` does)."""
     from tplab import plans
 
-    if kind == "block":
-        return plans.block(sequence_parallel)
-    plan = plans.mlp() if kind == "mlp" else plans.attention()
-    if not sequence_parallel:
-        return plan
-    # The input stays a DTensor (use_local_input=False): attention reads the sequence
-    # length from x.shape, which must be the global one.
-    sp = {"": PrepareModuleInputOutput(
-        input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_input=False,
-        output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True)}
-    for key, style in plan.items():  # every colwise layer gathers the sequence itself
-        sp[key] = (ColwiseParallel(input_layouts=Shard(1)) if isinstance(style, ColwiseParallel)
-                   else RowwiseParallel(output_layouts=Shard(1)))
-    return sp
+    return {"mlp": plans.mlp, "attention": plans.attention,
+            "block": plans.block}[kind](sequence_parallel)
+
+
+def _placement(name: str | None):
+    """A placement from `tp_layout`'s name ("Shard(0)", "Partial(sum)", None: Replicate)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if name is None or name == "Replicate()":
+        return Replicate()
+    if name.startswith("Partial"):
+        return Partial()
+    return Shard(int(name[6:-1]))
 
 
 def _as_dtensor(t, mesh, placement):
@@ -97,10 +89,11 @@ def _as_dtensor(t, mesh, placement):
 def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> dict:
     """Rank side: one traced forward and backward of the chosen model, path and settings."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
 
     from tplab import megatron
     from tplab.mesh import make_mesh, tp_mesh
+    from tplab.pairing import tp_layout
     from tplab.plans import apply_plan
     from tplab.tracing import Trace
 
@@ -121,14 +114,10 @@ def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> d
             out = out.full_tensor()
         loss = 0.5 * out.pow(2).sum()
         loss.backward()
-    params, grads = {}, {}
-    for path, module in model.named_modules():
-        placements = getattr(module, "tp_placements", {})  # tplab.megatron's layers
-        for name, p in module.named_parameters(recurse=False):
-            full = f"{path}.{name}" if path else name
-            place = placements.get(name, Replicate())
-            params[full] = _as_dtensor(p, mesh, place)
-            grads[full] = _as_dtensor(p.grad, mesh, place)
+    params = {name: _as_dtensor(info["value"], mesh, _placement(info["placement"]))
+              for name, info in tp_layout(model, of="param").items()}
+    grads = {name: _as_dtensor(info["value"], mesh, _placement(info["placement"]))
+             for name, info in tp_layout(model).items()}
     # the loss as shape (1,): a 0-d tensor comes back from rank processes as (1,) anyway
     return {"output": out.detach(), "loss": loss.detach().reshape(1), "input_grad": x.grad,
             "grads": grads, "params": params, "records": t.records}
@@ -259,16 +248,17 @@ class Explorer:
         return ", ".join(bits)
 
     def _report(self, results, ref, out, loss, x_ref):
-        from tplab.check import GradCheckReport, _row, assemble
+        from tplab.check import assemble
+        from tplab.report import GradCheckReport, compare
 
         rows = []
 
         def add(name, kind, values, reference):
             full, spread = assemble(values)
-            rows.append(_row(name, kind, full, reference, self.atol, self.rtol))
+            rows.append(compare(name, kind, full, reference, self.atol, self.rtol))
             if spread is not None:
-                rows.append(_row(name, "replica_spread", spread, reference, self.atol,
-                                 self.rtol))
+                rows.append(compare(name, "replica_spread", spread, reference, self.atol,
+                                    self.rtol))
 
         add("output", "output", [r["output"] for r in results], out)
         add("loss", "output", [r["loss"].reshape(1) for r in results], loss.reshape(1))

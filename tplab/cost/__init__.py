@@ -8,15 +8,18 @@ block's bytes and FLOPs, hardware presets, and a calibration of this machine.
 
 Sources are cited in each submodule: `hardware` (datasheets), `collectives` (ring and
 tree algorithms), `transformer` (Megatron-LM, Korthikanti et al. 2022, the Ultra-Scale
-Playbook, the JAX scaling book), `calibrate` (the fit). Also: `lab_models` (the lab's own
-MLP and Block under its plans, checked against `tplab.trace`), `figures` (plotly) and
+Playbook, the JAX scaling book), `memory` (per-GPU memory: ZeRO's bytes per parameter,
+Korthikanti et al. 2022's activations, tplab's own block), `calibrate` (the fit). Also:
+`lab_models` (the lab's own MLP and Block under its plans, checked against `tplab.trace`
+and `tplab.memory`), `figures` (plotly) and
 `explorer` (an ipywidgets explorer); those two import plotly and ipywidgets, so they are
 not imported here.
 """
 
 from tplab.cost.calibrate import Calibration, calibrate
 from tplab.cost.collectives import OPS, collective_terms, collective_time, records_time
-from tplab.cost.hardware import HARDWARE, LINKS, Hardware, Link
+from tplab.cost.hardware import GPU_MEMORY, HARDWARE, LINKS, Hardware, Link
+from tplab.cost.memory import activation_bytes, gpu_memory, layer_saved, param_count
 from tplab.cost.transformer import (
     MODELS,
     BlockShape,
@@ -31,8 +34,9 @@ from tplab.cost.transformer import (
 )
 
 __all__ = [
-    "HARDWARE", "LINKS", "MODELS", "OPS", "BlockShape", "Calibration", "Hardware", "Link",
+    "GPU_MEMORY", "HARDWARE", "LINKS", "MODELS", "OPS", "BlockShape", "Calibration",
+    "Hardware", "Link",
     "best_tp", "block_collectives", "block_flops", "calibrate", "collective_terms",
     "collective_time", "comm_bound_tp", "mlp_comm_ratio", "records_time", "scaled",
-    "step_time", "sweep",
+    "step_time", "sweep", "activation_bytes", "gpu_memory", "layer_saved", "param_count",
 ]

@@ -1,4 +1,5 @@
-"""`CostExplorer`: change the hardware and the model's dimensions, watch where TP stops paying.
+"""`CostExplorer`: change the hardware and the model's dimensions, watch where TP stops paying,
+and (the memory view) from which TP degree a micro-batch fits in the GPU's memory.
 
 The widgets only set values; `update(**values)` does the same from code, so a notebook run
 by papermill drives the explorer (and asserts on `rows`) without anyone clicking. The figure
@@ -13,7 +14,7 @@ import json
 import ipywidgets as w
 from IPython.display import display
 
-from tplab.cost.figures import step_breakdown
+from tplab.cost.figures import memory_bars, step_breakdown
 from tplab.cost.hardware import HARDWARE, Hardware
 from tplab.cost.transformer import MODELS, BlockShape, best_tp, comm_bound_tp, scaled, sweep
 
@@ -42,16 +43,25 @@ class CostExplorer:
             "gpus_per_node": w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64, 72],
                                         description="GPUs per node", style=style),
             "sequence_parallel": w.Checkbox(description="sequence parallel"),
+            "recompute": w.Dropdown(options=["none", "selective", "full"],
+                                    description="recomputation", style=style),
+            "precision": w.Dropdown(options=["mixed", "bf16", "fp32"],
+                                    description="precision", style=style),
+            "layout": w.Dropdown(options=[("tplab's block", "tplab"),
+                                          ("the paper's GPT layer", "gpt")],
+                                 description="activations", style=style),
         }
         self.summary = w.HTML()
         self.figure = None          # the plotly figure of the current rows
+        self.memory_figure = None   # their memory per GPU
         self._handle = None         # its display, once shown
+        self._memory_handle = None
         self._updating = False
         self._preset(model, hw)
         for control in self.controls.values():
             control.observe(self._on_change, names="value")
-        self.widget = w.VBox([w.HBox([w.VBox(list(self.controls.values())[:4]),
-                                      w.VBox(list(self.controls.values())[4:])]),
+        self.widget = w.VBox([w.HBox([w.VBox(list(self.controls.values())[:5]),
+                                      w.VBox(list(self.controls.values())[5:])]),
                               self.summary])
         self.update()
 
@@ -108,8 +118,11 @@ class CostExplorer:
         v = {name: c.value for name, c in self.controls.items()}
         self.shape, self.hw = self._scaled(v), self.hardware[v["hardware"]].with_(
             gpus_per_node=v["gpus_per_node"])
-        self.rows = sweep(self.shape, self.hw, self.tps, sequence_parallel=v["sequence_parallel"])
+        self.rows = sweep(self.shape, self.hw, self.tps, sequence_parallel=v["sequence_parallel"],
+                          recompute=v["recompute"], precision=v["precision"],
+                          layout=v["layout"])
         self.best_tp = best_tp(self.rows)
+        self.fits_tp = best_tp(self.rows, memory_limit=self.hw.memory)   # None: nothing fits
         self.comm_bound_tp = comm_bound_tp(self.shape, self.hw)
         self._draw()
         return self.rows
@@ -126,16 +139,25 @@ class CostExplorer:
             f"<b>{self.hw.name}</b>, {self.hw.gpus_per_node} GPUs per node: fastest at "
             f"<b>TP {self.best_tp}</b> ({best['step_s'] * 1e3:.1f} ms, "
             f"{best['comm_fraction']:.0%} communication); communication-bound from "
-            f"<b>TP {bound if bound else '> 1024'}</b>.")
+            f"<b>TP {bound if bound else '> 1024'}</b>. In {self.hw.memory / 1e9:.0f} GB per GPU "
+            + (f"the fastest that fits is <b>TP {self.fits_tp}</b>." if self.fits_tp else
+               f"<b>nothing fits</b> up to TP {self.tps[-1]}."))
         self.figure = step_breakdown({self.shape.name: self.rows}, title=f"{self.hw.name}")
+        self.memory_figure = memory_bars(self.rows, f"Memory per GPU, {self.hw.name}",
+                                         self.shape.name, memory=self.hw.memory)
         if self._handle is not None:
             self._handle.update(self._bundle(), raw=True)
+        if self._memory_handle is not None:
+            self._memory_handle.update(self._bundle(self.memory_figure), raw=True)
 
-    def _bundle(self) -> dict:
+    def _bundle(self, figure=None) -> dict:
         # a raw mime bundle: a plotly Figure displays itself and would ignore the display id
-        return {"application/vnd.plotly.v1+json": json.loads(self.figure.to_json()),
+        figure = self.figure if figure is None else figure
+        return {"application/vnd.plotly.v1+json": json.loads(figure.to_json()),
                 "text/plain": f"<figure: {self.shape.name} on {self.hw.name}>"}
 
     def _ipython_display_(self) -> None:
         display(self.widget)
         self._handle = display(self._bundle(), raw=True, display_id=True)
+        self._memory_handle = display(self._bundle(self.memory_figure), raw=True,
+                                      display_id=True)

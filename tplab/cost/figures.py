@@ -3,6 +3,8 @@
 - `step_breakdown`: compute and TP communication per TP degree, stacked, one panel per model.
 - `step_lines`: step time against TP degree, one line per hardware variant (log-log).
 - `collective_lines`: time of one collective against message size, one line per link.
+- `memory_bars`: per-GPU memory per TP degree (parameters, gradients, optimizer state,
+  activations stacked), with a line at each GPU's memory.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from tplab.cost.collectives import collective_time
-from tplab.cost.hardware import Link
+from tplab.cost.hardware import GPU_MEMORY, Link
 from tplab.cost.transformer import best_tp
-from tplab.viz.palette import PHASE_COLORS, human_bytes, style
+from tplab.viz.palette import BAD_COLOR, PHASE_COLORS, human_bytes, style
 
 COMPUTE_COLOR = "#8da0cb"
 COMM_COLOR = PHASE_COLORS["backward"]
+MEMORY_PARTS = (("param_bytes", "parameters", "#66c2a5"), ("grad_bytes", "gradients", "#fc8d62"),
+                ("optimizer_bytes", "optimizer state", "#8da0cb"),
+                ("activation_bytes", "activations", "#e78ac3"))
 LINE_COLORS = ("#1f4e9c", "#b2182b", "#2e7d32", "#6a3d9a", "#ff7f00", "#616161")
 
 
@@ -84,3 +89,48 @@ def collective_lines(links: dict[str, Link], op: str, group_size: int,
     fig.update_yaxes(title_text="microseconds", type="log")
     title = title or f"{op.replace('_', '-')} over {group_size} ranks"
     return style(fig, title, "alpha-beta model: latency term + bytes term", height=400)
+
+
+def memory_bars(rows: list[dict], title: str = "Memory per GPU against TP degree",
+                subtitle: str | None = None, lines: dict[str, float] = GPU_MEMORY,
+                memory: float | None = None, unit: str = "GB", x: list | None = None,
+                x_title: str = "TP degree") -> go.Figure:
+    """Stacked parameters, gradients, optimizer state and activations (in `unit`: "GB",
+    "MB" or "KB" per GPU) of `sweep` rows (or `tplab.memory` summaries), one bar per TP
+    degree (or per label of `x`), a dotted line at each of `lines` (GPU memory in bytes)
+    and a solid one at `memory` (the chosen GPU's), the smallest degree that fits marked.
+    Bars far above the lines are clipped, their totals written at the top."""
+    scale = {"GB": 1e9, "MB": 1e6, "KB": 1e3}[unit]
+    fig = go.Figure()
+    x = x or [str(r["tp"]) for r in rows]
+    for key, name, color in MEMORY_PARTS:
+        fig.add_bar(x=x, y=[r[key] / scale for r in rows], name=name, marker_color=color,
+                    hovertemplate="%{x}: %{y:.1f} " + unit + "<extra>" + name + "</extra>")
+    for label, nbytes in lines.items():
+        if memory is not None and nbytes == memory:
+            continue
+        fig.add_hline(y=nbytes / 1e9, line={"dash": "dot", "color": "#9e9e9e", "width": 1},
+                      annotation_text=label, annotation_position="top right",
+                      annotation_font_color="#757575")
+    if memory is not None:
+        fig.add_hline(y=memory / 1e9, line={"color": BAD_COLOR, "width": 2},
+                      annotation_text=f"{memory / 1e9:.0f} GB", annotation_position="top right",
+                      annotation_font_color=BAD_COLOR)
+        fits = [i for i, r in enumerate(rows) if r["memory_bytes"] <= memory]
+        if fits:
+            i = fits[0]
+            fig.add_annotation(x=i, y=rows[i]["memory_bytes"] / 1e9, text="fits",
+                               showarrow=True, arrowhead=2, ax=0, ay=-40)
+    # bars far above the GPUs would squash the lines: clip them, and write their totals
+    marks = [*lines.values(), *([memory] if memory is not None else [])]
+    ceiling = 1.6 * max(marks) / scale if marks else None
+    if ceiling is not None and max(r["memory_bytes"] for r in rows) / scale > ceiling:
+        fig.update_yaxes(range=[0, ceiling])
+        for i, r in enumerate(rows):
+            if r["memory_bytes"] / scale > ceiling:
+                fig.add_annotation(x=i, y=ceiling, yanchor="top", showarrow=False,
+                                   text=f"{r['memory_bytes'] / scale:,.0f} {unit} ↑",
+                                   bgcolor="white")
+    fig.update_xaxes(title_text=x_title, type="category")
+    fig.update_yaxes(title_text=f"{unit} per GPU")
+    return style(fig, title, subtitle, barmode="stack", height=430)

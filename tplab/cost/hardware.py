@@ -19,6 +19,10 @@ Sources (datasheet peaks; measured bus bandwidth is usually 70-90% of them):
   per GPU in a DGX A100.
 - Peak dense bf16 Tensor Core FLOP/s (the datasheets quote twice these "with sparsity"):
   H100 SXM and H200 SXM 989 TFLOP/s, H100 PCIe 756 TFLOP/s, A100 (SXM and PCIe) 312 TFLOP/s.
+- Memory per GPU (datasheets, in GB = 1e9 bytes): H100 SXM and PCIe 80 GB, H200 SXM
+  141 GB, A100 40 GB or 80 GB (the SXM preset here is the 80 GB part, the PCIe one 40 GB).
+  Less than that is usable: the CUDA context, NCCL's buffers and the allocator's
+  fragmentation take a few GB.
 - Latency per ring step: NCCL's own tuning model (src/graph/tuning.cc, `hwLat`, LL128
   protocol) uses about 1.9 us for NVLink, 2.5 us for PCIe and 4 us for the network.
 
@@ -62,6 +66,7 @@ class Hardware:
     intra: Link
     inter: Link
     gpus_per_node: int = 8
+    memory: float = 80 * GB          # bytes of GPU memory
 
     def link(self, group_size: int) -> Link:
         """The link a collective over `group_size` GPUs is limited by."""
@@ -83,9 +88,15 @@ LINKS: dict[str, Link] = {
 
 HARDWARE: dict[str, Hardware] = {
     "H100 SXM": Hardware("H100 SXM", 989e12, LINKS["NVLink 4"], LINKS["InfiniBand NDR"]),
-    "H200 SXM": Hardware("H200 SXM", 989e12, LINKS["NVLink 4"], LINKS["InfiniBand NDR"]),
+    "H200 SXM": Hardware("H200 SXM", 989e12, LINKS["NVLink 4"], LINKS["InfiniBand NDR"],
+                         memory=141 * GB),
     "A100 SXM": Hardware("A100 SXM", 312e12, LINKS["NVLink 3"], LINKS["InfiniBand HDR"]),
     "H100 PCIe": Hardware("H100 PCIe", 756e12, LINKS["PCIe Gen5 x16"], LINKS["InfiniBand NDR"]),
-    "A100 PCIe": Hardware("A100 PCIe", 312e12, LINKS["PCIe Gen4 x16"], LINKS["InfiniBand HDR"]),
+    "A100 PCIe": Hardware("A100 PCIe", 312e12, LINKS["PCIe Gen4 x16"], LINKS["InfiniBand HDR"],
+                          memory=40 * GB),
 }
 """Presets by name. "this machine" comes from `calibrate(lab).hardware`."""
+
+GPU_MEMORY: dict[str, float] = {"A100 40 GB": 40 * GB, "A100 / H100 80 GB": 80 * GB,
+                                "H200 141 GB": 141 * GB}
+"""The memory sizes the cost explorer draws as lines (datasheets)."""

@@ -75,3 +75,37 @@ def lab_collectives(model, cfg, tp: int, sequence_parallel: bool = False,
                                    cfg.dim * shape.dtype_bytes))
         backward.append(rec("backward", "", "all_gather"))   # the whole input's gradient
     return forward + backward
+
+
+def lab_memory(model, cfg, tp: int, sequence_parallel: bool = False) -> dict:
+    """What `tplab.memory` measures on one rank for one forward and backward of the lab's
+    `model` ("mlp" or "block") from `cfg` with `tp` ranks, under either plan (megatron or
+    dtensor: both save the same tensors): param_bytes, grad_bytes, optimizer_bytes (Adam's
+    two fp32 moments), activation_bytes, peak_bytes and rows (module, bytes, storages) in
+    the order the modules first save. Float32 throughout; see `tplab.cost.memory`."""
+    from tplab.cost.memory import tplab_layer
+
+    kind = _kind(model)
+    shape = lab_shape(cfg, kind)
+    d, f = cfg.dim, cfg.hidden_dim
+    if kind == "mlp":   # w1 (f, d) + bias (f) split by rows; w2 (d, f) split by columns
+        sharded, whole = f * d + f + d * f, d
+        saved = tplab_layer(shape, ("mlp",))
+    else:               # q, k, v, o (d, d); w1, w3 (f, d), w2 (d, f); two norm weights
+        sharded, whole = 4 * d * d + 3 * d * f, 2 * d
+        saved = tplab_layer(shape)
+    sizes = {"hidden_dim": f} | ({"n_heads": cfg.n_heads} if kind == "block" else {})
+    if sequence_parallel:
+        sizes["seq_len"] = cfg.seq_len
+    bad = [f"{name} = {size}" for name, size in sizes.items() if size % tp]
+    if bad:
+        raise ValueError(f"lab_memory: {', '.join(bad)} not divisible by tp = {tp}")
+    params = 4 * (sharded // tp + whole)
+    rows: dict[str, dict] = {}
+    for item in saved:
+        row = rows.setdefault(item.module, {"module": item.module, "bytes": 0, "storages": 0})
+        row["bytes"] += item.local_bytes(shape.tokens, tp, sequence_parallel)
+        row["storages"] += 1
+    total = sum(r["bytes"] for r in rows.values())
+    return {"param_bytes": params, "grad_bytes": params, "optimizer_bytes": 2 * params,
+            "activation_bytes": total, "peak_bytes": total, "rows": list(rows.values())}

@@ -50,6 +50,7 @@ class BlockShape:
     layers: int = 1
     dtype_bytes: int = 2             # bf16
     name: str = ""
+    vocab: int = 0                   # embedding and lm head rows (0: blocks only)
 
     @property
     def ffn_size(self) -> int:
@@ -71,12 +72,14 @@ class BlockShape:
 MODELS: dict[str, BlockShape] = {
     # Llama 3 8B and 70B: "The Llama 3 Herd of Models" (2024), table 3.
     "Llama-3 8B": BlockShape(hidden=4096, heads=32, kv_heads=8, ffn=14336, gated=True,
-                             layers=32, name="Llama-3 8B"),
+                             layers=32, vocab=128256, name="Llama-3 8B"),
     "Llama-3 70B": BlockShape(hidden=8192, heads=64, kv_heads=8, ffn=28672, gated=True,
-                              layers=80, name="Llama-3 70B"),
+                              layers=80, vocab=128256, name="Llama-3 70B"),
     # GPT-3 style shape with f = 4h (Brown et al. 2020, table 2.1: 6.7B and 175B).
-    "GPT-3 6.7B": BlockShape(hidden=4096, heads=32, layers=32, seq=2048, name="GPT-3 6.7B"),
-    "GPT-3 175B": BlockShape(hidden=12288, heads=96, layers=96, seq=2048, name="GPT-3 175B"),
+    "GPT-3 6.7B": BlockShape(hidden=4096, heads=32, layers=32, seq=2048, vocab=50257,
+                             name="GPT-3 6.7B"),
+    "GPT-3 175B": BlockShape(hidden=12288, heads=96, layers=96, seq=2048, vocab=50257,
+                             name="GPT-3 175B"),
 }
 
 
@@ -133,21 +136,40 @@ def block_collectives(shape: BlockShape, tp: int, sequence_parallel: bool = Fals
 
 
 def step_time(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool = False,
-              algorithm: str = "ring", sublayers: tuple[str, ...] = SUBLAYERS) -> dict:
-    """Forward + backward time of the model's blocks on one micro-batch, N-way TP.
+              algorithm: str = "ring", sublayers: tuple[str, ...] = SUBLAYERS,
+              recompute: str = "none", precision: str = "mixed", optimizer: str = "adam",
+              layout: str = "tplab") -> dict:
+    """Forward + backward time of the model's blocks on one micro-batch, N-way TP, and the
+    memory one GPU needs for it (`tplab.cost.memory.gpu_memory`, for the whole model
+    whatever `sublayers` says: param_bytes, grad_bytes, optimizer_bytes, activation_bytes,
+    memory_bytes, and `fits`: within `hw.memory`).
 
     Compute runs at the GPU's peak; TP collectives run at the link's peak and do not
     overlap compute (Megatron's TP collectives sit on the critical path). Both are lower
-    bounds, so the split between them is what to read, more than the total.
+    bounds, so the split between them is what to read, more than the total. Full
+    recomputation runs the forward twice (4 passes instead of 3, and the forward's
+    collectives twice); selective recomputation of the paper's GPT layer re-runs the
+    attention scores, 4 b s^2 h FLOPs (Korthikanti et al. 2022, section 5).
     """
-    compute = shape.layers * 3 * block_flops(shape, sublayers) / (tp * hw.flops)
+    from tplab.cost.memory import gpu_memory
+
+    flops = block_flops(shape, sublayers)
+    passes = 4 if recompute == "full" else 3
+    extra = 4 * shape.batch * shape.seq**2 * shape.hidden * (
+        recompute == "selective" and layout == "gpt" and "attention" in sublayers)
+    compute = shape.layers * (passes * flops + extra) / (tp * hw.flops)
     records = block_collectives(shape, tp, sequence_parallel, sublayers)
+    if recompute == "full":   # the re-run forward issues its collectives again
+        records += [r for r in records if r["phase"] == "forward"]
     comm = shape.layers * records_time(records, hw, algorithm)
     link = hw.link(tp).name if tp > 1 else "-"
-    return {"model": shape.name, "hardware": hw.name, "tp": tp, "link": link,
-            "crosses_nodes": tp > hw.gpus_per_node, "compute_s": compute,
-            "tp_comm_s": comm, "step_s": compute + comm,
-            "comm_fraction": comm / (compute + comm)}
+    row = {"model": shape.name, "hardware": hw.name, "tp": tp, "link": link,
+           "crosses_nodes": tp > hw.gpus_per_node, "compute_s": compute,
+           "tp_comm_s": comm, "step_s": compute + comm,
+           "comm_fraction": comm / (compute + comm)}
+    row |= gpu_memory(shape, tp, sequence_parallel, recompute, precision, optimizer, layout)
+    row["fits"] = row["memory_bytes"] <= hw.memory
+    return row
 
 
 def sweep(shape: BlockShape, hw: Hardware, tps=(1, 2, 4, 8, 16, 32, 64),
@@ -172,8 +194,19 @@ def comm_bound_tp(shape: BlockShape, hw: Hardware, max_tp: int = 1024, **kw) -> 
     return None
 
 
-def best_tp(rows: list[dict]) -> int:
-    """Where TP stops paying: the TP degree of the fastest step among `sweep` rows."""
+def best_tp(rows: list[dict], memory_limit: float | None = None) -> int | None:
+    """Where TP stops paying: the TP degree of the fastest step among `sweep` rows. With
+    `memory_limit` (bytes per GPU, e.g. `hw.memory`), the fastest among the rows whose
+    `memory_bytes` fit in it; None when none fits."""
+    if memory_limit is not None:
+        if memory_limit <= 0:
+            raise ValueError(f"memory_limit is bytes per GPU, > 0; got {memory_limit}")
+        if any("memory_bytes" not in r for r in rows):
+            raise ValueError("best_tp(memory_limit=...) needs rows with 'memory_bytes' "
+                             "(from sweep or step_time)")
+        rows = [r for r in rows if r["memory_bytes"] <= memory_limit]
+        if not rows:
+            return None
     return min(rows, key=lambda r: r["step_s"])["tp"]
 
 

@@ -81,6 +81,7 @@ class RankReport:
         self.reporting = True  # benchmarks/watchdog_overhead.py turns it off to compare
         self.issued: dict[str, collections.deque] = {}  # group name -> recent calls
         self.order = 0  # calls noted so far, on every group
+        self.reported_cell: int | None = None  # the cell the reporter last wrote about
         self.library_parts: tuple[str, ...] = ("<frozen", "threading.py")
 
 
@@ -234,6 +235,20 @@ def where_now() -> dict:
     return snap
 
 
+def collectives_so_far() -> tuple[int, int]:
+    """(groups, collectives issued on all of them so far): what a report must follow."""
+    import torch.distributed as dist
+
+    groups = list(dist.distributed_c10d._world.pg_names)
+    total = 0
+    for pg in groups:
+        try:
+            total += pg._get_sequence_number_for_group()
+        except Exception:
+            continue
+    return len(groups), total
+
+
 def report_now() -> None:
     """Write this rank's snapshot at once (at the end of a cell, so the notebook learns the
     final collective counts without waiting for the reporter)."""
@@ -254,6 +269,7 @@ def report_loop() -> None:
             continue
         try:
             REPORT.store.set(key, json.dumps(where_now()))
+            REPORT.reported_cell = REPORT.cell
         except Exception:  # the store went away: the lab is shutting down
             return
 

@@ -94,8 +94,11 @@ def deadlocked(views_: dict[int, RankView]) -> bool:
             return True  # the same collective number, different ops
     for r, (group, seq, _) in blocked.items():
         members = ((views_[r].report.get("groups") or {}).get(group) or {}).get("ranks", [])
-        if all((views_[m].seq(group) or 0) >= seq for m in members if m in views_):
+        lagging = [m for m in members if m in views_ and (views_[m].seq(group) or 0) < seq]
+        if not lagging:
             return False  # every member issued it: it can complete
+        if any(views_[m].state in ("finished", "not asked") for m in lagging):
+            return False  # an idle peer owes it: `owed` frees it
     return True
 
 

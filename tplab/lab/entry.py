@@ -186,7 +186,8 @@ def _capture_output() -> None:
 
 def _run_engine(argv: list[str]) -> None:
     _capture_output()
-    sys.argv = ["tplab-engine", *argv, "--IPEngine.out_stream_factory=tplab.lab.rank_stream.RankStream"]
+    stream = "--IPEngine.out_stream_factory=tplab.lab.rank_stream.RankStream"
+    sys.argv = ["tplab-engine", *argv, stream]
     from ipyparallel.engine.app import main as ipengine
 
     ipengine()

@@ -8,20 +8,16 @@ One `Lab` object owns the processes' whole life: start, restart, shutdown.
 from __future__ import annotations
 
 import itertools
-import linecache
 import logging
 import os
 import re
 import shutil
 import socket
 import sys
-import sysconfig
 import tempfile
 import time
-import warnings
 import weakref
 
-import cloudpickle
 import ipyparallel as ipp
 from traitlets.config import Config
 
@@ -29,26 +25,24 @@ from tplab.errors import LabError
 from tplab.lab import engines as other_engines
 from tplab.lab import network, processes
 from tplab.lab import rank as rank_side
+from tplab.lab.cells import Cells
 from tplab.lab.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
-from tplab.lab.names import dumps_for_ranks
+from tplab.lab.names import RankNames
 from tplab.lab.validate import (
     check_launch_args,
-    check_ranks,
     check_threads,
     check_timeout,
     resolve_backend,
     split_cluster_options,
 )
-from tplab.lab.watchdog import RankResults, Watchdog, deferred_interrupts
+from tplab.lab.watchdog import Watchdog, deferred_interrupts
 
 _log = logging.getLogger("tplab.ipyparallel")
 _log.setLevel(logging.ERROR)  # keep ipyparallel's log noise out of notebook outputs
 _log.propagate = False
 _log.addHandler(logging.StreamHandler(sys.stderr))
 
-_STDLIB = sysconfig.get_paths()["stdlib"]
 DEFAULT_TIMEOUT_S = 60.0  # a cell that runs longer than this in a workshop is a hang
-_GIVEN_NAMES = ("rank", "world_size", "torch", "dist", "tplab")  # every rank has these
 ENGINE_IDS_PER_START = 1024  # start g of the ranks asks the hub for ids g*1024 + rank
 
 
@@ -67,7 +61,7 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class Lab:
+class Lab(Cells):
     """N rank processes, each an ipyparallel engine with torch.distributed initialised.
 
     Use `tplab.launch(...)` to make one. `run`, `execute`, `push` and `pull` return one
@@ -110,13 +104,12 @@ class Lab:
         self._view = None  # a DirectView on every rank, made once per set of ranks
         self._closed = False
         self._broken = ""  # why the ranks need a restart before the next cell (or "")
-        self._names: dict[int, set[str]] = {}  # rank -> names the rank defined itself
-        self._warned: set[str] = set()
+        self.names = RankNames(world_size)  # which names each rank defines itself
         self._state_dir = tempfile.mkdtemp(prefix="tplab-")  # mode 0700: owner only
         self._finalizer = weakref.finalize(self, Lab._cleanup, self._state_holder())
         self.processes = processes.RankProcesses()
         self.watchdog = Watchdog(world_size, self.processes, self._send, self._restart_ranks,
-                                 self._lost_names)
+                                 self.names.lost)
         try:
             self._start()
         except BaseException:
@@ -266,7 +259,7 @@ class Lab:
         for r, info in enumerate(infos):
             if info["host"] == host and not forward:
                 self.processes.files.attach(r, *info["output"])
-        self._names = {r: set(_GIVEN_NAMES) for r in range(self.world_size)}
+        self.names.reset()
         self.master_port = port
         self.watchdog.connect_store(self.master_addr, port)
 
@@ -338,16 +331,13 @@ class Lab:
             for set_id in list(self._cluster.engines):
                 self._cluster.engines.pop(set_id)
             self.processes.reset([])
-            self._view, self._names = None, {}
+            self._view = None
+            self.names.clear()
             self._start_ranks()
             self._broken = ""
         if held.pressed:
             raise KeyboardInterrupt
         return time.monotonic() - started
-
-    def _lost_names(self) -> list[str]:
-        names = set().union(*self._names.values()) if self._names else set()
-        return sorted(names - set(_GIVEN_NAMES))
 
     def _controller_pid(self) -> int:
         controller = self._cluster.controller
@@ -390,156 +380,6 @@ class Lab:
         state = "shut down" if self._closed else f"{len(self.processes.pids)} ranks running"
         return (f"<tplab.Lab world_size={self.world_size} backend={self.backend!r} "
                 f"engines={self.engines!r}: {state}>")
-
-    # --- work ------------------------------------------------------------------------
-
-    def run(self, fn, *args, timeout: float | None = None, ranks=None,
-            cell_timeout: float | None = None, **kwargs) -> list:
-        """Call fn(*args, **kwargs) on every rank (or on `ranks`, in that order); item i is
-        the result of the i-th rank asked. A function defined in the notebook runs with the
-        rank's namespace as its globals: the rank's own names (rank, world_size, pushed
-        values...) win over the notebook's, and `global` assignments stay on the rank."""
-        if not callable(fn):
-            raise TypeError(f"lab.run needs a function as its first argument, got {fn!r}")
-        timeout = check_timeout(timeout, "timeout")
-        cell_timeout = check_timeout(cell_timeout, "cell_timeout")
-        targets = check_ranks(ranks, self.world_size)
-        name = getattr(fn, "__qualname__", repr(fn))
-        for item in (fn, *args, *kwargs.values()):
-            _send_by_value(item if callable(item) else type(item))
-        known = set.intersection(*(self._names.get(r, set()) for r in targets))
-        try:
-            payload = dumps_for_ranks(fn, args, kwargs, _source_of(fn), frozenset(known))
-        except Exception as exc:
-            raise TypeError(f"function {name!r} or its arguments cannot be sent to the ranks: "
-                            f"{type(exc).__name__}: {exc}. Define it in the notebook or an "
-                            "importable module, and pass plain data (tensors, numbers, lists) "
-                            "as arguments.") from exc
-        return self._dispatch(rank_side.call_pickled, payload, timeout, targets, cell_timeout)
-
-    def execute(self, code: str, timeout: float | None = None, ranks=None,
-                cell_timeout: float | None = None) -> list:
-        """Run code on every rank (what %%ranks does); item r is the last expression's value."""
-        if not isinstance(code, str):
-            raise TypeError(f"lab.execute needs code as a string, got {type(code).__name__}")
-        timeout = check_timeout(timeout, "timeout")
-        cell_timeout = check_timeout(cell_timeout, "cell_timeout")
-        targets = check_ranks(ranks, self.world_size)
-        return self._dispatch(rank_side.execute, code, timeout, targets, cell_timeout)
-
-    def push(self, mapping: dict, ranks=None) -> None:
-        """Set names in every rank's namespace (they are the ranks' own names from then on)."""
-        if not isinstance(mapping, dict):
-            raise TypeError(f"lab.push needs a dict of name -> value, got {type(mapping).__name__}")
-        bad = [k for k in mapping if not isinstance(k, str) or not k.isidentifier()]
-        if bad:
-            raise ValueError(f"lab.push needs names (identifiers) as keys, got {bad[0]!r}")
-        targets = check_ranks(ranks, self.world_size)
-        payload = self._dumps(mapping, "a value pushed")
-        self._dispatch(rank_side.push_pickled, payload, None, targets)
-
-    def pull(self, name: str, ranks=None) -> list:
-        """The value of `name` on every rank; a LabError names the ranks that lack it."""
-        if not isinstance(name, str):
-            raise TypeError(f"lab.pull needs a name (a string), got {type(name).__name__}")
-        targets = check_ranks(ranks, self.world_size)
-        results = self._dispatch(rank_side.pull, name, None, targets)
-        missing = [r for r, v in zip(targets, results, strict=True)
-                   if isinstance(v, rank_side.Missing)]
-        if missing:
-            from tplab.lab.output import format_rank_list
-
-            raise LabError(f"name {name!r} is not defined on {format_rank_list(missing)}")
-        return results
-
-    def _send(self, ranks: list[int], remote_fn, *args):
-        """A request to some ranks, outside a cell's watch (the watchdog uses it)."""
-        view = self._client.direct_view([self._engine_ids[r] for r in ranks])
-        return view.apply_async(remote_fn, *args, next(self._cells))
-
-    def _dispatch(self, remote_fn, payload, timeout, targets: list[int],
-                  cell_timeout: float | None = None) -> list:
-        self._check_open()
-        if self._broken:
-            print(f"[tplab] {self._broken}: restarting the ranks first (names defined on them "
-                  "are gone)", file=sys.stderr, flush=True)
-            self._restart_ranks()
-        cell = next(self._cells)
-        if len(targets) < self.world_size:
-            view = self._client.direct_view([self._engine_ids[r] for r in targets])
-        else:
-            if self._view is None:  # made once per set of rank processes
-                self._view = self._client.direct_view(self._engine_ids)
-            view = self._view
-        ar = view.apply_async(remote_fn, payload, cell)  # one request for all ranks
-        order = targets if len(targets) < self.world_size else list(range(self.world_size))
-        generation = self._generation
-        try:
-            results = self.watchdog.wait(RankResults(ar, order), cell, timeout or self.timeout,
-                                         cell_timeout or self.cell_timeout)
-        finally:
-            if generation == self._generation:  # not after a restart: those names are gone
-                self._learn_names(ar, order)
-        by_rank = dict(zip(order, results, strict=True))
-        return [by_rank[r] for r in targets]
-
-    def _learn_names(self, ar, order: list[int]) -> None:
-        """What the ranks said about their names: which they define (not sent with the
-        next function), and which notebook names they shadowed (a warning, once)."""
-        res = RankResults(ar, order)
-        for r in res.finished():
-            reply = res.reply(r)
-            if not isinstance(reply, rank_side.Reply):
-                continue
-            if reply.names is not None:
-                self._names[r] = set(reply.names) | set(_GIVEN_NAMES)
-            for name, value in reply.shadowed.items():
-                if name not in self._warned:
-                    self._warned.add(name)
-                    warnings.warn(NameShadowedWarning(
-                        f"the notebook's {name!r} ({value}) is not used on the ranks: "
-                        f"names resolve on the ranks first, and rank {r} has its own "
-                        f"{name!r}. Pass it as an argument to use the notebook's value."),
-                        stacklevel=4)
-
-    def _dumps(self, obj, what: str) -> bytes:
-        try:
-            return cloudpickle.dumps(obj)
-        except Exception as exc:
-            raise TypeError(f"{what} cannot be sent to the ranks: {type(exc).__name__}: {exc}. "
-                            "Define it in the notebook or an importable module, and pass "
-                            "plain data (tensors, numbers, lists) as arguments.") from exc
-
-
-class NameShadowedWarning(UserWarning):
-    """A notebook name a function uses is defined differently on the ranks (theirs wins)."""
-
-
-def _source_of(fn) -> tuple[str, list[str]] | None:
-    """fn's file name and the lines of its file up to its end (earlier lines blank), so
-    that a rank's traceback shows the code (cloudpickle drops file names of code it sends
-    by value). Only fn's own lines travel, not the whole file."""
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return None
-    last = max((line for *_, line in code.co_lines() if line), default=code.co_firstlineno)
-    lines = linecache.getlines(code.co_filename)[:last]
-    first = code.co_firstlineno - 1
-    return code.co_filename, ["\n"] * first + lines[first:]
-
-
-def _send_by_value(obj) -> None:
-    """Functions and classes from the notebook (__main__) travel by value anyway; do the
-    same for modules that are not installed (a test file, a helper .py next to a notebook),
-    which the ranks may not be able to import."""
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
-    if module is None or module.__name__ == "__main__":
-        return
-    path = getattr(module, "__file__", None) or ""
-    installed = any(part in path for part in ("site-packages", "dist-packages", _STDLIB))
-    if path and not installed and not module.__name__.startswith("tplab"):
-        cloudpickle.register_pickle_by_value(module)
-
 
 def launch(world_size: int = 4, backend: str = "auto", engines: str = "local",
            timeout: float | None = None, **cluster_options) -> Lab:

@@ -15,12 +15,64 @@ call and silently win over the rank's own. Here:
 from __future__ import annotations
 
 import io
+import linecache
+import sys
+import sysconfig
+import warnings
 
 import cloudpickle
 
+from tplab.lab import rank as rank_side
 from tplab.lab.rank import NAMESPACE_PID
 
 _SCALARS = (bool, int, float, str, type(None))
+_STDLIB = sysconfig.get_paths()["stdlib"]
+GIVEN_NAMES = ("rank", "world_size", "torch", "dist", "tplab")  # every rank has these
+
+
+class NameShadowedWarning(UserWarning):
+    """A notebook name a function uses is defined differently on the ranks (theirs wins)."""
+
+
+class RankNames:
+    """What the notebook knows of the names each rank defines itself: learnt from every
+    reply (rank.Reply.names), so that the next function leaves them out; and which
+    notebook names the ranks shadowed (a warning, once per name)."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.by_rank: dict[int, set[str]] = {}
+        self.warned: set[str] = set()
+
+    def reset(self) -> None:
+        self.by_rank = {r: set(GIVEN_NAMES) for r in range(self.world_size)}
+
+    def clear(self) -> None:
+        self.by_rank = {}
+
+    def known(self, ranks: list[int]) -> frozenset[str]:
+        """Names every one of `ranks` defines."""
+        return frozenset(set.intersection(*(self.by_rank.get(r, set()) for r in ranks)))
+
+    def lost(self) -> list[str]:
+        """Names a restart would lose (not the ones every rank is given)."""
+        names = set().union(*self.by_rank.values()) if self.by_rank else set()
+        return sorted(names - set(GIVEN_NAMES))
+
+    def learn(self, replies: dict) -> None:
+        for r, reply in replies.items():
+            if not isinstance(reply, rank_side.Reply):
+                continue
+            if reply.names is not None:
+                self.by_rank[r] = set(reply.names) | set(GIVEN_NAMES)
+            for name, value in reply.shadowed.items():
+                if name not in self.warned:
+                    self.warned.add(name)
+                    warnings.warn(NameShadowedWarning(
+                        f"the notebook's {name!r} ({value}) is not used on the ranks: "
+                        f"names resolve on the ranks first, and rank {r} has its own "
+                        f"{name!r}. Pass it as an argument to use the notebook's value."),
+                        stacklevel=5)
 
 
 def is_notebook_function(fn) -> bool:
@@ -78,3 +130,43 @@ def dumps_for_ranks(fn, args: tuple, kwargs: dict, source, rank_names: frozenset
     pickler = NotebookPickler(out, rank_names)
     pickler.dump((fn, args, kwargs, source, _LeftOutScalars(pickler)))
     return out.getvalue()
+
+
+def payload_for_run(fn, args: tuple, kwargs: dict, rank_names: frozenset[str]) -> bytes:
+    """What `lab.run(fn, *args, **kwargs)` sends; a TypeError says what cannot travel."""
+    for item in (fn, *args, *kwargs.values()):
+        _send_by_value(item if callable(item) else type(item))
+    try:
+        return dumps_for_ranks(fn, args, kwargs, _source_of(fn), rank_names)
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(f"function {name!r} or its arguments cannot be sent to the ranks: "
+                        f"{type(exc).__name__}: {exc}. Define it in the notebook or an "
+                        "importable module, and pass plain data (tensors, numbers, lists) "
+                        "as arguments.") from exc
+
+
+def _source_of(fn) -> tuple[str, list[str]] | None:
+    """fn's file name and the lines of its file up to its end (earlier lines blank), so
+    that a rank's traceback shows the code (cloudpickle drops file names of code it sends
+    by value). Only fn's own lines travel, not the whole file."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    last = max((line for *_, line in code.co_lines() if line), default=code.co_firstlineno)
+    lines = linecache.getlines(code.co_filename)[:last]
+    first = code.co_firstlineno - 1
+    return code.co_filename, ["\n"] * first + lines[first:]
+
+
+def _send_by_value(obj) -> None:
+    """Functions and classes from the notebook (__main__) travel by value anyway; do the
+    same for modules that are not installed (a test file, a helper .py next to a notebook),
+    which the ranks may not be able to import."""
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__":
+        return
+    path = getattr(module, "__file__", None) or ""
+    installed = any(part in path for part in ("site-packages", "dist-packages", _STDLIB))
+    if path and not installed and not module.__name__.startswith("tplab"):
+        cloudpickle.register_pickle_by_value(module)

@@ -154,6 +154,7 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     sys.breakpointhook = _no_breakpoint
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, tplab=tplab)
     threading.Thread(target=collectives.report_loop, daemon=True, name="tplab-reporter").start()
+    collectives.report_now()  # a first report: every group's count, for idle ranks
     from tplab.lab.entry import output_paths
 
     state_dir = os.environ.get("TPLAB_STATE_DIR") or "/tmp"
@@ -204,6 +205,7 @@ def _run_cell(cell: int, body) -> tuple:
     ns = _user_ns()
     offsets = _offsets()
     reply = Reply(None)
+    issued = collectives.collectives_so_far()
     REPORT.cell_started = time.monotonic()
     REPORT.cell = cell
     try:
@@ -222,7 +224,10 @@ def _run_cell(cell: int, body) -> tuple:
     names = _rank_names(ns)
     if names != NAMES.last_sent:
         reply.names = NAMES.last_sent = names
-    collectives.report_now()
+    # The notebook reads finished ranks' collective counts from their last report: write
+    # one when this cell changed them, or when the reporter wrote a "running" one.
+    if REPORT.reported_cell == cell or collectives.collectives_so_far() != issued:
+        collectives.report_now()
     if NAMES.forward_output:
         reply.stdout, reply.stderr = _read_from(1, offsets[0]), _read_from(2, offsets[1])
     try:

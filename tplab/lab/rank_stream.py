@@ -23,13 +23,16 @@ class RankStream(OutStream):
         self.session = session
         self.topic = b""
         self.encoding = "utf-8"
+        self._held: list[str] = []
 
     def write(self, text: str) -> int:
+        """Line-buffered, like a terminal: a line goes out whole (print's text and its
+        newline in one write); a carriage return (a progress bar) or flush() sends at once."""
         if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
-        view = memoryview(text.encode("utf-8", "replace"))
-        while view:
-            view = view[os.write(self.fd, view):]
+        self._held.append(text)
+        if text.endswith(("\n", "\r")) or len(self._held) > 64:
+            self.flush()
         return len(text)
 
     def writelines(self, lines) -> None:
@@ -37,7 +40,12 @@ class RankStream(OutStream):
             self.write(line)
 
     def flush(self) -> None:
-        pass
+        if not self._held:
+            return
+        view = memoryview("".join(self._held).encode("utf-8", "replace"))
+        self._held.clear()
+        while view:
+            view = view[os.write(self.fd, view):]
 
     def set_parent(self, parent) -> None:
         pass

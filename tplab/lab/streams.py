@@ -13,13 +13,15 @@ labelled lines:
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import sys
 import time
 
 from tplab.lab.output import format_rank_list
 
-WINDOW_S = 0.1  # how long a line waits for the same line from the other ranks
+WINDOW_S = 0.03  # how long a line waits for the same line from the other ranks
+ALIKE_WINDOW_S = 1.0  # ... from a rank whose last line was shown with it (it lags behind)
 PROGRESS_EVERY_S = 0.1
 
 
@@ -116,27 +118,44 @@ class _Progress:
 
 
 class _Stream:
+    LOOK_AHEAD = 50  # lines of another rank looked at to tell whether it will print a line
+
     def __init__(self, file, live: bool):
         self.file, self.live = file, live
         self.partial: dict[int, str] = {}
-        self.lines: dict[int, collections.deque] = {}  # rank -> (arrival, line), oldest first
-        self.counts: dict[int, collections.Counter] = {}  # rank -> lines waiting, counted
+        self.lines: dict[int, collections.deque] = {}  # rank -> lines waiting, oldest first
+        self.times: dict[int, collections.deque] = {}  # rank -> when each arrived
         self.progress: dict[int, _Progress] = {}
+        self.grouped_with: dict[int, frozenset[int]] = {}  # rank -> its last line's ranks
 
-    def _queue(self, rank: int, now: float, line: str) -> None:
+    def _queue(self, rank: int, now: float, lines: list[str]) -> None:
         if rank not in self.lines:
-            self.lines[rank], self.counts[rank] = collections.deque(), collections.Counter()
-        self.lines[rank].append((now, line))
-        self.counts[rank][line] += 1
+            self.lines[rank], self.times[rank] = collections.deque(), collections.deque()
+        self.lines[rank].extend(lines)
+        self.times[rank].extend(itertools.repeat(now, len(lines)))
+
+    def _pop(self, rank: int, k: int = 1) -> None:
+        if k == 1:
+            self.lines[rank].popleft()
+            self.times[rank].popleft()
+        else:
+            self.lines[rank] = collections.deque(itertools.islice(self.lines[rank], k, None))
+            self.times[rank] = collections.deque(itertools.islice(self.times[rank], k, None))
 
     def feed(self, rank: int, text: str, now: float) -> None:
         text = self.partial.pop(rank, "") + text
         *complete, rest = text.split("\n")
-        for line in complete:
-            if "\r" in line:
-                self._progress(rank, line, now, final=True)
-            else:
-                self._queue(rank, now, line)
+        if "\r" in text:
+            plain = []
+            for line in complete:
+                if "\r" in line:
+                    self._queue(rank, now, plain)
+                    plain = []
+                    self._progress(rank, line, now, final=True)
+                else:
+                    plain.append(line)
+            complete = plain
+        self._queue(rank, now, complete)
         if rest:
             self.partial[rank] = rest
             if "\r" in rest:
@@ -152,7 +171,30 @@ class _Stream:
         if final:
             del self.progress[rank]
             if not self.live:  # no display to update: the bar's last state, as a line
-                self._queue(rank, now, text)
+                self._queue(rank, now, [text])
+
+    def _alike(self, participants: set[int]) -> list[str]:
+        """The fast path: the lines every participant has printed alike, all at once."""
+        ranks = sorted(participants)
+        queues = [self.lines.get(r) for r in ranks]
+        if len(queues) < 2 or any(not q for q in queues):
+            return []
+        k = min(len(q) for q in queues)
+        texts = [list(itertools.islice(q, 0, k)) for q in queues]
+        while k and any(t[:k] != texts[0][:k] for t in texts[1:]):
+            k //= 2  # a common prefix of k lines; halving finds one quickly
+        if not k:
+            return []
+        group = frozenset(participants)
+        for r in ranks:
+            self._pop(r, k)
+            self.grouped_with[r] = group
+        label = f"[{format_rank_list(participants)}] "
+        return [label + line for line in texts[0][:k]]
+
+    def _later(self, rank: int, line: str) -> bool:
+        """Whether `rank` has `line` waiting behind its first line."""
+        return line in itertools.islice(self.lines[rank], 1, self.LOOK_AHEAD)
 
     def flush(self, participants: set[int], now: float, final: bool) -> None:
         if final:
@@ -160,27 +202,29 @@ class _Stream:
                 if "\r" in rest:
                     self._progress(rank, rest, now, final=True)
                 else:
-                    self._queue(rank, now, rest)
+                    self._queue(rank, now, [rest])
             self.partial.clear()
-        out = []
+        out = self._alike(participants)
         while True:
-            heads = {r: q[0] for r, q in self.lines.items() if q}
+            heads = {r: (self.times[r][0], q[0]) for r, q in self.lines.items() if q}
             if not heads:
                 break
             # A line some rank has further back in its queue waits for that rank's earlier
             # lines: so "[ranks 0-3] loss" stays one line when rank 1 printed more first.
             ready = [r for r, (_, line) in heads.items()
-                     if not any(self.counts[q][line] > (heads.get(q, (0, None))[1] == line)
-                                for q in heads if q != r)]
-            first = min(ready or heads, key=lambda r: heads[r][0])
+                     if not any(self._later(q, line) for q in heads if q != r)]
+            first = min(ready or heads, key=lambda r: (heads[r][0], r))  # arrival, then rank
             arrived, line = heads[first]
             same = [r for r, (_, text) in heads.items() if text == line]
             silent = [r for r in participants if r not in heads]
-            if final or not silent or now - arrived >= WINDOW_S:
+            lagging = any(s in self.grouped_with.get(same[0], ()) for s in silent)
+            window = ALIKE_WINDOW_S if lagging else WINDOW_S
+            if final or not silent or now - arrived >= window:
                 out.append(f"[{format_rank_list(same)}] {line}")
+                group = frozenset(same)
                 for r in same:
-                    self.lines[r].popleft()
-                    self.counts[r][line] -= 1
+                    self._pop(r)
+                    self.grouped_with[r] = group
             else:
                 break
         if out:

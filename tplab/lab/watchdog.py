@@ -32,7 +32,7 @@ from tplab.lab.output import format_rank_list
 from tplab.lab.streams import LiveOutput, StatusLine
 from tplab.transfer import from_wire, is_wire
 
-POLL_S = 0.02  # how often output is read and replies are looked at
+POLL_S = 0.01  # how often output is read and replies are looked at
 CHECK_S = 0.1  # how often the ranks' reports are read
 STATUS_AFTER_S = 3.0  # a rank waiting this long for computing peers gets a status line
 FREE_ROUNDS = 8  # collectives completed for stuck ranks, at most, before a restart
@@ -155,12 +155,12 @@ class Watchdog:
         live.flush(final=final)
 
     def _watch(self, res, cell, timeout, cell_timeout, live, status, state) -> None:
-        next_check = 0.0
+        next_check = state.started + CHECK_S  # a quick cell never reads the reports
         while True:
-            self._pump(live)
             res.ar.wait(POLL_S)
             if not res.pending():
                 return
+            self._pump(live)
             now = time.monotonic()
             if now < next_check:
                 continue
@@ -294,7 +294,8 @@ class Watchdog:
     def _hang(self, res, cell, views, live, why: str, timeout: float | None = None):
         self._pump(live, final=True)
         results = self._arrived(res, cell)
-        text = f"{diagnose.diagnosis(views, self.world_size)}\n{diagnose.table(views, self.world_size)}"
+        n = self.world_size
+        text = f"{diagnose.diagnosis(views, n)}\n{diagnose.table(views, n)}"
         if timeout is not None:
             text = f"the ranks waited in collectives for {timeout:g} s.\n{text}"
         sentence = self.restart(why)

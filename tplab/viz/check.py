@@ -72,7 +72,8 @@ def grad_error(report, *, atol: float | None = None, floor: float | None = None,
     are clamped to `floor` and marked exact. Each marker trace's `meta` lists its rows with
     name, kind, max_abs, max_rel, status ("ok", "bad", "exact" or "plain") and x (drawn).
     """
-    rows = report_rows(report)
+    # an unpaired parameter was not compared: it has no error to draw (the table says it)
+    rows = [r for r in report_rows(report) if r.get("kind") != "unpaired"]
     if atol is None:
         atol = getattr(report, "atol", None)
     rtol = getattr(report, "rtol", None)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
+from tplab.causes import conjugate, short_cause
 from tplab.viz.edges import (  # noqa: F401  (module_order, side: part of this module's API)
     match,
     module_order,
@@ -119,7 +120,9 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
     Marker traces' `meta` holds one dict per marker: module, edge (edge k joins column k
     and k+1; column 0 is the input, a group of siblings is one column), branch (the
     branch's module when the collective sits on that branch's own edge, else None), side,
-    phase, op, group, count, role.
+    phase, op, group, count, role, cause (the record's `cause`: why it ran). Labels show
+    a DTensor redistribution's placements in short ("P(sum)→R") and tplab.megatron's
+    operator names; the hover text the whole cause and the conjugate collective.
     """
     recs = flatten(trace)
     ranks = sorted({r.get("rank", 0) for r in recs})
@@ -153,7 +156,9 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
         stacked[(phase, edge, lane)] = stacked.get((phase, edge, lane), 0) + 1
     deepest = max(stacked.values(), default=1)
     lane_depth = max((n for k, n in stacked.items() if k[2] is not None), default=1)
-    pitch = 2 * (ROW_Y + STACK * (lane_depth - 1)) + GAP
+    # labels of two lines (a redistribution's placements under the op) need more room
+    stack = STACK * (1.7 if any(short_cause(r.get("cause") or "") for r in recs) else 1)
+    pitch = 2 * (ROW_Y + stack * (lane_depth - 1)) + GAP
     offsets = [[0.0], *[[((len(st) - 1) / 2 - b) * pitch for b in range(len(st))]
                         for st in stages], [0.0]]
 
@@ -192,6 +197,10 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
         else:
             x, c = edge + 0.28, offsets[edge][lane[1]]
         letter, words = role(rs[0], sd)
+        cause = rs[0].get("cause") or ""
+        if cause in ("f", "g"):  # tplab.megatron's operator says it: no guessing
+            letter = cause
+        short = short_cause(cause)
         count = f" ×{len(rs)}" if len(rs) > 1 else ""
         branch = branch_of[(phase, edge, lane, op, sd)]
         t = traces.setdefault((phase, op), {"x": [], "y": [], "text": [], "custom": [],
@@ -200,17 +209,17 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
         lean = "" if lane is None else " right" if lane[0] == "in" else " left"
         t["pos"].append(("top" if phase == "forward" else "bottom") + (lean or " center"))
         t["x"].append(x)
-        t["y"].append(c + sign * (ROW_Y + STACK * j))
-        t["text"].append(f"<b>{letter}</b>: {op_words(op)}{count}" if letter
-                         else f"{op_words(op)}{count}")
+        t["y"].append(c + sign * (ROW_Y + stack * j))
+        t["text"].append((f"<b>{letter}</b>: {op_words(op)}{count}" if letter
+                          else f"{op_words(op)}{count}") + (f"<br>{short}" if short else ""))
         t["custom"].append([words, rs[0].get("module") or "(none)", sd,
                             "×".join(map(str, rs[0].get("shape") or [])),
                             human_bytes(sum(r.get("bytes", 0) or 0 for r in rs)), len(rs),
-                            rs[0].get("group", "?")])
+                            rs[0].get("group", "?"), cause or "?", conjugate(rs[0])])
         t["meta"].append({"module": rs[0].get("module") or "", "edge": edge,
                           "branch": names[branch] if branch is not None else None,
                           "side": sd, "phase": phase, "op": op, "group": rs[0].get("group"),
-                          "count": len(rs), "role": letter})
+                          "count": len(rs), "role": letter, "cause": cause})
     for (phase, op), t in traces.items():
         fig.add_trace(go.Scatter(
             x=t["x"], y=t["y"], mode="markers+text", text=t["text"],
@@ -222,11 +231,12 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
             hovertemplate=("<b>%{customdata[0]}</b><br>module: %{customdata[1]} "
                            "(%{customdata[2]} edge)<br>shape: %{customdata[3]}"
                            "<br>bytes: %{customdata[4]} in %{customdata[5]} call(s)"
-                           " on the %{customdata[6]} group<extra></extra>")))
+                           " on the %{customdata[6]} group<br>why: %{customdata[7]}"
+                           "<br>its conjugate: %{customdata[8]}<extra></extra>")))
     if not recs:
         fig.add_annotation(text="no collectives in this trace", x=len(offsets) / 2 - 0.5,
                            y=ROW_Y + 0.35, showarrow=False, font={"size": 14})
-    reach = max(abs(c) for cs in offsets for c in cs) + ROW_Y + STACK * (deepest - 1) + 0.55
+    reach = max(abs(c) for cs in offsets for c in cs) + ROW_Y + stack * (deepest - 1) + 0.55
     fig.update_xaxes(visible=False, range=[-1.7, len(offsets) - 0.4])
     fig.update_yaxes(visible=False, range=[-reach, reach])
     fwd = sum(len(rs) for k, rs in groups.items() if k[0] == "forward")

@@ -36,7 +36,7 @@ def parse_placement(text: str) -> tuple[str, int | str | None]:
     raise ValueError(f"unknown placement {text!r}")
 
 
-def placement_name(text: str) -> str:
+def long_placement(text: str) -> str:
     """The long form a learner reads in torch's docs: "S(0)" -> "Shard(0)"."""
     kind, arg = parse_placement(text)
     return {"shard": f"Shard({arg})", "replicate": "Replicate()"}.get(kind, f"Partial({arg})")
@@ -170,7 +170,7 @@ def sharding_map(shards, *, name: str = "tensor", cols: int | None = None,
     nrows = math.ceil(n / ncols)
     titles = []
     for tname, sh in tensors.items():
-        places = ", ".join(placement_name(p) for p in sh[0].placements)
+        places = ", ".join(long_placement(p) for p in sh[0].placements)
         titles.append(f"<b>{tname}</b> {tuple(sh[0].global_shape)}<br>[{places}]")
     fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=titles,
                         vertical_spacing=0.5 / max(nrows, 1) if nrows > 1 else 0.1,

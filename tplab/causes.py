@@ -1,0 +1,215 @@
+"""Why a collective ran: the `cause` of a trace record, its conjugate, and `Trace.explain()`.
+
+Every collective answers to something the lessons teach (Shoeybi et al. 2019, section 3;
+docs/DESIGN.md): f, g, a DTensor redistribution. `tplab.trace` calls `find_cause` when a
+collective is dispatched, and it reads the Python stack above that call, innermost first:
+
+- inside DTensor's `redistribute_local_tensor` (torch.distributed.tensor._redistribute):
+  the placements it converts, "Partial(sum) -> Replicate()", and, when a ParallelStyle's
+  hook asked for it (`RowwiseParallel._prepare_output_fn`), which style and side;
+- inside one of tplab.megatron's operators (`megatron.OPERATORS`): its name, "f", "g", ...;
+- inside another autograd Function's forward or backward: "MyCopy.backward" and its line;
+- otherwise the line of user code that issued it, "train.py:12 dist.all_reduce(x)".
+
+The conjugate is the same operator's collective in the other pass (DESIGN.md's table):
+all-reduce <-> identity, all-gather <-> reduce-scatter, all-to-all <-> all-to-all.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+
+import torch
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TPLAB = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STYLE_HOOKS = {"_prepare_input_fn": "input", "_prepare_output_fn": "output",
+                "_prepare_out_fn": "output", "_prepare_input_kwarg_fn": "input",
+                "_prepare_input_redistribute_fn": "input",
+                "_prepare_output_redistribute_fn": "output"}
+_MAX_DEPTH = 60
+
+# (op) -> the op of the conjugate collective in the other pass ("" = the identity)
+CONJUGATE_OPS = {"all_reduce": "", "all_gather": "reduce_scatter",
+                 "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
+                 "broadcast": "reduce", "reduce": "broadcast", "scatter": "gather",
+                 "gather": "scatter", "send": "recv", "recv": "send", "barrier": "barrier"}
+# tplab.megatron's operators whose conjugate is not a collective
+_SPLIT = {"scatter": "split (keep my chunk)", "gather": "split (keep my chunk)"}
+
+
+def _placements(spec) -> str:
+    from tplab.transfer import placement_name
+
+    return ", ".join(placement_name(p) for p in spec.placements)
+
+
+def _user_line(frame) -> str:
+    code = frame.f_code
+    text = linecache.getline(code.co_filename, frame.f_lineno).strip()
+    where = f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+    return f"{where} {text}" if text else f"{where} in {code.co_name}"
+
+
+def _function_node(frame):
+    """The autograd node (ctx) of a custom Function's forward/backward frame, else None."""
+    code = frame.f_code
+    if code.co_name not in ("forward", "backward") or not code.co_varnames[:1] == ("ctx",):
+        return None
+    ctx = frame.f_locals.get("ctx")
+    return ctx if isinstance(ctx, torch.autograd.function.FunctionCtx) else None
+
+
+def _qualname(frame, node) -> str:
+    """"CopyToTP.backward": the code's qualified name (Python 3.11+), else from the node."""
+    code = frame.f_code
+    if hasattr(code, "co_qualname"):
+        return code.co_qualname
+    if node is not None:  # the node's class is "<Function>Backward"
+        return f"{type(node).__name__.removesuffix('Backward')}.{code.co_name}"
+    return code.co_name
+
+
+def find_cause(skip: int = 1) -> tuple[str, object | None]:
+    """(cause, node): why the collective being dispatched ran (see module doc), and the
+    autograd node of the custom Function whose forward or backward issued it (None if
+    none), so that the trace can say which module's input that Function guards."""
+    from tplab import megatron
+
+    frame = sys._getframe(skip + 1)
+    redistribution = line = node = None
+    for _ in range(_MAX_DEPTH):
+        if frame is None:
+            break
+        code = frame.f_code
+        name, path = code.co_name, code.co_filename
+        if path.startswith(_TORCH):
+            if line is not None:
+                break  # back in torch above the user's code: no Function of theirs
+            if name == "redistribute_local_tensor" and redistribution is None:
+                loc = frame.f_locals
+                redistribution = (f"{_placements(loc['current_spec'])} -> "
+                                  f"{_placements(loc['target_spec'])}")
+            elif name in _STYLE_HOOKS and redistribution is not None:
+                owner = _qualname(frame, None).split(".")[0]
+                return f"{redistribution} ({owner} {_STYLE_HOOKS[name]})", node
+            elif node is None:
+                node = _function_node(frame)
+        elif frame.f_globals.get("__name__") == "tplab.megatron":
+            own = _function_node(frame)
+            qual = _qualname(frame, own).split(".")[0]
+            if qual in megatron.OPERATORS:
+                return megatron.OPERATORS[qual], own or node
+        elif path.startswith(_TPLAB):
+            pass  # tplab's own plumbing (the trace, the models, the rank runner)
+        elif redistribution is not None:
+            return redistribution, node
+        else:
+            own = _function_node(frame)
+            if line is None:
+                line = _user_line(frame)
+            if own is not None:  # a hand-written autograd Function (not tplab's)
+                return f"{_qualname(frame, own)}: {line}", own
+        frame = frame.f_back
+    return redistribution or line or "", node
+
+
+def conjugate(rec: dict) -> str:
+    """The collective the same operator issues in the other pass, in words."""
+    other = "backward" if rec.get("phase") == "forward" else "forward"
+    cause, op = rec.get("cause") or "", rec.get("op")
+    if cause in _SPLIT:
+        return f"{_SPLIT[cause]} in the {other} pass"
+    conj = CONJUGATE_OPS.get(op)
+    if conj is None:
+        return "?"
+    text = f"{conj} in the {other} pass" if conj else f"identity in the {other} pass"
+    if " -> " in cause:  # a DTensor redistribution: the reverse one
+        before, _, after = cause.partition(" (")[0].partition(" -> ")
+        if conj:
+            text += f" ({_reverse(before, after, op)})"
+    return text
+
+
+def _reverse(before: str, after: str, op: str) -> str:
+    # all-gather Shard(k) -> Replicate() pairs with reduce-scatter Partial(sum) -> Shard(k)
+    if op == "all_gather":
+        return f"Partial(sum) -> {before}"
+    if op == "reduce_scatter":
+        return f"{after} -> Replicate()"
+    return f"{after} -> {before}"
+
+
+def short_cause(cause: str) -> str:
+    """A figure label for a cause: "P(sum)→R" for "Partial(sum) -> Replicate()", a
+    tplab.megatron operator's name as it is (but "f" and "g", drawn as the role letter),
+    "" for a line of user code (too long for a label)."""
+    from tplab import megatron
+
+    if " -> " in cause:
+        text = cause.partition(" (")[0]
+        for long, short in (("Partial(", "P("), ("Replicate()", "R"), ("Shard(", "S("),
+                            (" -> ", "→")):
+            text = text.replace(long, short)
+        return text
+    if cause in megatron.OPERATORS.values() and cause not in ("f", "g"):
+        return cause
+    return ""
+
+
+class Explanation(list):
+    """`Trace.explain()`'s rows (dicts); a table in Jupyter and in print()."""
+
+    columns = ("phase", "module", "op", "bytes", "cause", "conjugate")
+
+    def _cells(self):
+        for r in self:
+            yield [r["phase"], r["module"] or "(whole model)", r["op"], r["bytes"],
+                   r["cause"], r["conjugate"]]
+
+    def __str__(self) -> str:
+        from tabulate import tabulate
+
+        return tabulate(list(self._cells()), headers=self.columns)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        from tabulate import tabulate
+
+        return tabulate(list(self._cells()), headers=self.columns, tablefmt="html")
+
+
+def explain(records: list, rank: int = 0) -> Explanation:
+    """One row per collective: phase, module, op, bytes, cause, and its conjugate in the
+    other pass, looked up in the trace itself: the matching collective when one ran (the
+    same module first), "none" when the gradient needed none (an all-gather whose
+    gradient arrives whole is only split). `records`: one rank's (a Trace's), or a list
+    per rank, as `lab.run` returns them (then `rank` picks one)."""
+    if records and isinstance(records[0], (list, tuple)):
+        records = records[rank]
+    recs = sorted(records, key=lambda r: r.get("seq", 0))
+    used: set[int] = set()
+    rows = []
+    for r in recs:
+        text = conjugate(r)
+        want = CONJUGATE_OPS.get(r["op"])
+        if want and r.get("cause") not in _SPLIT:
+            other = [i for i, o in enumerate(recs) if o["phase"] != r["phase"]
+                     and o["op"] == want and i not in used]
+            other.sort(key=lambda i: recs[i].get("module") != r.get("module"))
+            if other:
+                used.add(other[0])
+                match = recs[other[0]]
+                cause = match.get("cause") or ""
+                text = f"{want} in the {match['phase']} pass" + (
+                    f" ({cause.partition(' (')[0]})" if " -> " in cause else "")
+            else:
+                pass_ = "backward" if r["phase"] == "forward" else "forward"
+                text = f"none in the {pass_} pass (no {want} was needed)"
+        rows.append({"phase": r["phase"], "module": r.get("module", ""), "op": r["op"],
+                     "bytes": r.get("bytes", 0), "cause": r.get("cause", ""),
+                     "conjugate": text})
+    return Explanation(rows)

@@ -1,0 +1,216 @@
+"""Per-GPU memory of a transformer under TP: parameters, gradients, optimizer state and the
+activations saved for backward, by TP degree t, sequence parallelism and recomputation.
+
+**Parameters, gradients, optimizer state** (bytes per parameter element; Rajbhandari et al.
+2020, "ZeRO", section 3.1: mixed precision with Adam is 2 + 2 + K with K = 12):
+
+| precision | parameters | gradients | Adam state | SGD state |
+|---|---|---|---|---|
+| "fp32" | 4 | 4 | 8 (m, v) | 0 |
+| "bf16" | 2 | 2 | 4 (m, v in bf16) | 0 |
+| "mixed" | 2 | 2 | 12 (fp32 master, m, v) | 4 (master) |
+
+TP splits every matrix of a block and the vocabulary of the embedding and the lm head
+(Megatron's VocabParallelEmbedding) by t; the norms' weights are replicated on every rank.
+
+**Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4, Table 2). For s tokens per sequence, b sequences, hidden
+size h and a heads, with 2-byte activations, the paper's GPT layer saves per layer
+
+| | bytes per layer |
+|---|---|
+| no parallelism | sbh (34 + 5as/h) |
+| TP, degree t | sbh (10 + 24/t + 5as/(ht)) |
+| TP + SP | sbh/t (34 + 5as/h) |
+| selective recomputation | the 5as/h term goes (the attention scores are recomputed) |
+| full recomputation | 2sbh, the layer's input (a sequence shard under SP: 2sbh/t) |
+
+`gpt_layer` lists the tensors behind those constants (section 4.1), so that each one can be
+seen: 10 sbh stay whole under TP (two LayerNorm inputs, the inputs of the QKV and first MLP
+linears, two dropout masks) and SP splits them over the sequence.
+
+**tplab's own block** (`tplab.models.Block`, `tplab_layer`, measured byte for byte by
+`tplab.memory` in tests/test_memory.py) saves, per token, with d-byte activations (torch's
+RMSNorm computes in fp32, so its tensors are 4-byte whatever d is):
+
+| module | saved | elements per token (bytes each) | split by |
+|---|---|---|---|
+| attention_norm, ffn_norm | input, rstd, normalised input | h, 1, h (4: fp32) | SP |
+| attention.wq | the normed input (wk, wv share it) | h (d) | - |
+| attention | q, k, v, the output, logsumexp | h + 2 h_kv + h (d), a (4) | TP |
+| feed_forward.w1 | the normed input (w3 shares it) | h (d) | - |
+| feed_forward | w1 x, silu(w1 x), w3 x | 3f (d) | TP |
+| feed_forward.w2 | silu(w1 x) * w3 x | f (d) | TP |
+
+Where it differs from the paper's GPT layer, in bytes per token at d = 2, f = 4h and no
+GQA (the paper's 34h + 5as against tplab's 60h + 4a + 8):
+- RMSNorm saves its input and its normalised input in fp32 and rstd, 8h + 4 bytes, where
+  the paper's LayerNorm saves its 2-byte input, 2h: +12h + 8 for the two norms.
+- No dropout: -2h (the two 1-byte masks outside the TP regions).
+- Attention is fused (scaled_dot_product_attention's flash kernel): it keeps a 4-byte
+  logsumexp per head, 4a, instead of the scores, softmax and mask, 5as; so selective
+  recomputation has nothing left to remove.
+- SwiGLU saves four f-sized tensors, 8f = 32h, where the paper's GeLU MLP saves 16h: +16h.
+- Under SP the linears' inputs are the all-gathered sequence, saved whole, 4h per token
+  on every rank; Megatron-LM saves the shard and all-gathers it again in backward (section
+  4.2.2), 4h/t: tplab keeps 4h (t-1)/t bytes per token more.
+The differences are asserted in tests/test_memory.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tplab.cost.transformer import BlockShape
+
+PRECISIONS = ("fp32", "bf16", "mixed")
+RECOMPUTE = ("none", "selective", "full")
+LAYOUTS = ("tplab", "gpt")
+# bytes per parameter element: parameters, gradients, optimizer state (ZeRO, section 3.1)
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "mixed": 2}
+GRAD_BYTES = {"fp32": 4, "bf16": 2, "mixed": 2}
+OPTIMIZER_BYTES = {"adam": {"fp32": 8, "bf16": 4, "mixed": 12},
+                   "sgd": {"fp32": 0, "bf16": 0, "mixed": 4}}
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor a layer saves for backward: `per_token` elements of `element_bytes` each,
+    split over the TP ranks (`tp`), over the sequence under SP (`sp`), and dropped by
+    selective recomputation (`selective`)."""
+
+    module: str
+    what: str
+    per_token: int
+    element_bytes: int
+    tp: bool = False
+    sp: bool = False
+    selective: bool = False
+
+    def local_bytes(self, tokens: int, tp: int = 1, sequence_parallel: bool = False) -> float:
+        """Bytes one rank holds: an int whenever the split is even."""
+        total = self.per_token * self.element_bytes * tokens
+        parts = tp if (self.tp or (self.sp and sequence_parallel)) else 1
+        return total // parts if total % parts == 0 else total / parts
+
+
+def tplab_layer(shape: BlockShape, sublayers=("attention", "mlp"), prefix: str = "") -> list[Saved]:
+    """What `tplab.models.Block` (or, with sublayers=("mlp",), `tplab.models.MLP` when the
+    shape is not gated) saves for backward, one `Saved` per tensor; see the module doc."""
+    h, d, a = shape.hidden, shape.dtype_bytes, shape.heads
+    kv = (shape.kv_heads or a) * (h // a)
+    f = shape.ffn_size
+    out: list[Saved] = []
+
+    def norm(module):
+        return [Saved(module, "input (fp32)", h, 4, sp=True),
+                Saved(module, "rstd (fp32)", 1, 4, sp=True),
+                Saved(module, "normalised input (fp32)", h, 4, sp=True)]
+
+    if "attention" in sublayers:
+        out += norm("attention_norm")
+        out += [Saved("attention.wq", "normed input (q, k, v)", h, d),
+                Saved("attention", "q", h, d, tp=True),
+                Saved("attention", "k", kv, d, tp=True),
+                Saved("attention", "v", kv, d, tp=True),
+                Saved("attention", "attention output (wo input)", h, d, tp=True),
+                Saved("attention", "logsumexp (fp32)", a, 4, tp=True)]
+    if "mlp" in sublayers:
+        ff = prefix if "attention" not in sublayers else "feed_forward"
+        path = (lambda name: f"{ff}.{name}" if ff else name)
+        if "attention" in sublayers:
+            out += norm("ffn_norm")
+        out.append(Saved(path("w1"), "input (w1, w3)" if shape.gated else "input", h, d))
+        if shape.gated:
+            out += [Saved(ff, "w1 x (silu input)", f, d, tp=True),
+                    Saved(ff, "silu(w1 x)", f, d, tp=True),
+                    Saved(ff, "w3 x", f, d, tp=True),
+                    Saved(path("w2"), "silu(w1 x) * w3 x", f, d, tp=True)]
+        else:
+            out += [Saved(ff, "w1 x (gelu input)", f, d, tp=True),
+                    Saved(path("w2"), "gelu(w1 x)", f, d, tp=True)]
+    return out
+
+
+def gpt_layer(shape: BlockShape) -> list[Saved]:
+    """Korthikanti et al. 2022, section 4.1: the tensors of a GPT layer behind
+    sbh (34 + 5as/h), with d-byte activations (2 in the paper) and 1-byte dropout masks."""
+    h, d, a, s, f = shape.hidden, shape.dtype_bytes, shape.heads, shape.seq, shape.ffn_size
+    return [
+        Saved("attention_norm", "LayerNorm input", h, d, sp=True),
+        Saved("attention", "QKV input", h, d, sp=True),
+        Saved("attention", "Q", h, d, tp=True),
+        Saved("attention", "K", h, d, tp=True),
+        Saved("attention", "softmax output", a * s, d, tp=True, selective=True),
+        Saved("attention", "softmax dropout mask", a * s, 1, tp=True, selective=True),
+        Saved("attention", "softmax dropout output", a * s, d, tp=True, selective=True),
+        Saved("attention", "V", h, d, tp=True),
+        Saved("attention", "output projection input", h, d, tp=True),
+        Saved("attention", "dropout mask", h, 1, sp=True),
+        Saved("ffn_norm", "LayerNorm input", h, d, sp=True),
+        Saved("feed_forward", "first linear input", h, d, sp=True),
+        Saved("feed_forward", "GeLU input", f, d, tp=True),
+        Saved("feed_forward", "GeLU output (second linear input)", f, d, tp=True),
+        Saved("feed_forward", "dropout mask", h, 1, sp=True),
+    ]
+
+
+def layer_saved(shape: BlockShape, recompute: str = "none", layout: str = "tplab",
+                sublayers=("attention", "mlp")) -> list[Saved]:
+    """The tensors one layer keeps for backward under a recomputation policy.
+
+    "selective" drops what the paper recomputes (the attention scores); "full" keeps only
+    the layer's input (Korthikanti et al. 2022, Table 2). `layout`: "tplab" (tplab's Block)
+    or "gpt" (the paper's GPT layer)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if recompute == "full":
+        return [Saved("", "layer input", shape.hidden, shape.dtype_bytes, sp=True)]
+    items = tplab_layer(shape, sublayers) if layout == "tplab" else gpt_layer(shape)
+    return [i for i in items if not (recompute == "selective" and i.selective)]
+
+
+def activation_bytes(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
+                     recompute: str = "none", layout: str = "tplab",
+                     sublayers=("attention", "mlp")) -> float:
+    """Activation bytes one GPU keeps for backward, for ONE layer and one micro-batch."""
+    tokens = shape.tokens
+    return sum(i.local_bytes(tokens, tp, sequence_parallel)
+               for i in layer_saved(shape, recompute, layout, sublayers))
+
+
+def param_count(shape: BlockShape, tp: int = 1) -> float:
+    """Parameter elements on one GPU: every block (matrices split by t, norm weights whole),
+    the embedding and lm head split by t over the vocabulary, and the final norm."""
+    h, f = shape.hidden, shape.ffn_size
+    kv = (shape.kv_heads or shape.heads) * (h // shape.heads)
+    matrices = h * (h + 2 * kv) + h * h + (3 if shape.gated else 2) * h * f
+    layer = matrices / tp + 2 * h
+    vocab = 2 * shape.vocab * h / tp + h if shape.vocab else 0
+    return shape.layers * layer + vocab
+
+
+def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
+               recompute: str = "none", precision: str = "mixed", optimizer: str = "adam",
+               layout: str = "tplab") -> dict:
+    """Bytes one GPU holds for training with TP degree `tp`: parameters, gradients,
+    optimizer state, and every layer's activations for one micro-batch (the embedding's
+    output and the logits are left out, as in the paper's Table 2). Keys as `tplab.memory`:
+    param_bytes, grad_bytes, optimizer_bytes, activation_bytes, and memory_bytes (the sum).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
+    if optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_BYTES)}, not "
+                         f"{optimizer!r}")
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    n = param_count(shape, tp)
+    row = {"param_bytes": n * PARAM_BYTES[precision], "grad_bytes": n * GRAD_BYTES[precision],
+           "optimizer_bytes": n * OPTIMIZER_BYTES[optimizer][precision],
+           "activation_bytes": shape.layers * activation_bytes(
+               shape, tp, sequence_parallel, recompute, layout)}
+    row["memory_bytes"] = sum(row.values())
+    return row
