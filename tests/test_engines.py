@@ -108,6 +108,26 @@ def mpi_options(h: Hosts) -> dict:
         "--mca", "btl", "self,vader"]}}}
 
 
+@pytest.mark.parametrize(("said", "fix"), [
+    ("ModuleNotFoundError: No module named 'mpi4py'", 'pip install "tplab[mpi]"'),
+    ("mpiexec has detected an attempt to run as root.", "OMPI_ALLOW_RUN_AS_ROOT=1"),
+    ("There are not enough slots available in the system", "--oversubscribe"),
+    ("root@node2: Permission denied (publickey).", "ssh HOST true"),
+    ("ModuleNotFoundError: No module named 'tplab'", "pip install tplab"),
+    ("sbatch: error: invalid partition specified: gpu", "SlurmEngineSetLauncher"),
+])
+def test_engine_errors_come_with_their_fix(said, fix):
+    from tplab.lab.engines import hint_for
+
+    assert fix in hint_for(f"some line\n{said}\nanother line")
+
+
+def test_an_unknown_error_gets_no_made_up_fix():
+    from tplab.lab.engines import hint_for
+
+    assert hint_for("ValueError: something only the user's code says") == ""
+
+
 def test_mpi_engine_failure_is_reported_within_10_s_with_the_fix(tmp_path, monkeypatch):
     """The engines die at once (here: mpi4py cannot be imported, as without tplab[mpi]):
     the lab says so within 10 s, with the engines' own error and the fix."""
@@ -185,7 +205,7 @@ def check_only_signed_messages_run(lab) -> None:
     assert not os.path.exists(marker)
     client = ipp.Client(info, timeout=10)
     try:
-        client[:].execute(f"open({marker!r}, 'w').close()", block=True)
+        client[:].execute(f"open({marker!r}, 'w').close()").get(timeout=30)
     finally:
         client.close()
     assert os.path.exists(marker)
@@ -230,9 +250,12 @@ def test_ssh_ranks_on_two_hosts_end_when_the_kernel_is_killed(hosts):
         kernel.wait()
     everything = sorted(set(got["pids"]) | set(on_hosts))
     assert alive(everything), "the lab's processes were running before the kill"
+    killed = time.monotonic()
     left = wait_gone(everything, 30)
     assert left == [], hosts.leftovers()
     assert hosts.leftovers() == {}
+    # tplab's heartbeat watch (10 s of silence), not ipyparallel's (50 misses of 0.6 s)
+    assert time.monotonic() - killed < 25
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +271,13 @@ def slurm():
 def test_slurm_runs_four_ranks_and_cancels_its_job(slurm, monkeypatch):
     for k, v in slurm.env.items():
         monkeypatch.setenv(k, v)
+    started = time.monotonic()
+    with pytest.raises(tplab.LabError) as info:  # a job Slurm refuses: said at once
+        tplab.launch(2, engines="slurm", cluster_options={
+            "config": {"SlurmEngineSetLauncher": {"queue": "no-such-partition"}}})
+    assert time.monotonic() - started < 10
+    assert "invalid partition" in str(info.value).lower(), info.value
+    assert "Fix: Slurm refused the job" in str(info.value), info.value
     lab = tplab.launch(4, engines="slurm")
     try:
         results = lab.run(sum_of_ranks_and_where)

@@ -39,7 +39,7 @@ HINTS = [
      "point the engines at one that has it: "
      "cluster_options={'config': {'EngineLauncher': {'engine_cmd': [PYTHON, '-m', "
      "'tplab.lab.entry', 'engine']}}}"),
-    (re.compile(r"allow-run-as-root|running as root"),
+    (re.compile(r"allow-run-as-root|run(ning)? as root"),
      "Open MPI refuses to run as root: set OMPI_ALLOW_RUN_AS_ROOT=1 and "
      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1, or pass mpi_args=['--allow-run-as-root']"),
     (re.compile(r"not enough slots"),
@@ -53,7 +53,7 @@ HINTS = [
     (re.compile(r"Registration timed out|registration.*timed out", re.I),
      "the engines could not reach the controller: give tplab.launch an ip= that the "
      "engines' hosts can reach (an address of this machine on their network, or '0.0.0.0')"),
-    (re.compile(r"Invalid partition|invalid partition|Invalid account"),
+    (re.compile(r"invalid partition|invalid account", re.I),
      "Slurm refused the job: set the partition with "
      "cluster_options={'config': {'SlurmEngineSetLauncher': {'queue': NAME}}}"),
     (re.compile(r"command not found|No such file or directory.*(mpiexec|sbatch|srun)"),
@@ -79,6 +79,11 @@ def configure(config, engines: str, env: dict, state_dir: str) -> None:
         config.SSHLauncher.remote_python = sys.executable
         config.SSHLauncher.remote_profile_dir = os.path.join(state_dir, "remote-profile")
     env[HEARTBEAT_ENV] = "connection-file"  # engines watch the heartbeat, not the owner pid
+    if "slurm" in name:  # keep what sbatch says on failure (ipyparallel does not capture it)
+        os.makedirs(os.path.dirname(submit_errors(state_dir)), mode=0o700, exist_ok=True)
+        config.SlurmLauncher.submit_command = [
+            "sh", "-c", 'sbatch "$@" 2>"$0"; s=$?; cat "$0" >&2; exit $s',
+            submit_errors(state_dir)]
     if "mpi" in name:
         names = [*env, "IPP_CLUSTER_ID", "IPP_PROFILE_DIR"]
         try:
@@ -92,12 +97,18 @@ def configure(config, engines: str, env: dict, state_dir: str) -> None:
             config.MPILauncher.mpi_cmd = ["mpiexec", "-genvlist", ",".join(names)]
 
 
+def submit_errors(state_dir: str) -> str:
+    """Where the batch submit command's error output goes (the lab's log folder)."""
+    return os.path.join(state_dir, "profile", "log", "submit.err")
+
+
 def start_error(engines, exc: BaseException, state_dir: str):
     """A LabError for a launcher that could not even start its engines (sbatch, ssh or
     mpiexec failed at once), with what the command said and the fix."""
     from tplab.errors import LabError
 
-    parts = [exc, getattr(exc, "output", None), getattr(exc, "stderr", None)]
+    parts = [exc, getattr(exc, "output", None), getattr(exc, "stderr", None),
+             "\n".join(_tail(submit_errors(state_dir)))]
     said = "\n".join(p.decode(errors="replace") if isinstance(p, bytes) else str(p)
                      for p in parts if p)
     fix = hint_for(said)

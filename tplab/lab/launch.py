@@ -241,12 +241,12 @@ class Lab(Cells):
         forward = self.engines != "local"
         if forward:  # ranks elsewhere: the store on rank 0's host, gloo on the route to it
             if not self._master_addr_given:
-                where = self._client[self._engine_ids[0]].apply_sync(
-                    network.rank_address, self.ip if self.ip not in ("0.0.0.0", "*")
-                    else socket.gethostname())
+                controller = self.ip if self.ip not in ("0.0.0.0", "*") else socket.gethostname()
+                where = self._wait_for_init([self._client[self._engine_ids[0]].apply_async(
+                    network.rank_address, controller)])[0]
                 self.master_addr, port = where["address"], where["port"]
-            self._client.direct_view(self._engine_ids).apply_sync(
-                network.point_gloo_at, self.master_addr)
+            self._wait_for_init([self._client[eid].apply_async(
+                network.point_gloo_at, self.master_addr) for eid in self._engine_ids])
         ars = [
             self._client[eid].apply_async(
                 rank_side.init_rank, r, self.world_size, self.backend, self.master_addr, port,
