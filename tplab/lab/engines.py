@@ -107,13 +107,18 @@ def start_error(engines, exc: BaseException, state_dir: str):
     mpiexec failed at once), with what the command said and the fix."""
     from tplab.errors import LabError
 
-    parts = [exc, getattr(exc, "output", None), getattr(exc, "stderr", None),
+    first = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, subprocess.CalledProcessError):
+        cmd = [str(c) for c in (exc.cmd if isinstance(exc.cmd, list) else [exc.cmd])]
+        if cmd[:2] == ["sh", "-c"] and "sbatch" in cmd[2]:  # configure()'s wrapper
+            cmd = ["sbatch", *cmd[4:]]
+        first = f"`{' '.join(cmd)}` exited with status {exc.returncode}"
+    parts = [first, getattr(exc, "output", None), getattr(exc, "stderr", None),
              "\n".join(_tail(submit_errors(state_dir)))]
     said = "\n".join(p.decode(errors="replace") if isinstance(p, bytes) else str(p)
                      for p in parts if p)
     fix = hint_for(said)
-    return LabError(f"the engines ({engines!r}) could not be started: "
-                    f"{type(exc).__name__}: {said.strip()}\n"
+    return LabError(f"the engines ({engines!r}) could not be started: {said.strip()}\n"
                     + (f"Fix: {fix}\n" if fix else "")
                     + f"(logs: {state_dir}/profile/log)")
 

@@ -307,9 +307,10 @@ class Lab(Cells):
     def pids(self) -> list[int]:
         """Every process this lab started and that is still running: the controller and
         its schedulers, the fork server, every rank (and its nanny, where ipyparallel
-        starts one)."""
-        return processes.tree(self._holder["roots"] + self._holder["extra_roots"]
-                              + self.processes.pids)
+        starts one). Ranks that another launcher started are here only as descendants of
+        a local launcher process (mpiexec): a pid on another host means nothing here."""
+        ranks = self.processes.pids if self.engines == "local" else []
+        return processes.tree(self._holder["roots"] + self._holder["extra_roots"] + ranks)
 
     def restart(self) -> float:
         """Start fresh rank processes (same settings, same controller); returns seconds.
@@ -327,7 +328,8 @@ class Lab(Cells):
             self.watchdog.disconnect_store()
             other_engines.stop_remote(self._holder["engine_sets"])  # ssh engines, batch jobs
             old = [pid for pid in self._holder["roots"] if pid != self._controller_pid()]
-            processes.kill_trees(old + self.processes.pids, timeout=0)  # they die on their own
+            ranks = self.processes.pids if self.engines == "local" else []  # pids elsewhere
+            processes.kill_trees(old + ranks, timeout=0)  # they die on their own
             for set_id in list(self._cluster.engines):
                 self._cluster.engines.pop(set_id)
             self.processes.reset([])
