@@ -157,8 +157,8 @@ def test_mpi_engine_failure_is_reported_within_10_s_with_the_fix(tmp_path, monke
 
 def test_mpi_ranks_on_two_hosts(hosts, monkeypatch):
     """mpiexec with a hostfile over two hosts: 4 ranks meet over the veths; the store and
-    gloo listen on the hosts' addresses only; only signed messages reach the hub; after
-    shutdown() nothing is left on either host."""
+    gloo listen on the hosts' addresses only; only signed messages reach the hub; restart()
+    replaces the ranks; after shutdown() nothing is left on either host."""
     need("mpiexec")
     pytest.importorskip("mpi4py", reason='engines="mpi" needs mpi4py: pip install "tplab[mpi]"')
     for k, v in ROOT_MPI.items():
@@ -182,6 +182,11 @@ def test_mpi_ranks_on_two_hosts(hosts, monkeypatch):
         assert hosts.controller in hub_ips and hub_ips <= {hosts.controller, "127.0.0.1"}, \
             hub_ips
         check_only_signed_messages_run(lab)
+        lab.restart()  # the old ranks end on their hosts, new ones start through mpiexec
+        again = lab.run(sum_of_ranks_and_where)
+        assert [r["sum"] for r in again] == [10.0] * 4
+        assert wait_gone(rank_pids, 10) == []
+        rank_pids = [r["pid"] for r in again]
     finally:
         lab.shutdown()
     assert wait_gone(rank_pids, 10) == []

@@ -72,7 +72,7 @@ def configure(config, engines: str, env: dict, state_dir: str) -> None:
       `-genvlist` for MPICH), which mpiexec does not do for processes on other hosts."""
     import sys
 
-    from tplab.lab.entry import HEARTBEAT_ENV
+    from tplab.lab.entry import FIRST_ID_ENV, HEARTBEAT_ENV
 
     name = engines.lower() if isinstance(engines, str) else getattr(engines, "__name__", "")
     if "ssh" in name:
@@ -85,7 +85,7 @@ def configure(config, engines: str, env: dict, state_dir: str) -> None:
             "sh", "-c", 'sbatch "$@" 2>"$0"; s=$?; cat "$0" >&2; exit $s',
             submit_errors(state_dir)]
     if "mpi" in name:
-        names = [*env, "IPP_CLUSTER_ID", "IPP_PROFILE_DIR"]
+        names = [*env, "IPP_CLUSTER_ID", "IPP_PROFILE_DIR", FIRST_ID_ENV]
         try:
             version = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True,
                                      timeout=10).stdout

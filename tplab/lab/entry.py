@@ -22,6 +22,7 @@ OWNER_ENV = "TPLAB_OWNER"  # "pid:start_time" of the notebook kernel that owns t
 STATE_DIR_ENV = "TPLAB_STATE_DIR"  # the lab's private folder, removed when the owner dies
 HEARTBEAT_ENV = "TPLAB_CONTROLLER_HB"  # tcp://host:port of the hub's heartbeat ping (PUB)
 HEARTBEAT_LOST_S = 10.0  # the hub pings every 0.1 s (HeartMonitor.period=100)
+FIRST_ID_ENV = "TPLAB_FIRST_ID"  # MPI engines ask for engine id FIRST_ID + their MPI rank
 POLL_S = 0.5
 
 
@@ -249,12 +250,26 @@ def _zygote() -> None:
     os._exit(0)  # stdin closed: the lab that owns this fork server is gone
 
 
+def _mpi_engine_id(argv: list[str]) -> list[str]:
+    """Each start of the ranks gets engine ids of its own: FIRST_ID + MPI rank (ipyparallel
+    would ask for the MPI rank itself, still taken until the hub drops the old ranks, and
+    delay registering by id * mpi_registration_delay)."""
+    from mpi4py import MPI  # ipyparallel's MPI engines need it: pip install "tplab[mpi]"
+
+    engine_id = int(os.environ[FIRST_ID_ENV]) + MPI.COMM_WORLD.Get_rank()
+    return [*argv, f"--IPEngine.id={engine_id}", "--IPEngine.mpi_registration_delay=0"]
+
+
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in ("engine", "controller", "zygote"):
         raise SystemExit("usage: python -m tplab.lab.entry engine|controller|zygote [args]")
     role, rest = argv[0], argv[1:]
+    if role == "engine" and "--mpi" in rest and os.environ.get(FIRST_ID_ENV):
+        rest = _mpi_engine_id(rest)  # first: MPI_Init before any other thread runs
     _start_owner_watch(role)
     if role == "engine":
+        # (after MPI_Init: Open MPI's initialisation racing torch's import in another thread
+        # hung engines on other hosts now and then)
         threading.Thread(target=_warm_torch, daemon=True, name="tplab-warm-torch").start()
         _run_engine(rest)
     elif role == "zygote":

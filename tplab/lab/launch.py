@@ -26,7 +26,7 @@ from tplab.lab import engines as other_engines
 from tplab.lab import network, processes
 from tplab.lab import rank as rank_side
 from tplab.lab.cells import Cells
-from tplab.lab.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
+from tplab.lab.entry import FIRST_ID_ENV, OWNER_ENV, STATE_DIR_ENV, owner_token
 from tplab.lab.names import RankNames
 from tplab.lab.validate import (
     check_launch_args,
@@ -182,6 +182,7 @@ class Lab(Cells):
         if "config" in self._cluster_options:  # the user's settings win, the lab's stay
             config.merge(Config(self._cluster_options["config"]))
             options["config"] = config
+        self._engine_env = {**env, **dict(config.BaseLauncher.environment)}
         self._cluster = self._holder["cluster"] = ipp.Cluster(**options)
         self._cluster.start_controller_sync()
         self._remember_roots()
@@ -197,6 +198,8 @@ class Lab(Cells):
         extra = {"fork_server": self._fork_server} if self._fork_server is not None else {}
         if self.engines == "local":
             extra["first_id"] = first_id
+        if self.engines == "mpi":  # engine id = first_id + MPI rank (entry.py)
+            extra["environment"] = {**self._engine_env, FIRST_ID_ENV: str(first_id)}
         before = set(self._client.ids) if self._client is not None else set()
         try:
             engine_set_id = cluster.start_engines_sync(self.world_size, **extra)
@@ -211,7 +214,7 @@ class Lab(Cells):
                 [cluster.engines[engine_set_id]], self._state_dir)
         if self._client is None:
             self._client = cluster.connect_client_sync()
-        if self.engines == "local":
+        if self.engines in ("local", "mpi"):
             wanted = [first_id + r for r in range(self.world_size)]
         else:  # other launchers pick their own ids: take the new ones
             wanted = None
