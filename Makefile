@@ -1,7 +1,8 @@
 # The two commands a new user needs. Both create .venv on first use.
 #   make lab    JupyterLab on notebooks/, on 127.0.0.1 with a token
 #   make test   the whole test suite, notebooks included (what CI runs)
-.PHONY: lab test lint bench
+#   make doctor is this machine ready for a workshop? (exit 0 when it is)
+.PHONY: lab test lint bench doctor
 
 PORT ?= 8888
 # Jupyter refuses to run as root unless told; containers often run as root.
@@ -14,6 +15,9 @@ lab:
 
 test:
 	scripts/env.sh python -m pytest -q $(PYTEST_ARGS)
+
+doctor:
+	scripts/env.sh python -m tplab doctor
 
 lint:
 	scripts/env.sh ruff check tplab tests benchmarks

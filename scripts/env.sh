@@ -12,11 +12,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 stamp="$VENV/.tplab-installed"
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[tplab] installing tplab and its dependencies into $VENV (torch==2.13.0, CPU wheel where available)"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet -e ".[dev,hf]"
+  # the exact torch this repository is tested with; pyproject.toml only says torch>=2.10
+  "$VENV/bin/python" -m pip install --quiet -c scripts/constraints.txt -e ".[dev,hf]"
   echo "$want" > "$stamp"
 fi
 

@@ -129,14 +129,16 @@ def test_kernel_restart_ends_the_lab(now, tmp_path):
 
 
 
-def test_ranks_started_without_the_fork_server():
+def test_ranks_started_without_the_fork_server(capfd):
     """fork=False: ipyparallel's own launcher starts each rank (with its nanny); the lab
-    works, reports a death, and ends every process."""
+    works, reports a death (without the nanny's log lines), and ends every process."""
     with tplab.launch(2, fork=False) as lab:
         assert lab.execute("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()") \
             == [3.0, 3.0]
-        with pytest.raises(tplab.RankDied, match="rank 1 exited with status 7"):
+        with pytest.raises(tplab.RankDied, match="rank 1 exited with status 7") as info:
             lab.execute("import os\nif rank == 1:\n    os._exit(7)\ndist.barrier()")
+        assert "KernelNanny" not in str(info.value)
+        assert "KernelNanny" not in capfd.readouterr().err
         assert lab.execute("rank") == [0, 1]
         pids = lab.pids
     assert wait_gone(pids, 10) == []

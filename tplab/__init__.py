@@ -31,6 +31,8 @@ _LAZY = {
     "cost": None,
     "viz": None,
     "widgets": None,
+    "exercises": None,
+    "platforms": None,
 }
 
 __all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",

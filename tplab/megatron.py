@@ -47,6 +47,11 @@ def tp_group(mesh):
 
 # --- the collectives, on one dim ---------------------------------------------------------
 
+def _single(name: str, before_2_13: str):
+    """torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single."""
+    return getattr(dist, name, None) or getattr(dist, before_2_13)
+
+
 def _all_reduce(x, group):
     x = x.contiguous().clone()  # never reduce into a tensor autograd may still hold
     dist.all_reduce(x, group=group)
@@ -71,7 +76,7 @@ def _all_gather(x, group, size, dim):
     # (b, s/n, d) -> (s/n, b, d) -> gather -> (s, b, d) -> (b, s, d)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)
+    _single("all_gather_single", "all_gather_into_tensor")(out, x, group=group)
     # contiguous: the linears this feeds save their input for backward, and a strided view
     # makes each of them flatten (copy) it, one saved copy per linear (tplab.memory shows it)
     return out.movedim(0, dim).contiguous()
@@ -81,7 +86,7 @@ def _reduce_scatter(x, group, size, dim):
     # (b, s, d) -> (s, b, d) -> reduce-scatter -> (s/n, b, d) -> (b, s/n, d)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    dist.reduce_scatter_single(out, x, group=group)
+    _single("reduce_scatter_single", "reduce_scatter_tensor")(out, x, group=group)
     return out.movedim(0, dim)
 
 

@@ -3,8 +3,10 @@ and (the memory view) from which TP degree a micro-batch fits in the GPU's memor
 
 The widgets only set values; `update(**values)` does the same from code, so a notebook run
 by papermill drives the explorer (and asserts on `rows`) without anyone clicking. The figure
-is a display with an id, updated in place, not an ipywidgets Output: capturing output into a
-widget made nbclient (papermill) wait out its timeout now and then.
+lives in an ipywidgets Output whose `outputs` are set directly (as the Explorer's are): not
+`with out: display(...)`, whose capture made nbclient (papermill) wait out its timeout now
+and then, and not a display id updated in place, which JupyterLab's plotly renderer never
+redrew (the summary changed, the figure did not).
 """
 
 from __future__ import annotations
@@ -54,15 +56,15 @@ class CostExplorer:
         self.summary = w.HTML()
         self.figure = None          # the plotly figure of the current rows
         self.memory_figure = None   # their memory per GPU
-        self._handle = None         # its display, once shown
-        self._memory_handle = None
+        self.figure_output = w.Output()  # where each is drawn (redrawn on every change)
+        self.memory_output = w.Output()
         self._updating = False
         self._preset(model, hw)
         for control in self.controls.values():
             control.observe(self._on_change, names="value")
         self.widget = w.VBox([w.HBox([w.VBox(list(self.controls.values())[:5]),
                                       w.VBox(list(self.controls.values())[5:])]),
-                              self.summary])
+                              self.summary, self.figure_output, self.memory_output])
         self.update()
 
     def _preset(self, model: str, hw: str) -> None:
@@ -145,19 +147,17 @@ class CostExplorer:
         self.figure = step_breakdown({self.shape.name: self.rows}, title=f"{self.hw.name}")
         self.memory_figure = memory_bars(self.rows, f"Memory per GPU, {self.hw.name}",
                                          self.shape.name, memory=self.hw.memory)
-        if self._handle is not None:
-            self._handle.update(self._bundle(), raw=True)
-        if self._memory_handle is not None:
-            self._memory_handle.update(self._bundle(self.memory_figure), raw=True)
+        self.figure_output.outputs = (
+            {"output_type": "display_data", "data": self._bundle(), "metadata": {}},)
+        self.memory_output.outputs = (
+            {"output_type": "display_data", "data": self._bundle(self.memory_figure),
+             "metadata": {}},)
 
     def _bundle(self, figure=None) -> dict:
-        # a raw mime bundle: a plotly Figure displays itself and would ignore the display id
+        # a raw mime bundle: what the Output widget holds (and what the notebook file keeps)
         figure = self.figure if figure is None else figure
         return {"application/vnd.plotly.v1+json": json.loads(figure.to_json()),
                 "text/plain": f"<figure: {self.shape.name} on {self.hw.name}>"}
 
     def _ipython_display_(self) -> None:
         display(self.widget)
-        self._handle = display(self._bundle(), raw=True, display_id=True)
-        self._memory_handle = display(self._bundle(self.memory_figure), raw=True,
-                                      display_id=True)

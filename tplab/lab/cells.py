@@ -88,12 +88,12 @@ class Cells:
         ar = view.apply_async(remote_fn, payload, cell)  # one request for all ranks
         order = targets if len(targets) < self.world_size else list(range(self.world_size))
         generation = self._generation
+        res = RankResults(ar, order)
         try:
-            results = self.watchdog.wait(RankResults(ar, order), cell, timeout or self.timeout,
+            results = self.watchdog.wait(res, cell, timeout or self.timeout,
                                          cell_timeout or self.cell_timeout)
         finally:
             if generation == self._generation:  # not after a restart: those names are gone
-                res = RankResults(ar, order)
                 self.names.learn({r: res.reply(r) for r in res.finished()})
         by_rank = dict(zip(order, results, strict=True))
         return [by_rank[r] for r in targets]

@@ -197,14 +197,17 @@ def _history() -> dict[str, list]:
 
 
 def _shape_of(frame) -> list[int] | None:
+    try:
+        found = frame.f_locals
+    except Exception:  # noqa: BLE001 - a frame in the middle of changing
+        return None
     for name in ("tensor", "input", "input_tensor", "output_tensor", "self", "local_tensor"):
-        value = frame.f_locals.get(name)
-        shape = getattr(value, "shape", None)
-        if shape is not None:
-            try:
+        try:
+            shape = getattr(found.get(name), "shape", None)
+            if shape is not None:
                 return [int(s) for s in shape]
-            except TypeError:
-                continue
+        except Exception:  # noqa: BLE001 - an object whose .shape raises, a symbolic size
+            continue
     return None
 
 
@@ -260,18 +263,24 @@ def report_now() -> None:
 
 
 def report_loop() -> None:
+    """Write where this rank is every REPORT_INTERVAL_S while a cell runs. A failed report
+    (a frame that changed under us, a slow store) is retried; only a store that stays
+    unreachable for 10 s (the lab is shutting down) ends the loop."""
     key = WHERE_KEY.format(rank=REPORT.rank)
-    while True:
+    failures = 0
+    while failures < 10 / REPORT_INTERVAL_S:
         time.sleep(REPORT_INTERVAL_S)
-        if not REPORT.reporting or REPORT.cell is None:
+        cell = REPORT.cell
+        if not REPORT.reporting or cell is None:
             continue
         if time.monotonic() - REPORT.cell_started < REPORT_INTERVAL_S:
             continue
         try:
             REPORT.store.set(key, json.dumps(where_now()))
-            REPORT.reported_cell = REPORT.cell
-        except Exception:  # the store went away: the lab is shutting down
-            return
+            REPORT.reported_cell = cell
+            failures = 0
+        except Exception:  # noqa: BLE001 - reported on the next round
+            failures += 1
 
 
 def package_dirs() -> tuple[str, ...]:

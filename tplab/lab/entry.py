@@ -185,8 +185,21 @@ def _capture_output() -> None:
     sys.__stdout__ = sys.stdout
 
 
+def _nanny_logs_to_the_log() -> None:
+    """ipyparallel's nanny (with fork=False) inherits fd 2, which is the rank's own output
+    now: start it with the process's log as its stderr instead, so that its log lines
+    are not shown as the rank's output."""
+    import functools
+
+    from ipyparallel.engine import nanny
+
+    nanny.Popen = functools.partial(nanny.Popen, stderr=sys.stderr.fileno())
+
+
 def _run_engine(argv: list[str]) -> None:
     _capture_output()
+    if "--IPEngine.enable_nanny=False" not in argv:
+        _nanny_logs_to_the_log()
     stream = "--IPEngine.out_stream_factory=tplab.lab.rank_stream.RankStream"
     sys.argv = ["tplab-engine", *argv, stream]
     from ipyparallel.engine.app import main as ipengine

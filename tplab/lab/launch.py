@@ -21,6 +21,7 @@ import weakref
 import ipyparallel as ipp
 from traitlets.config import Config
 
+from tplab import platforms
 from tplab.errors import LabError
 from tplab.lab import engines as other_engines
 from tplab.lab import network, processes
@@ -46,15 +47,6 @@ DEFAULT_TIMEOUT_S = 60.0  # a cell that runs longer than this in a workshop is a
 ENGINE_IDS_PER_START = 1024  # start g of the ranks asks the hub for ids g*1024 + rank
 
 
-def _loopback_interface() -> str | None:
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == "127.0.0.1" for a in addrs):
-            return name
-    return None
-
-
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -70,9 +62,13 @@ class Lab(Cells):
 
     def __init__(self, world_size: int = 4, backend: str = "auto", engines: str = "local",
                  timeout: float | None = None, cell_timeout: float | None = None,
-                 ip: str = "127.0.0.1", threads_per_rank: int | None = None, fork: bool = True,
-                 master_addr: str | None = None, cluster_options: dict | None = None,
+                 ip: str = "127.0.0.1", threads_per_rank: int | None = None,
+                 fork: bool | None = None, master_addr: str | None = None,
+                 cluster_options: dict | None = None,
                  **more_cluster_options):
+        # The fork server is the default on Linux only: on macOS forking after torch is
+        # imported crashes the child (tplab/platforms.py says why).
+        fork = platforms.default_fork() if fork is None else fork
         check_launch_args(world_size, backend, engines, ip, fork)
         if cluster_options is not None and not isinstance(cluster_options, dict):
             raise TypeError(f"cluster_options must be a dict of ipyparallel.Cluster options, "
@@ -148,14 +144,14 @@ class Lab(Cells):
             "OMP_NUM_THREADS": str(self.threads_per_rank),
             "PYTHONUNBUFFERED": "1",
         }
-        loopback = _loopback_interface() if self.ip.startswith("127.") else None
-        if loopback:
-            env["GLOO_SOCKET_IFNAME"] = loopback  # gloo would bind to the hostname's address
+        if self.ip.startswith("127."):  # gloo on loopback, not the hostname's address
+            env.update(platforms.rank_env())
         config = Config()
         config.BaseLauncher.environment = env
-        config.EngineLauncher.engine_cmd = [sys.executable, "-m", "tplab.lab.entry", "engine"]
+        python = platforms.engine_python()  # the kernel's own Python (JupyterHub, venvs)
+        config.EngineLauncher.engine_cmd = [python, "-m", "tplab.lab.entry", "engine"]
         config.ControllerLauncher.controller_cmd = [
-            sys.executable, "-m", "tplab.lab.entry", "controller"]
+            python, "-m", "tplab.lab.entry", "controller"]
         config.LocalEngineSetLauncher.delay = 0.0
         if self.engines != "local":
             other_engines.configure(config, self.engines, env, self._state_dir)

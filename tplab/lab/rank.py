@@ -73,11 +73,18 @@ class _Names:
 NAMES = _Names()
 
 
-def _user_ns() -> dict:
-    from IPython import get_ipython
+_NAMESPACE: list[dict] = []  # the engine's namespace, looked up once (IPython's is slow)
 
-    shell = get_ipython()
-    return shell.user_ns if shell is not None else sys.modules["__main__"].__dict__
+
+def _user_ns() -> dict:
+    if not _NAMESPACE:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is None:
+            return sys.modules["__main__"].__dict__
+        _NAMESPACE.append(shell.user_ns)
+    return _NAMESPACE[0]
 
 
 def _wait_for_port(host: str, port: int, timeout: float) -> None:
@@ -136,9 +143,11 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
         listener.bind((master_addr, master_port))
         listener.listen(128)
         listen_fd = listener.detach()
+    from tplab import platforms
+
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                          master_listen_fd=listen_fd)
+                          master_listen_fd=listen_fd, **platforms.store_options())
     kwargs = {}
     if backend == "nccl":
         torch.cuda.set_device(local_rank)

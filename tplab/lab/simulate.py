@@ -260,7 +260,10 @@ def _for_rank(obj, rank: int):
         return _rank_value(obj, rank)
     if isinstance(obj, torch.SymInt):
         node = obj.node
-        return node._local_ints[rank] if hasattr(node, "_local_ints") else int(obj)
+        if hasattr(node, "_local_ints"):
+            return node._local_ints[rank]
+        constant = node.maybe_as_int() if hasattr(node, "maybe_as_int") else None
+        return constant if constant is not None else int(obj)  # e.g. a mesh dim of size 1
     if isinstance(obj, LocalShard):
         return obj
     if isinstance(obj, list):

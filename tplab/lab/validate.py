@@ -9,10 +9,11 @@ import psutil
 from tplab.errors import LabError
 
 BACKENDS = ("auto", "gloo", "nccl")
-# Memory a local rank holds (PSS: shared pages counted once per sharer), measured by
-# benchmarks/rank_memory.py at world 4-16 on torch 2.13 CPU: ranks forked from the fork
-# server share torch's pages; ranks started as new processes (fork=False) do not.
-RANK_MEMORY_GIB = {"forked": 0.1, "started": 0.5}
+# Memory a local rank holds (PSS: a shared page counts 1/k to each of its k sharers), from
+# benchmarks/rank_memory.py after a DTensor MLP step, torch 2.13 CPU: forked from the fork
+# server 135-156 MiB (they share torch's pages), started anew (fork=False) 244-257 MiB plus
+# its nanny; with about 30% headroom:
+RANK_MEMORY_GIB = {"forked": 0.2, "started": 0.35}
 MAX_LOCAL_RANKS = 64
 LAUNCH_KEYWORDS = ("world_size", "backend", "engines", "timeout", "cell_timeout", "ip",
                    "threads_per_rank", "fork", "master_addr", "cluster_options")

@@ -228,10 +228,15 @@ class Watchdog:
                            "completing the missed collectives did not free the stuck ranks")
             time.sleep(POLL_S)
         for ar in pending:
-            reply = from_wire(ar.get()) if is_wire(ar.get()) else ar.get()
-            if isinstance(getattr(reply, "value", None), rank_side.RankFailure):
+            try:
+                message = ar.get()
+                failure = getattr(from_wire(message) if is_wire(message) else message,
+                                  "value", None)
+            except Exception as exc:  # noqa: BLE001 - e.g. the peer's engine died
+                failure = rank_side.RankFailure(type(exc).__name__, str(exc), "")
+            if isinstance(failure, rank_side.RankFailure):
                 self._hang(res, cell, views, live, "completing the missed collectives failed: "
-                           f"{reply.value.ename}: {reply.value.evalue}")
+                           f"{failure.ename}: {failure.evalue}")
         state.freed.append(sorted(by_peer))
         return True
 

@@ -1,0 +1,258 @@
+"""The notebooks in a real browser: JupyterLab (as `make lab` starts it) driven in Debian's
+Chromium through Playwright. For each notebook, "Run All": no error output, every plotly
+figure drawn. Then every control of the Explorer (01) and of the CostExplorer (08), used as
+a person would: the verdicts and the figures must change to match. Screenshots of a failure
+go to .tplab-state/browser/.
+
+Notebooks run at world_size 2 (papermill's parameters cell, injected into the copy the lab
+serves), except 01 at 4, where the Explorer's TP degree has a choice (2 or 4), and in the
+simulated mode where they have one (00 starts processes): the browser run checks what a
+learner sees, and keeps within the suite's time; papermill (test_notebooks.py) runs every
+notebook in each of its modes at 4.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+import time
+
+import browser
+import pytest
+import report
+from test_notebooks import modes
+
+REPO = pathlib.Path(__file__).parent.parent
+NOTEBOOKS = sorted((REPO / "notebooks").glob("0*.ipynb"))
+SHOTS = REPO / ".tplab-state" / "browser"
+WORLD_SIZE = 2
+EXPLORER_WORLD_SIZE = 4  # notebook 01
+_times: dict[str, float] = {}
+
+if not os.path.exists(browser.CHROMIUM):
+    pytest.skip(f"no Chromium at {browser.CHROMIUM} (Debian: apt-get install -y chromium; "
+                ".ci/run installs it)", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed "
+                               "(pip install -e '.[dev]')")
+
+
+@pytest.fixture(scope="module")
+def served():
+    state = pathlib.Path(tempfile.mkdtemp(prefix="tplab-browser-"))
+    root = state / "notebooks"
+    root.mkdir()
+    for nb in NOTEBOOKS:
+        world = EXPLORER_WORLD_SIZE if nb.stem.startswith("01") else WORLD_SIZE
+        fast = {"mode": "simulated"} if "simulated" in modes(nb) else {}
+        browser.prepare(nb, root, {"world_size": world, **fast})
+    lab = browser.JupyterLab(root, state)
+    try:
+        yield lab
+    finally:
+        lab.stop()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=browser.CHROMIUM, args=browser.FLAGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(chromium, request):
+    page = chromium.new_page(viewport={"width": 1400, "height": 1000})
+    shot = SHOTS / f"{request.node.name}.png"
+    shot.unlink(missing_ok=True)  # a screenshot left from an earlier failure
+    failed = request.session.testsfailed
+    yield page
+    if request.session.testsfailed > failed:  # the call phase is reported before teardown
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(shot), full_page=True)
+        print(f"screenshot: {shot}")
+    page.close()
+
+
+def _errors(nb: dict) -> list[str]:
+    return [f"cell {i}: {o.get('ename')}: {o.get('evalue')}"
+            for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code"
+            for o in c.get("outputs", []) if o["output_type"] == "error"]
+
+
+def _plotly_outputs(nb: dict) -> int:
+    return sum("application/vnd.plotly.v1+json" in o.get("data", {})
+               for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", []))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_run_all(path, served, page, request):
+    started = time.perf_counter()
+    browser.open_notebook(page, served, path.name)
+    prompts = browser.run_all(page, timeout_s=240)
+    nb = browser.save(page, served.root / path.name)
+    assert not _errors(nb), _errors(nb)
+    assert all(p[1:-2].isdigit() for p in prompts), f"cells that never ran: {prompts}"
+    figures = browser.plotly_figures(page)
+    assert len(figures) >= _plotly_outputs(nb), (len(figures), _plotly_outputs(nb))
+    bad = [f for f in figures if not f["svg"] or f["height"] < 100 or not f["traces"]]
+    assert not bad, f"plotly figures that did not render: {bad}"
+    assert not page.locator("text=Error displaying widget").count()
+    _times[path.stem] = time.perf_counter() - started
+    if path.stem.startswith("01"):
+        explore(page)
+    if path.stem.startswith("08"):
+        explore_cost(page)
+    if path.stem.startswith(("01", "08")):
+        _times[path.stem + " (and its widget's controls)"] = time.perf_counter() - started
+
+
+# --- notebook 01: the Explorer ------------------------------------------------------------
+
+def _status(page) -> str:
+    texts = page.evaluate("""() => [...document.querySelectorAll('.widget-html-content')]
+        .map(e => e.textContent).filter(t => /Megatron by hand|DTensor plan/.test(t))""")
+    return texts[-1] if texts else ""
+
+
+def _titles(page, prefix: str) -> list[str]:
+    return [f["title"] for f in browser.plotly_figures(page) if f["title"].startswith(prefix)]
+
+
+def _wait_status(page, expected: str, timeout_s: float = 30) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = _status(page)
+        if text.startswith(expected + ":") and "running" not in text:
+            return text
+        page.wait_for_timeout(200)
+    raise AssertionError(f"the Explorer says {_status(page)!r}, expected {expected!r}")
+
+
+def explore(page) -> None:
+    """Every control of the Explorer, in turn; each step checked against one device."""
+    panel = page.locator(".widget-vbox:has(.widget-toggle-buttons)").last
+    model = panel.locator(".widget-dropdown:has(label:text-is('model')) select")
+    tp = panel.locator(".widget-dropdown:has(label:text-is('TP degree')) select")
+    sp = panel.locator(".widget-checkbox:has-text('sequence parallelism') input")
+    drop_f = panel.locator(".widget-checkbox:has-text(\"drop f's backward all-reduce\") input")
+    w = EXPLORER_WORLD_SIZE
+    steps = [  # (what a person does, the description the status and figures must show)
+        (lambda: panel.locator("button:has-text('Megatron by hand')").click(),
+         f"mlp, tp={w}, Megatron by hand", True),
+        (lambda: drop_f.check(), f"mlp, tp={w}, Megatron by hand, f without all-reduce", False),
+        (lambda: drop_f.uncheck(), f"mlp, tp={w}, Megatron by hand", True),
+        (lambda: sp.check(), f"mlp, tp={w}, Megatron by hand, sequence parallel", True),
+        (lambda: model.select_option(label="attention"),
+         f"attention, tp={w}, Megatron by hand, sequence parallel", True),
+        (lambda: sp.uncheck(), f"attention, tp={w}, Megatron by hand", True),
+        (lambda: model.select_option(label="block"), f"block, tp={w}, Megatron by hand", True),
+        (lambda: tp.select_option(label="2"), f"block, dp={w // 2} × tp=2, Megatron by hand",
+         True),
+        (lambda: panel.locator("button:has-text('DTensor plan')").click(),
+         f"block, dp={w // 2} × tp=2, DTensor plan", True),
+        (lambda: tp.select_option(label=str(w)), f"block, tp={w}, DTensor plan", True),
+    ]
+    for act, desc, ok in steps:
+        act()
+        status = _wait_status(page, desc)
+        verdict = "matches the single-device model" if ok else "WRONG"
+        assert verdict in status, (desc, status)
+        for prefix in ("Where the collectives sit", "Collectives per rank",
+                       "Errors against one device"):
+            head = f"{prefix}: {desc}"
+
+            def drawn(head=head, prefix=prefix):
+                titles = _titles(page, prefix)
+                return titles and all(t.startswith(head) and not t[len(head):].startswith(",")
+                                      for t in titles)
+
+            deadline = time.monotonic() + 15  # the figures follow the status line
+            while not drawn() and time.monotonic() < deadline:
+                page.wait_for_timeout(200)
+            assert drawn(), (head, _titles(page, prefix))
+    assert drop_f.is_disabled()  # a DTensor plan has no f to drop
+
+
+# --- notebook 08: the CostExplorer --------------------------------------------------------
+
+def _cost_state(page) -> dict:
+    return page.evaluate("""() => {
+        // the explorer's figure is the notebook's last (its cell comes after every other)
+        const out = [...document.querySelectorAll(
+            '.jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot')].pop();
+        const summary = [...document.querySelectorAll('.widget-html-content')]
+            .map(e => e.textContent).filter(t => t.includes('fastest at')).pop();
+        return {title: out.querySelector('.gtitle').textContent, summary: summary,
+                y: out.data.map(t => Array.from(t.y).map(v => Number(v.toPrecision(6))))};
+    }""")
+
+
+def _expected(mirror) -> dict:
+    summary = html.unescape(re.sub(r"<[^>]+>", "", mirror.summary.value))
+    return {"title": mirror.hw.name, "summary": summary,
+            "y": [[float(f"{v:.6g}") for v in t.y] for t in mirror.figure.data]}
+
+
+def explore_cost(page) -> None:
+    """Every control of the CostExplorer; after each, the figure and the summary must be
+    what the same explorer computes here for the same settings."""
+    from tplab import cost
+    from tplab.cost.explorer import CostExplorer
+
+    # the notebook's explorer after Run All (simulated mode: the presets only)
+    mirror = CostExplorer(hardware=dict(cost.HARDWARE), tps=[1, 2, 4, 8, 16, 32, 64])
+    mirror.update(model="Llama-3 70B", hardware="A100 SXM")
+    mirror.update(gpus_per_node=72)
+    mirror.update(sequence_parallel=True)
+    panel = page.locator(".widget-vbox:has(label:text-is('GPUs per node'))").first
+
+    def select(label):
+        box = panel.locator(f".widget-dropdown:has(label:text-is('{label}')) select")
+        return lambda value: box.select_option(label=str(value))
+
+    def batch(value):
+        box = panel.locator(".widget-text:has(label:text-is('micro-batch')) input")
+        box.fill(str(value))
+        box.press("Enter")
+
+    def sp(value):
+        box = panel.locator(".widget-checkbox:has-text('sequence parallel') input")
+        box.check() if value else box.uncheck()
+
+    steps = [(select("hardware"), "hardware", "H100 PCIe"),
+             (select("model"), "model", "Llama-3 8B"),
+             (select("hidden size"), "hidden", 8192),
+             (select("sequence"), "seq", 16384),
+             (batch, "batch", 4),
+             (select("GPUs per node"), "gpus_per_node", 16),
+             (sp, "sequence_parallel", False),
+             (select("hardware"), "hardware", "H100 SXM")]
+    before = _cost_state(page)  # after the cell that drove it from code
+    assert before == _expected(mirror), f"the page shows {before}, expected {_expected(mirror)}"
+    for act, name, value in steps:
+        act(value)
+        mirror.update(**{name: value})
+        want = _expected(mirror)
+        deadline = time.monotonic() + 15
+        while (got := _cost_state(page)) != want and time.monotonic() < deadline:
+            page.wait_for_timeout(200)
+        assert got == want, f"after {name}={value!r}: the page shows {got}, expected {want}"
+        assert got["y"] != before["y"] or name == "sequence_parallel", f"{name}: no redraw"
+        before = got
+
+
+def teardown_module(module):
+    if _times:
+        lines = [f"  {name}: {s:.1f} s" for name, s in sorted(_times.items())]
+        total = sum(s for name, s in _times.items() if "(" not in name)
+        report.LINES["browser"] = [f"browser (JupyterLab in Chromium, world_size "
+                                   f"{WORLD_SIZE}, 01 at {EXPLORER_WORLD_SIZE}), Run All "
+                                   "per notebook:", *lines,
+                                   f"  total: {total:.1f} s"]

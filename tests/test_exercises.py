@@ -1,0 +1,98 @@
+"""tplab.exercises: every reference solution passes and every typical mistake fails with
+feedback that names it, on real ranks and in a simulation; the lab stays usable after."""
+
+from __future__ import annotations
+
+import pytest
+
+import tplab
+from tplab import exercises
+from tplab.exercises import mistakes, solutions
+
+
+def test_catalog():
+    names = exercises.names()
+    assert len(names) >= 10 and len(set(names)) == len(names)
+    assert set(names) == set(solutions.SOLUTIONS) == set(mistakes.MISTAKES)
+    for name in names:
+        assert "Hint 1 of 3" in exercises.hint(name, 1)
+        assert exercises.hint(name, 9).startswith("Hint 3 of 3")
+        assert exercises.solution(name).startswith("```python")
+        assert exercises.task(name)
+    assert "class F_" in exercises.solution("f") and "all_reduce" in exercises.solution("f")
+
+
+def test_bad_calls_say_what_is_wrong():
+    with pytest.raises(KeyError, match="did you mean 'row_parallel'"):
+        exercises.check("row_paralel", None, None)
+    with pytest.raises(ValueError, match="runs on ranks"):
+        exercises.check("f", solutions.F_)
+    with pytest.raises(ValueError, match="hint level"):
+        exercises.hint("f", 0)
+    with pytest.raises(ValueError, match="inject"):
+        exercises.Workbook(None, inject="everything")
+
+
+def test_feedback_display():
+    fb = exercises.check("cost_prediction", {"bytes": 1, "seconds": 1})
+    assert not fb and "bytes" in fb.message
+    assert 'data-passed="false"' in fb._repr_html_()
+    fb = exercises.check("cost_prediction", solutions.cost_prediction())
+    assert fb.passed and 'data-passed="true"' in fb._repr_html_()
+
+
+def test_answers_of_the_wrong_kind(labs):
+    lab = labs.get(2)
+    fb = exercises.check("f", lambda x, group: x, lab)
+    assert not fb.passed and "torch.autograd.Function subclass" in fb.message
+    fb = exercises.check("mlp_plan", ["w1"], lab)
+    assert not fb.passed and "a plan is a dict" in fb.message
+
+
+@pytest.mark.slow
+def test_on_real_ranks(labs):
+    lab = labs.get(2)
+    for name in exercises.names():
+        fb = exercises.check(name, exercises.reference_answer(name, lab), lab)
+        assert fb.passed, (name, fb.message)
+        for what, answer, phrase in mistakes.MISTAKES[name]:
+            fb = exercises.check(name, answer, lab)
+            assert not fb.passed, (name, what)
+            assert phrase in fb.message, (name, what, fb.message)
+            if "rank 0 only" in what:  # the hang is reported, and the lab works after it
+                assert "rank 0 is in all_reduce" in fb.message
+                assert exercises.check(name, solutions.F_, lab).passed
+
+
+def test_messages_name_ranks_and_sizes(labs):
+    lab = labs.get(2)
+    fb = exercises.check("f", mistakes.FNoReduce, lab)
+    assert fb.message.startswith("your backward returns each rank's own term: dL/dx differs "
+                                 "across ranks by up to ")
+    fb = exercises.check("column_parallel", mistakes.ColumnGathered, lab)
+    assert "on rank 0 your output has shape (2, 3, 8)" in fb.message
+    fb = exercises.check("f", mistakes.FRaises, lab)
+    assert "on ranks 0,1: NameError: name 'y' is not defined" in fb.message
+
+
+def test_in_a_simulation():
+    sim = tplab.simulate(4)
+    for name in exercises.names():
+        fb = exercises.check(name, exercises.reference_answer(name, sim), sim)
+        assert fb.passed, (name, fb.message)
+        for what, answer, phrase in mistakes.MISTAKES[name]:
+            if "rank 0 only" in what:  # one process runs every rank: nothing can hang
+                continue
+            fb = exercises.check(name, answer, sim)
+            assert not fb.passed and phrase in fb.message, (name, what, fb.message)
+
+
+def test_rank_side_imports_no_notebook_side():
+    import subprocess
+    import sys
+
+    code = ("import sys, tplab.exercises.steps, tplab.exercises.mistakes; print([m for m in "
+            "sys.modules if m.startswith(('IPython', 'ipywidgets', 'tplab.lab', "
+            "'tplab.exercises.checks', 'tplab.exercises.catalog', 'tplab.exercises.feedback'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

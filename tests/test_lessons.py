@@ -1,0 +1,36 @@
+"""Each notebook says which world sizes it runs at, in its first cells."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+import tplab
+from tplab.lessons import SIZES, require_world_size
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("0*.ipynb"))
+
+
+def test_a_size_that_does_not_fit_names_those_that_do():
+    assert require_world_size("06", 2) == 2
+    with pytest.raises(tplab.LabError, match=r"notebook 06 runs at world_size 2, 4, 6 or 8, "
+                                             r"not 3"):
+        require_world_size("06", 3)
+    with pytest.raises(tplab.LabError, match="not '4'"):
+        require_world_size("01", "4")
+
+
+def test_every_notebook_checks_its_world_size_before_starting_ranks():
+    assert sorted(SIZES) == [p.name[:2] for p in NOTEBOOKS]
+    for path in NOTEBOOKS:
+        code = [("".join(c["source"])) for c in json.loads(path.read_text())["cells"]
+                if c["cell_type"] == "code"]
+        start = next(i for i, s in enumerate(code) if "tplab.launch(" in s
+                     or "tplab.simulate(" in s)
+        src = code[start]
+        call = f'require_world_size("{path.name[:2]}", world_size)'
+        assert call in src and src.index(call) < min(
+            i for i in (src.find("tplab.launch("), src.find("tplab.simulate(")) if i >= 0), path
+        assert 4 in SIZES[path.name[:2]] and 2 in SIZES[path.name[:2]]  # what the tests run

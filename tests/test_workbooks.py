@@ -1,0 +1,71 @@
+"""The exercise workbooks (notebooks/exercises/) run by papermill twice: with the reference
+solutions injected, every check passes; with the typical mistakes, every check fails with
+its message (tplab.exercises.Workbook asserts both, cell by cell)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import papermill
+import pytest
+import report
+
+WORKBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks" / "exercises")
+                   .glob("*.ipynb"))
+_times: dict[str, float] = {}
+
+
+def _checks(cells) -> int:
+    return sum("book.check(" in "".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+def _verdicts(cells) -> list[str]:
+    """data-passed of every Feedback box the run displayed, in order."""
+    out = []
+    for c in cells:
+        for o in c.get("outputs", []):
+            html = o.get("data", {}).get("text/html", "")
+            html = "".join(html) if isinstance(html, list) else html
+            if 'class="tplab-feedback"' in html:
+                out.append(html.split('data-passed="', 1)[1].split('"', 1)[0])
+    return out
+
+
+def test_workbooks_are_saved_without_outputs():
+    assert len(WORKBOOKS) >= 2
+    names = []
+    for path in WORKBOOKS:
+        cells = json.loads(path.read_text())["cells"]
+        assert not any(c.get("outputs") for c in cells if c["cell_type"] == "code"), path.name
+        assert "parameters" in cells[1]["metadata"].get("tags", []), path.name
+        names += [s.split('"')[1] for c in cells if c["cell_type"] == "code"
+                  for s in ["".join(c["source"])] if s.startswith("book.check(")]
+    from tplab import exercises
+
+    assert sorted(names) == sorted(exercises.names())  # every exercise has a workbook cell
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inject", ["solutions", "mistakes"])
+@pytest.mark.parametrize("path", WORKBOOKS, ids=lambda p: p.stem)
+def test_workbook(path, inject, tmp_path):
+    started = time.perf_counter()
+    out = tmp_path / path.name
+    papermill.execute_notebook(str(path), str(out), cwd=str(path.parent),
+                               parameters={"world_size": 2, "inject": inject},
+                               kernel_name="python3", progress_bar=False,
+                               execution_timeout=300)
+    _times[f"{path.stem} [{inject}]"] = time.perf_counter() - started
+    cells = json.loads(out.read_text())["cells"]
+    verdicts = _verdicts(cells)
+    assert len(verdicts) == _checks(json.loads(path.read_text())["cells"])
+    assert set(verdicts) == {"true" if inject == "solutions" else "false"}
+
+
+def teardown_module(module):
+    if _times:
+        lines = [f"  {name}: {s:.1f} s" for name, s in sorted(_times.items())]
+        report.LINES["workbooks"] = ["exercise workbooks:", *lines,
+                                     f"  total: {sum(_times.values()):.1f} s"]

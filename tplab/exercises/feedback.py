@@ -1,0 +1,116 @@
+"""What a check says: `Feedback(passed, message)`, shown as a coloured box in Jupyter.
+
+Also the translation of what can go wrong while an answer runs on the ranks (an exception,
+a collective some ranks never reach, a plan that does not fit) into feedback that says what
+went wrong, where and on which rank, while the lab stays usable.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tplab.errors import CollectiveHang, LabError, PlanError, RankDied, RankError
+from tplab.lab.output import format_rank_list
+
+CHECK_TIMEOUT_S = 10.0  # an answer that waits longer than this in a collective is stuck
+
+
+class Stop(Exception):
+    """Raised inside a check with the feedback that ends it."""
+
+    def __init__(self, feedback: Feedback):
+        self.feedback = feedback
+        super().__init__(feedback.message)
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """The verdict on one answer: `passed`, and a `message` that names what is wrong, where
+    and on which rank (or what was checked, when it passed)."""
+
+    name: str
+    passed: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        return f"{'PASSED' if self.passed else 'NOT YET'} [{self.name}] {self.message}"
+
+    def _repr_html_(self) -> str:
+        color, mark = ("#1b7e3c", "&#10004; passed") if self.passed else ("#b3261e",
+                                                                          "&#10008; not yet")
+        body = html.escape(self.message).replace("\n", "<br>")
+        return (f'<div class="tplab-feedback" data-passed="{str(self.passed).lower()}" '
+                f'style="border-left:4px solid {color};padding:4px 10px;margin:4px 0">'
+                f'<b style="color:{color}">{mark}</b> <code>{html.escape(self.name)}</code>'
+                f'<br>{body}</div>')
+
+
+def fail(name: str, message: str) -> Stop:
+    return Stop(Feedback(name, False, message))
+
+
+def _last_line(tb: str) -> str:
+    lines = [ln for ln in tb.strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "an exception"
+
+
+def _user_line(tb: str) -> str:
+    """The innermost frame of the traceback outside torch and tplab: the learner's line."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)[^\n]*\n\s*([^\n]*)', tb)
+    own = [f for f in frames if "site-packages" not in f[0] and "/tplab/" not in f[0]]
+    if not own:
+        return ""
+    path, line, code = own[-1]
+    where = "your cell" if path.startswith("<") or "ipykernel" in path else path
+    return f" at {where}, line {line}: {code.strip()}" if code else f" at {where}, line {line}"
+
+
+def run_on_ranks(name: str, lab, fn, *args):
+    """lab.run(fn, *args) with a short timeout; whatever goes wrong becomes a `Stop`."""
+    try:
+        return lab.run(fn, *args, timeout=CHECK_TIMEOUT_S)
+    except CollectiveHang as err:
+        raise fail(name, "your answer waits in a collective that not every rank reaches: "
+                         "every rank must call the same collectives in the same order "
+                         f"(a collective under `if rank == ...` hangs).\n{err}") from None
+    except RankDied as err:
+        raise fail(name, f"a rank died while running your answer:\n{err}") from None
+    except PlanError as err:
+        raise fail(name, f"your plan does not fit the model: {err}") from None
+    except RankError as err:
+        groups: dict[str, list[int]] = {}
+        for rank, tb in err.tracebacks.items():
+            groups.setdefault(_last_line(tb) + _user_line(tb), []).append(rank)
+        parts = [f"on {format_rank_list(ranks)}: {text}" for text, ranks in groups.items()]
+        raise fail(name, "your answer raised an exception " + "; ".join(parts)) from None
+    except LabError as err:
+        raise fail(name, f"the lab could not run your answer: {err}") from None
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).abs().max())
+
+
+def close(a, b, atol: float = 1e-4) -> bool:
+    return (a is not None and b is not None and tuple(a.shape) == tuple(b.shape)
+            and torch.allclose(a.float(), b.float(), atol=atol, rtol=1e-4))
+
+
+def spread(values: list[torch.Tensor]) -> float:
+    """How far the ranks' tensors are from each other (0 when they agree)."""
+    return max((max_diff(v, values[0]) for v in values[1:]), default=0.0)
+
+
+def shape(t) -> tuple:
+    return tuple(t.shape)
+
+
+def fmt_counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{op} x{n}" for op, n in sorted(counts.items())) or "no collective"
