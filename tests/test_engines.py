@@ -155,9 +155,16 @@ def test_mpi_engine_failure_is_reported_within_10_s_with_the_fix(tmp_path, monke
     assert wait_gone(left, 5) == [], "the failed lab's processes are ended"
 
 
-def test_mpi_ranks_on_two_hosts(hosts, monkeypatch):
+def say_where():
+    import os
+
+    print(f"rank {os.environ['RANK']} on {os.environ['GLOO_SOCKET_IFNAME']}")
+
+
+def test_mpi_ranks_on_two_hosts(hosts, monkeypatch, capsys):
     """mpiexec with a hostfile over two hosts: 4 ranks meet over the veths; the store and
-    gloo listen on the hosts' addresses only; only signed messages reach the hub; restart()
+    gloo listen on the hosts' addresses only; only signed messages reach the hub; what the
+    ranks print reaches the notebook; restart()
     replaces the ranks; after shutdown() nothing is left on either host."""
     need("mpiexec")
     pytest.importorskip("mpi4py", reason='engines="mpi" needs mpi4py: pip install "tplab[mpi]"')
@@ -182,6 +189,10 @@ def test_mpi_ranks_on_two_hosts(hosts, monkeypatch):
         assert hosts.controller in hub_ips and hub_ips <= {hosts.controller, "127.0.0.1"}, \
             hub_ips
         check_only_signed_messages_run(lab)
+        capsys.readouterr()
+        lab.run(say_where)  # what ranks elsewhere print reaches the notebook, by rank
+        shown = "".join(capsys.readouterr())
+        assert all(f"rank {r} on eth0" in shown for r in range(4)), shown
         lab.restart()  # the old ranks end on their hosts, new ones start through mpiexec
         again = lab.run(sum_of_ranks_and_where)
         assert [r["sum"] for r in again] == [10.0] * 4

@@ -176,7 +176,8 @@ def _capture_output() -> None:
     os.makedirs(os.path.dirname(out_path), mode=0o700, exist_ok=True)
     log = os.fdopen(os.dup(2), "w", buffering=1)
     for fd, path in ((1, out_path), (2, err_path)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # read-write: ranks elsewhere read their own output back (rank.py forwards it)
+        target = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(target, fd)
         os.close(target)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
