@@ -6,7 +6,11 @@ What the lab needs from them beyond what ipyparallel does:
   (Slurm), a remote engine process is gone (ssh), or an engine log has a fatal line;
 - which pids are local processes the lab may kill (`local_pids`: never a remote pid);
 - ending what runs elsewhere at shutdown (`stop_remote`): `kill` over ssh for ssh
-  engines, `scancel` (the launcher's delete command) for batch jobs.
+  engines, `scancel` (the launcher's delete command) for batch jobs;
+- the lab's defaults for each launcher (`configure`: heartbeat watch, environment
+  forwarded by mpiexec, sbatch's errors kept), ssh hosts started at once
+  (`SSHEngineSetLauncherByHost`), and a launcher that fails at once (`start_error`).
+See docs/CLUSTER.md, and ipyparallel's launchers (ipyparallel.cluster.launcher).
 """
 
 from __future__ import annotations
