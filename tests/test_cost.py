@@ -70,12 +70,73 @@ def test_one_rank_costs_nothing_and_bad_names_are_refused():
         cost.collective_time("all_reduce", 1, 2, LINK, "butterfly")
 
 
-def test_hardware_uses_nvlink_inside_a_node_and_infiniband_beyond():
+def test_hardware_uses_nvlink_inside_a_node_and_striped_nics_beyond():
     hw = cost.HARDWARE["H100 SXM"]
-    assert hw.link(8).name == "NVLink 4" and hw.link(16).name == "InfiniBand NDR"
+    assert hw.link(8) is hw.intra and hw.intra.bandwidth == 370e9    # nccl-tests #212
+    across = hw.link(16)
+    assert across.name == "8 x InfiniBand NDR (nccl-tests)"
+    assert across.bandwidth == min(370e9, 8 * 48e9) == 370e9         # 8 NICs, capped by NVLink
+    assert hw.with_(nics_per_node=1).link(16).bandwidth == 48e9      # the old one-NIC model
+    assert hw.with_(nics_per_node=4).link(16).bandwidth == 4 * 48e9
+    assert cost.HARDWARE["A100 SXM"].link(16).bandwidth == 8 * 24e9  # 192 GB/s (nccl #812)
     t8 = cost.collective_time("all_reduce", 2**26, 8, hw)
     t16 = cost.collective_time("all_reduce", 2**26, 16, hw)
-    assert t16 > 5 * t8   # 450 GB/s against 50 GB/s
+    one_nic = cost.collective_time("all_reduce", 2**26, 16, hw.with_(nics_per_node=1))
+    assert t8 < t16 < 1.5 * t8 < 5 * t8 < one_nic   # the cliff was the single NIC
+
+
+# --- the fabric: hand-computed values -----------------------------------------------------
+
+TOY = Hardware("toy", flops=1e12, intra=Link("nv", 1e9, 1e-6), inter=Link("nic", 1e8, 1e-5),
+               gpus_per_node=4, nics_per_node=2)
+
+
+def test_a_group_across_nodes_takes_network_steps_and_striped_bandwidth():
+    # 8 ranks on 2 nodes: 2 x 7 = 14 ring steps, 2 x (2 - 1) = 2 of them between nodes
+    # (NCCL's nInterSteps); bytes at min(1e9, 2 NICs x 1e8) = 2e8 B/s
+    assert cost.collective_terms("all_reduce", 8e6, 8, TOY) == pytest.approx(
+        (12 * 1e-6 + 2 * 1e-5, 2 * 8e6 * 7 / 8 / 2e8))
+    assert cost.collective_terms("all_gather", 8e6, 8, TOY) == pytest.approx(
+        (6 * 1e-6 + 1e-5, 8e6 * 7 / 8 / 2e8))
+    # 4 nodes of 4: 15 steps per pass, 3 between nodes
+    assert cost.collective_terms("reduce_scatter", 8e6, 16, TOY)[0] == pytest.approx(
+        12 * 1e-6 + 3 * 1e-5)
+    assert cost.collective_terms("all_reduce", 8e6, 4, TOY) == pytest.approx(
+        (6e-6, 2 * 8e6 * 3 / 4 / 1e9))      # inside the node: NVLink only
+
+
+def test_every_call_pays_the_base_latency():
+    link = Link("based", 1e9, 1e-6, base_latency=5e-6)
+    assert cost.collective_terms("all_reduce", 8e6, 4, link) == pytest.approx((11e-6, 12e-3))
+    assert cost.collective_terms("all_gather", 8, 4, link)[0] == pytest.approx(8e-6)
+    assert cost.collective_time("all_reduce", 8e6, 1, link) == 0
+    assert cost.LINKS["NVLink 4 (nccl-tests)"].base_latency == 8.4e-6   # tuning.cc baseLat
+
+
+def test_nvls_reduces_in_the_switch():
+    link = Link("nvswitch", 1e9, 1e-6, base_latency=5e-6, nvls_bandwidth=2e9)
+    # 2 steps (into the switch, multicast back), bytes at the NVLS bus bandwidth
+    nvls = cost.collective_terms("all_reduce", 8e6, 4, link, "nvls")
+    assert nvls == pytest.approx((7e-6, 2 * 8e6 * 3 / 4 / 2e9))
+    assert cost.collective_time("all_reduce", 8e6, 4, link, "auto") == pytest.approx(sum(nvls))
+    with pytest.raises(ValueError, match="nvls_bandwidth"):
+        cost.collective_time("all_reduce", 8e6, 4, LINK, "nvls")
+    hw = cost.HARDWARE["H100 SXM"]
+    with pytest.raises(ValueError, match="inside one node"):
+        cost.collective_time("all_reduce", 8e6, 16, hw, "nvls")
+    # across nodes "auto" falls back to ring or tree; inside, NVLS wins for large messages
+    assert cost.collective_time("all_reduce", 2**26, 16, hw, "auto") == min(
+        cost.collective_time("all_reduce", 2**26, 16, hw, a) for a in ("ring", "tree"))
+    assert cost.collective_time("all_reduce", 2**26, 8, hw, "nvls") < cost.collective_time(
+        "all_reduce", 2**26, 8, hw)
+    # a sweep takes it with "auto" where it exists (inside the node), the ring beyond
+    shape = cost.MODELS["Llama-3 8B"]
+    auto, ring = (cost.sweep(shape, hw, (8, 16), algorithm=a) for a in ("auto", "ring"))
+    assert auto[0]["tp_comm_s"] < ring[0]["tp_comm_s"]
+    assert auto[1]["tp_comm_s"] <= ring[1]["tp_comm_s"]
+    # gather and scatter ops never use it
+    assert cost.collective_terms("all_gather", 8e6, 4, link, "nvls") == cost.collective_terms(
+        "all_gather", 8e6, 4, link)
 
 
 def test_presets_are_faster_inside_a_node_than_between_nodes():
@@ -128,19 +189,124 @@ def test_block_collectives_tp_and_sequence_parallel():
     assert all(r["bytes"] == T and r["group_size"] == 4 for r in tp + sp)
     assert cost.block_collectives(shape, 1) == []
     # same bytes, same time: SP saves memory, not communication (Korthikanti et al. 2022)
-    for link in (LINK, cost.HARDWARE["H100 SXM"]):
-        assert cost.records_time(sp, link) == pytest.approx(cost.records_time(tp, link))
+    assert cost.records_time(sp, LINK) == pytest.approx(cost.records_time(tp, LINK))
+    # ... except that twice the calls pay NCCL's base latency twice: 4 more per block
+    hw = cost.HARDWARE["H100 SXM"]
+    assert cost.records_time(sp, hw) - cost.records_time(tp, hw) == pytest.approx(
+        4 * hw.intra.base_latency)
 
 
 def test_step_time_by_hand():
     hw = Hardware("toy", flops=1e12, intra=FREE, inter=FREE, gpus_per_node=8)
     shape = BlockShape(hidden=8, heads=2, kv_heads=1, ffn=12, gated=True, seq=3, layers=5,
                        dtype_bytes=2)
-    row = cost.step_time(shape, 2, hw)
+    row = cost.step_time(shape, 2, hw, mfu=1.0)
     assert row["compute_s"] == pytest.approx(5 * 3 * 3168 / (2 * 1e12))
     # 4 all-reduces of 3*8*2 = 48 bytes on 2 ranks: 4 * 2 * 48 * 1/2 / 1e9 per layer
-    assert row["tp_comm_s"] == pytest.approx(5 * 4 * 48 / 1e9)
+    assert row["tp_comm_s"] == pytest.approx(5 * 4 * 48 / 1e9) == row["exposed_comm_s"]
     assert row["step_s"] == pytest.approx(row["compute_s"] + row["tp_comm_s"])
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(3 / (row["step_s"] * 2))
+    assert row["gpu_s"] == pytest.approx(2 * row["step_s"])
+    # compute at the default MFU (Llama 3: 38-43%) takes 1/0.4 as long
+    assert cost.MFU == 0.40
+    assert cost.step_time(shape, 2, hw)["compute_s"] == pytest.approx(row["compute_s"] / 0.4)
+    with pytest.raises(ValueError, match="mfu"):
+        cost.step_time(shape, 2, hw, mfu=1.5)
+
+
+# a block whose messages are 48 bytes (3 tokens x 8 x 2 bytes) on a slow link: each
+# all-reduce over 2 ranks takes 2 * 48 * 1/2 / 1e8 = 480 ns; at 1 GFLOP/s, 2 ranks:
+# the MLP's w1 GEMM (2 * 3 * 8 * 12 = 576 FLOPs) takes 288 ns, q, k, v (1152) 576 ns
+SLOW = Hardware("slow", flops=1e9, intra=Link("slow", 1e8, 0.0), inter=Link("slow", 1e8, 0.0))
+SMALL = BlockShape(hidden=8, heads=2, ffn=12, seq=3, dtype_bytes=2)
+
+
+def test_megatron_overlap_hides_the_backward_all_reduce_behind_the_weight_gradient():
+    none = cost.step_time(SMALL, 2, SLOW, mfu=1.0)
+    mg = cost.step_time(SMALL, 2, SLOW, mfu=1.0, overlap="megatron")
+    assert none["tp_comm_s"] == pytest.approx(4 * 480e-9) == mg["tp_comm_s"]
+    assert none["exposed_comm_s"] == none["tp_comm_s"]
+    # forward g: 2 x 480 ns exposed; backward f of the MLP: 480 - 288; of attention: hidden
+    assert mg["exposed_comm_s"] == pytest.approx(2 * 480e-9 + (480e-9 - 288e-9))
+    assert mg["hidden_comm_s"] == pytest.approx(288e-9 + 480e-9)
+    assert mg["step_s"] == pytest.approx(mg["compute_s"] + mg["exposed_comm_s"])
+    recs = cost.comm_times(SMALL, 2, SLOW, overlap="megatron", mfu=1.0)
+    assert [(r["phase"], r["hidden_by"]) for r in recs] == [
+        ("forward", None), ("forward", None), ("backward", "col_wgrad"),
+        ("backward", "col_wgrad")]
+    assert [r["gemm_s"] for r in recs[2:]] == pytest.approx([288e-9, 576e-9])
+
+
+def test_sp_saves_the_shard_and_gathers_it_again_for_a_quarter_more_bytes():
+    gathered = cost.block_collectives(SMALL, 2, sequence_parallel=True)
+    shard = cost.block_collectives(SMALL, 2, sequence_parallel=True, sp_saves="shard")
+    assert len(gathered) == 8 and len(shard) == 10
+    assert sum(r["bytes"] for r in shard) == 1.25 * sum(r["bytes"] for r in gathered)
+    assert [r["role"] for r in shard if r["phase"] == "backward"] == [
+        "bwd_out", "regather", "bwd_in"] * 2
+    # Megatron hides the re-gather behind the input-gradient GEMM (q, k, v: 576 ns, w1:
+    # 288 ns) and the reduce-scatters of dx behind the weight-gradient GEMMs
+    t = 240e-9          # an all-gather or reduce-scatter of 48 bytes over 2 ranks
+    mg = cost.step_time(SMALL, 2, SLOW, True, mfu=1.0, overlap="megatron", sp_saves="shard")
+    assert mg["tp_comm_s"] == pytest.approx(10 * t)
+    assert mg["exposed_comm_s"] == pytest.approx(4 * t + 2 * t)   # forward 4, bwd_out 2
+    # memory: the two region inputs (h x d bytes per token each) are kept 1/t
+    shape = cost.MODELS["Llama-3 8B"]
+    mem = {s: cost.gpu_memory(shape, 8, True, sp_saves=s)["activation_bytes"]
+           for s in ("gathered", "shard")}
+    assert mem["gathered"] - mem["shard"] == pytest.approx(
+        shape.layers * 2 * shape.tokens * shape.hidden * 2 * (1 - 1 / 8))
+    with pytest.raises(ValueError, match="sp_saves"):
+        cost.block_collectives(SMALL, 2, True, sp_saves="both")
+
+
+def test_async_tp_hides_every_sp_collective_inside_the_node_only():
+    with pytest.raises(ValueError, match="sequence_parallel=True"):
+        cost.step_time(SMALL, 2, SLOW, overlap="async_tp")
+    fast = Hardware("fast", 1e9, Link("nv", 1e10, 0.0), Link("nic", 1e10, 0.0), 2)
+    row = cost.step_time(SMALL, 2, fast, True, mfu=1.0, overlap="async_tp")
+    assert row["exposed_comm_s"] == 0 and row["tp_comm_s"] > 0   # every GEMM outlasts its
+    across = cost.step_time(SMALL, 4, fast, True, mfu=1.0, overlap="async_tp")   # 2 nodes
+    assert across["exposed_comm_s"] == across["tp_comm_s"] and "NVLink domain" in across[
+        "overlap"]
+    with pytest.raises(ValueError, match="overlap"):
+        cost.step_time(SMALL, 2, SLOW, overlap="always")
+
+
+def test_best_tp_for_latency_or_throughput_within_memory():
+    hw = cost.HARDWARE["H100 SXM"]
+    rows = cost.sweep(cost.MODELS["Llama-3 8B"], hw)
+    per_gpu = [r["tokens_per_s_per_gpu"] for r in rows]
+    assert per_gpu == sorted(per_gpu, reverse=True)           # GPU-ms rise from TP 1
+    assert cost.best_tp(rows, "throughput") == 1
+    assert cost.best_tp(rows) == cost.best_tp(rows, "latency") == min(
+        rows, key=lambda r: r["step_s"])["tp"] > 8           # 8 NICs: faster across nodes
+    # within 80 GB (no optimizer sharding), the first that fits is the best throughput
+    fits = [r["tp"] for r in rows if r["memory_bytes"] <= hw.memory]
+    assert cost.best_tp(rows, "throughput", hw.memory) == fits[0]
+    toy = [{"tp": 1, "step_s": 4.0, "tokens_per_s_per_gpu": 10.0, "memory_bytes": 9},
+           {"tp": 2, "step_s": 2.0, "tokens_per_s_per_gpu": 10.0, "memory_bytes": 5},
+           {"tp": 4, "step_s": 1.5, "tokens_per_s_per_gpu": 6.0, "memory_bytes": 3}]
+    assert cost.best_tp(toy, "throughput") == 1               # a tie: the smaller degree
+    assert cost.best_tp(toy, "throughput", memory_limit=6) == 2
+    assert cost.best_tp(toy, "latency", memory_limit=6) == 4
+    with pytest.raises(ValueError, match="objective"):
+        cost.best_tp(toy, "cost")
+    with pytest.raises(ValueError, match="tokens_per_s_per_gpu"):
+        cost.best_tp([{"tp": 1, "step_s": 1.0}], "throughput")
+
+
+def test_zero_shards_the_model_states_over_dp():
+    shape = cost.MODELS["Llama-3 70B"]
+    plain = cost.gpu_memory(shape, 8)
+    for zero, sharded in ((1, ("optimizer_bytes",)), (2, ("optimizer_bytes", "grad_bytes")),
+                          (3, ("optimizer_bytes", "grad_bytes", "param_bytes"))):
+        row = cost.gpu_memory(shape, 8, dp=64, zero=zero)
+        for key in ("optimizer_bytes", "grad_bytes", "param_bytes"):
+            assert row[key] == pytest.approx(plain[key] / (64 if key in sharded else 1))
+        assert row["activation_bytes"] == plain["activation_bytes"]
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        cost.gpu_memory(shape, 8, dp=2, zero=4)
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -153,20 +319,22 @@ def test_closed_form_mlp_ratio_agrees_with_the_model(gated):
             cost.mlp_comm_ratio(shape, tp, hw))
 
 
-def test_tp_stops_paying_where_it_leaves_the_node():
+def test_where_tp_stops_paying_moves_with_the_nics():
     hw = cost.HARDWARE["H100 SXM"]
     for name in ("Llama-3 8B", "Llama-3 70B"):
-        rows = cost.sweep(cost.MODELS[name], hw)
-        by_tp = {r["tp"]: r for r in rows}
-        assert [r["step_s"] for r in rows[:4]] == sorted((r["step_s"] for r in rows[:4]),
-                                                         reverse=True)
+        shape = cost.MODELS[name]
+        one_nic = cost.sweep(shape, hw.with_(nics_per_node=1))
+        by_tp = {r["tp"]: r for r in one_nic}
+        assert [r["step_s"] for r in one_nic[:4]] == sorted((r["step_s"] for r in one_nic[:4]),
+                                                            reverse=True)
         assert by_tp[16]["step_s"] > by_tp[8]["step_s"] and by_tp[16]["crosses_nodes"]
-        assert cost.best_tp(rows) == 8
-        assert cost.comm_bound_tp(cost.MODELS[name], hw) == 16
+        assert cost.best_tp(one_nic) == 8        # the old verdict: one NIC per ring
+        assert cost.best_tp(cost.sweep(shape, hw)) > 8    # 8 striped NICs: it pays further
     # a bigger hidden size stays compute-bound further on a single fabric
     nvlink_only = hw.with_(gpus_per_node=1024)
-    assert cost.comm_bound_tp(cost.MODELS["Llama-3 70B"], nvlink_only) > cost.comm_bound_tp(
-        cost.MODELS["Llama-3 8B"], nvlink_only)
+    share = {name: cost.step_time(cost.MODELS[name], 16, nvlink_only)["comm_fraction"]
+             for name in ("Llama-3 8B", "Llama-3 70B")}
+    assert share["Llama-3 70B"] < share["Llama-3 8B"]
 
 
 def test_scaled_keeps_head_width_and_ffn_ratio():
@@ -182,11 +350,12 @@ def test_explorer_is_driven_from_code():
     from tplab.cost.explorer import CostExplorer
 
     ex = CostExplorer()
-    assert ex.best_tp == 8 and [r["tp"] for r in ex.rows] == [1, 2, 4, 8, 16, 32, 64]
-    ex.update(gpus_per_node=64)
+    assert ex.best_tp == cost.best_tp(ex.rows) and [r["tp"] for r in ex.rows] == [
+        1, 2, 4, 8, 16, 32, 64]
+    ex.update(hardware="A100 SXM", gpus_per_node=64)
     assert ex.best_tp > 8
     ex.update(hardware="A100 SXM")          # back to the preset's 8 GPUs per node
-    assert ex.hw.gpus_per_node == 8 and ex.best_tp == 8
+    assert ex.hw.gpus_per_node == 8 and ex.best_tp == cost.best_tp(ex.rows)
     ex.update(model="Llama-3 8B", hidden=8192)
     assert ex.shape.hidden == 8192 and ex.shape.ffn == 2 * 14336 and ex.shape.layers == 32
     with pytest.raises(ValueError, match="no control"):

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from tp_fixtures import CFG, tp_lab  # noqa: F401
+from tp_fixtures import CFG, activations, build, tp_lab  # noqa: F401
 
 from tplab import PlanError, RankError, models, plans
 from tplab.plans import check_plan, describe_plan
@@ -164,3 +164,59 @@ def test_every_named_plan_is_a_plain_dict_of_styles():
         assert all(isinstance(k, str) for k in plan)
         assert all(type(v).__module__.startswith("torch.distributed") for v in plan.values())
     assert isinstance(models.TinyLM(CFG).output, nn.Linear)
+
+
+# --- grouped-query attention and the vocabulary -------------------------------------------
+
+GQA = dataclasses.replace(CFG, dim=32, n_heads=8, n_kv_heads=2)   # 4 query heads per KV head
+
+
+def test_key_value_heads_bound_the_tp_degree():
+    check_plan(models.Attention(GQA), plans.attention(), 2)        # 2 KV heads, 1 per rank
+    with pytest.raises(PlanError, match=r"Attention: n_kv_heads = 2 \(key/value heads\) is not "
+                                        r"divisible by tp = 4, so wk would split a key/value "
+                                        r"head.*8 query heads are not the limit.*duplicated"):
+        check_plan(models.Attention(GQA), plans.attention(), 4)   # though 8 query heads divide
+    with pytest.raises(PlanError, match=r"n_heads = 8 is not divisible by tp = 16.*query"):
+        check_plan(models.Attention(dataclasses.replace(GQA, dim=128, n_kv_heads=8)),
+                   plans.attention(), 16)
+
+
+def test_a_gqa_block_under_tp_computes_what_one_device_computes(tp_lab):  # noqa: F811
+    import tplab
+
+    cfg = dataclasses.replace(GQA, n_kv_heads=tp_lab.world_size)
+    report = tplab.grad_check(tp_lab, build(models.Block, cfg), plans.block(),
+                              activations(cfg))
+    assert report.ok, str(report)
+    assert report.pairs["attention.wk.weight"] == "Shard(0)"
+
+
+def test_from_hf_checks_heads_and_vocab_against_tp():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(num_attention_heads=64, num_key_value_heads=8, hidden_size=8192,
+                      vocab_size=128256)                          # Llama 3 70B's sizes
+    assert set(plans.from_hf(cfg, tp=8)) == set(plans.from_hf(cfg))
+    with pytest.raises(PlanError, match=r"num_key_value_heads = 8 \(key/value heads\) is not "
+                                        r"divisible by tp = 16; the 64 query heads"):
+        plans.from_hf(cfg, tp=16)
+    cfg.num_key_value_heads = 24
+    with pytest.raises(PlanError, match=r"num_attention_heads = 64 \(query heads\) is not "
+                                        r"divisible by tp = 3"):
+        plans.from_hf(cfg, tp=3)
+    cfg.num_key_value_heads, cfg.vocab_size = 8, 50257            # GPT-2's vocabulary
+    with pytest.raises(PlanError, match=r"vocab_size = 50257 is not divisible by tp = 8 "
+                                        r"\(50257 = 6282 x 8 \+ 1\); pad it to 51200"):
+        plans.from_hf(cfg, tp=8)
+    with pytest.warns(UserWarning, match="padded to 51200 rows"):
+        plans.from_hf(cfg, tp=8, pad_vocab=True)
+
+
+def test_megatron_pads_the_vocabulary_to_a_multiple_of_128_tp():
+    assert plans.padded_vocab(128256, 8) == 129024 == 126 * 128 * 8
+    assert plans.padded_vocab(50257, 1) == 50304
+    assert plans.check_vocab(128256, 8) == 128256                # divisible: no padding
+    with pytest.warns(UserWarning, match="50257 is not divisible by tp = 2"):
+        assert plans.check_vocab(50257, 2, pad=True) == 50432

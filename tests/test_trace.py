@@ -7,7 +7,7 @@ import pytest
 from tp_fixtures import CFG, tp_lab  # noqa: F401
 
 KEYS = {"rank", "seq", "phase", "module", "op", "shape", "dtype", "bytes", "group",
-        "group_size", "duration_ms", "cause"}
+        "group_size", "duration_ms", "start_ms", "cause"}
 
 
 def _mlp_step(cfg, path, input_grad):
@@ -48,6 +48,8 @@ def test_records_follow_the_contract(tp_lab):  # noqa: F811
             assert rec["bytes"] == 4 * CFG.batch_size * CFG.seq_len * CFG.dim
             assert rec["group"] == "tp" and rec["group_size"] == n
             assert isinstance(rec["duration_ms"], float) and rec["duration_ms"] >= 0
+        # issued in order, the backward one after the forward one has finished
+        assert 0 <= fwd["start_ms"] <= fwd["start_ms"] + fwd["duration_ms"] <= bwd["start_ms"]
         # g sits after w2 (its output redistribution); f's backward at w1's input
         assert (fwd["phase"], fwd["module"]) == ("forward", "w2")
         assert (bwd["phase"], bwd["module"]) == ("backward", "w1")

@@ -10,8 +10,12 @@ the papers; its docstring names the counterpart in megatron/core/tensor_parallel
 | reduce_from_tp     | all-reduce               | identity                 | g                   |
 | scatter_to_tp      | split (keep my chunk)    | all-gather               | scatter             |
 | gather_from_tp     | all-gather               | split                    | gather              |
-| all_gather_seq     | all-gather on dim        | reduce-scatter on dim    | g-bar (SP)          |
-| reduce_scatter_seq | reduce-scatter on dim    | all-gather on dim        | g (SP)              |
+| all_gather_seq     | all-gather on dim        | reduce-scatter on dim    | g (SP)              |
+| reduce_scatter_seq | reduce-scatter on dim    | all-gather on dim        | g-bar (SP)          |
+
+The SP names are Korthikanti et al.'s (section 4.2.2, Figure 5): g is the all-gather in the
+forward pass and the reduce-scatter in the backward pass, entering a TP region (where f
+was); g-bar is the reverse, leaving it (where Megatron-LM's first paper has its g).
 
 Every function takes the mesh (or a process group) explicitly: no global singleton. Pass a
 DeviceMesh inside `tplab.simulate`: the rank comes from `mesh.get_local_rank()`, which the
@@ -175,7 +179,8 @@ class GatherFromTP(torch.autograd.Function):
 
 class AllGatherSeq(torch.autograd.Function):
     """All-gather forward, reduce-scatter backward
-    (Megatron `_GatherFromSequenceParallelRegion`, the g-bar of sequence parallelism).
+    (Megatron `_GatherFromSequenceParallelRegion`; the g of sequence parallelism in
+    Korthikanti et al. 2022, section 4.2.2).
     """
 
     @staticmethod
@@ -190,7 +195,8 @@ class AllGatherSeq(torch.autograd.Function):
 
 class ReduceScatterSeq(torch.autograd.Function):
     """Reduce-scatter forward, all-gather backward
-    (Megatron `_ReduceScatterToSequenceParallelRegion`, the g of sequence parallelism).
+    (Megatron `_ReduceScatterToSequenceParallelRegion`; the g-bar of sequence
+    parallelism in Korthikanti et al. 2022, section 4.2.2).
     """
 
     @staticmethod

@@ -30,6 +30,7 @@ class Config:
     n_layers: int = 2
     n_heads: int = 4
     hidden_dim: int = 64  # feed-forward width
+    n_kv_heads: int | None = None  # grouped-query attention: key/value heads (None: n_heads)
     seq_len: int = 8
     batch_size: int = 2
     norm_eps: float = 1e-6
@@ -108,14 +109,21 @@ class Attention(_Built):
     """Causal multi-head self-attention with separate q, k, v and output projections.
 
     Under TP each rank holds n_heads / tp heads: the views below use -1 for the number
-    of heads, so the same code runs on the full model and on a shard.
+    of heads, so the same code runs on the full model and on a shard. With
+    `cfg.n_kv_heads` (grouped-query attention, as Llama 3: Ainslie et al. 2023) k and v
+    have fewer heads, each shared by n_heads / n_kv_heads query heads (repeated here, as
+    Llama's `repeat_kv`); under TP a rank holds n_kv_heads / tp of them.
     """
 
     def build(self, cfg: Config) -> None:
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        if cfg.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads = {cfg.n_heads} must be a multiple of n_kv_heads = "
+                             f"{self.n_kv_heads}")
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,6 +132,9 @@ class Attention(_Built):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if q.shape[1] != k.shape[1]:  # GQA: each k, v head serves a group of query heads
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         # (b, h, s, hd) @ (b, h, hd, s) -> (b, h, s, s) -> softmax @ (b, h, s, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, h*hd)
@@ -142,6 +153,24 @@ class Block(_Built):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+class DropoutBlock(Block):
+    """A Block with hidden dropout (Megatron-LM's, on the residual stream after attention
+    and after the feed-forward layer: OUTSIDE the TP regions), its masks drawn from a
+    `tplab.rng.Dropout` stream: `region="replicated"` is right (the same mask on every
+    rank); `"tp"` is the bug of a per-rank seed (each rank drops different elements)."""
+
+    def __init__(self, cfg: Config, p: float = 0.1, region: str = "replicated",
+                 seed: int = 1234):
+        from tplab.rng import Dropout, RNGTracker
+
+        super().__init__(cfg)
+        self.hidden_dropout = Dropout(p, region, RNGTracker(None, seed))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.hidden_dropout(self.attention(self.attention_norm(x)))
+        return h + self.hidden_dropout(self.feed_forward(self.ffn_norm(h)))
 
 
 class TinyLM(_Built):

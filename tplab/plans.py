@@ -170,11 +170,70 @@ def check_plan(model: nn.Module, plan: dict, tp: int) -> None:
                                     f"over tp = {tp} ranks, and {length} is not divisible by "
                                     f"{tp}")
             parent = model.get_submodule(path.rpartition(".")[0])
-            heads = getattr(parent, "n_heads", None)
-            if isinstance(style, ColwiseParallel) and heads is not None and heads % tp:
-                pname = path.rpartition(".")[0] or type(model).__name__
-                raise PlanError(f"{pname}: n_heads = {heads} is not divisible by tp = {tp}, "
-                                f"so {name} would split a head across ranks")
+            if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear):
+                _check_heads(parent, path, module, tp, path.rpartition(".")[0] or
+                             type(model).__name__, name)
+
+
+def _head_counts(parent: nn.Module) -> tuple[int | None, int | None]:
+    """(query heads, key/value heads) of an attention module: tplab's n_heads /
+    n_kv_heads, or transformers' config.num_attention_heads / num_key_value_heads."""
+    if getattr(parent, "n_heads", None) is None and not hasattr(parent, "head_dim"):
+        return None, None   # not an attention module (an MLP may carry the config too)
+    config = getattr(parent, "config", None)
+    heads = getattr(parent, "n_heads", None) or getattr(config, "num_attention_heads", None)
+    kv = (getattr(parent, "n_kv_heads", None) or getattr(config, "num_key_value_heads", None)
+          or heads)
+    return heads, kv
+
+
+def _check_heads(parent, path, module, tp, pname, name) -> None:
+    """A column-parallel projection of an attention module splits its heads: the query
+    heads for q (and the output projection's input), the key/value heads for k and v."""
+    heads, kv = _head_counts(parent)
+    if heads is None:
+        return
+    head_dim = getattr(parent, "head_dim", None)
+    is_kv = (kv != heads and head_dim is not None and module.out_features == kv * head_dim) or (
+        kv != heads and path.rpartition(".")[2] in ("wk", "wv", "k_proj", "v_proj"))
+    if is_kv and kv % tp:
+        raise PlanError(f"{pname}: n_kv_heads = {kv} (key/value heads) is not divisible by "
+                        f"tp = {tp}, so {name} would split a key/value head across ranks "
+                        f"(the {heads} query heads are not the limit); past {kv} ranks each "
+                        "rank needs its own copy of its group's KV heads (duplicated KV "
+                        "heads, as Megatron-LM does when tp > num_query_groups)")
+    if not is_kv and heads % tp:
+        raise PlanError(f"{pname}: n_heads = {heads} is not divisible by tp = {tp}, so "
+                        f"{name} would split a head across ranks (n_heads: the query heads)")
+
+
+def padded_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Megatron-LM's padded vocabulary: the smallest multiple of `multiple` x tp (its
+    --make-vocab-size-divisible-by, 128 by default) that holds `vocab_size` rows
+    (megatron/training/tokenizer: _vocab_size_with_padding)."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def check_vocab(vocab_size: int, tp: int, pad: bool = False, multiple: int = 128) -> int:
+    """The vocabulary size to shard over `tp` ranks: `vocab_size` itself when tp divides it;
+    otherwise, with `pad=True`, Megatron's padded size (`padded_vocab`) with a warning, and
+    without, a PlanError that gives the sizes."""
+    if vocab_size % tp == 0:
+        return vocab_size
+    padded = padded_vocab(vocab_size, tp, multiple)
+    if not pad:
+        raise PlanError(f"vocab_size = {vocab_size} is not divisible by tp = {tp} "
+                        f"({vocab_size} = {vocab_size // tp} x {tp} + {vocab_size % tp}); pad "
+                        f"it to {padded} (a multiple of {multiple} x {tp}, as Megatron-LM "
+                        "does), e.g. model.resize_token_embeddings(...), or pass pad_vocab=True")
+    import warnings
+
+    warnings.warn(f"vocab_size = {vocab_size} is not divisible by tp = {tp}: padded to "
+                  f"{padded} rows ({padded - vocab_size} unused), a multiple of {multiple} x "
+                  f"{tp} as Megatron-LM pads; resize the embedding and lm head to match",
+                  stacklevel=3)
+    return padded
 
 
 def apply_plan(model: nn.Module, mesh, plan: dict) -> nn.Module:
@@ -302,7 +361,8 @@ HF_SUPPORTED = tuple(sorted(["colwise", "rowwise", "colwise_rep", "colwise_gathe
                              "embedding_colwise", "sequence_parallel", "replicate"]))
 
 
-def from_hf(config_or_model, prefix: str | None = None) -> dict:
+def from_hf(config_or_model, prefix: str | None = None, *, tp: int | None = None,
+            pad_vocab: bool = False) -> dict:
     """A DTensor plan from a transformers config's `base_model_tp_plan` (the plan the
     model's authors publish), its wildcards kept ("model.layers.*.self_attn.q_proj").
 
@@ -312,6 +372,11 @@ def from_hf(config_or_model, prefix: str | None = None) -> dict:
     `_tp_plan` (Llama's lm_head: "colwise_gather_output") is added. Supported strings:
     `HF_SUPPORTED`; "replicate" adds nothing. Any other (packed, MoE, local_* styles)
     raises a PlanError that names it and its module.
+
+    With `tp=N` the config's sizes are checked against N first: a PlanError names the
+    key/value heads (`num_key_value_heads`, e.g. 8 in Llama 3) or the query heads that N
+    does not divide, and the vocabulary (`check_vocab`: padded with a warning when
+    `pad_vocab=True`, refused with the sizes otherwise).
     """
     config = getattr(config_or_model, "config", config_or_model)
     extra: dict = {}
@@ -322,6 +387,8 @@ def from_hf(config_or_model, prefix: str | None = None) -> dict:
             prefix = f"{base}." if base and hasattr(model, base) else ""
         extra = dict(getattr(type(model), "_tp_plan", None) or {})
     prefix = prefix or ""
+    if tp is not None:
+        _check_config(config, tp, pad_vocab)
     published = getattr(config, "base_model_tp_plan", None)
     if not published:
         raise PlanError(f"{type(config).__name__} publishes no base_model_tp_plan")
@@ -335,3 +402,23 @@ def from_hf(config_or_model, prefix: str | None = None) -> dict:
         if styles[name] is not None:
             plan[key] = styles[name]
     return plan
+
+
+def _check_config(config, tp: int, pad_vocab: bool) -> None:
+    """A transformers config's head counts and vocabulary against tp ranks."""
+    if not isinstance(tp, int) or tp < 1:
+        raise PlanError(f"tp must be a positive int, got {tp!r}")
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    name = type(config).__name__
+    if kv is not None and kv % tp:
+        raise PlanError(f"{name}: num_key_value_heads = {kv} (key/value heads) is not "
+                        f"divisible by tp = {tp}; the {heads} query heads are not the limit, "
+                        f"the KV heads are: past {kv} ranks each rank needs a copy of its "
+                        "group's KV heads (duplicated KV heads)")
+    if heads is not None and heads % tp:
+        raise PlanError(f"{name}: num_attention_heads = {heads} (query heads) is not "
+                        f"divisible by tp = {tp}")
+    vocab = getattr(config, "vocab_size", None)
+    if vocab:
+        check_vocab(vocab, tp, pad=pad_vocab)

@@ -21,6 +21,8 @@ Timing: `duration_ms` of a functional collective runs from its issue to its wait
 waits lazily, so this includes any compute it overlapped); a c10d call is waited on by the
 trace itself (so an async_op=True call becomes synchronous while traced). On CUDA these are
 host-side times. Send and recv are not waited on (that could deadlock a pair of ranks).
+`start_ms` is when the call was issued, from the trace's start: the gap from one record's
+start + duration to the next one's start is the compute between them.
 
 Cost (measured, CPU, benchmarks/trace_overhead.py): every op of a traced step, not only the
 collectives, passes through `__torch_dispatch__` in Python. torch's own round trip into a
@@ -286,6 +288,7 @@ class Trace(TorchDispatchMode):
 
     def __enter__(self):
         self.records.clear()
+        self._t0 = time.perf_counter()
         # in tplab.simulate this is a SymInt holding every rank: records split per rank
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._modules.__enter__()
@@ -321,6 +324,7 @@ class Trace(TorchDispatchMode):
         start = time.perf_counter()
         out = func(*args, **kwargs)
         record = self._record(func, spec, args)
+        record["start_ms"] = (start - self._t0) * 1e3
         if func.namespace == "c10d" and record["op"] not in _NO_WAIT:
             _wait_work(out)
         record["duration_ms"] = (time.perf_counter() - start) * 1e3
@@ -358,6 +362,7 @@ class Trace(TorchDispatchMode):
             "group": label,
             "group_size": size,
             "duration_ms": 0.0,
+            "start_ms": 0.0,
             "cause": cause,
         }
         self.records.append(record)

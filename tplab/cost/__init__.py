@@ -6,8 +6,9 @@ block's bytes and FLOPs, hardware presets, and a calibration of this machine.
     cost.sweep(cost.MODELS["Llama-3 70B"], cost.HARDWARE["H100 SXM"])
     cal = cost.calibrate(lab)          # real ranks only; cal.hardware is "this machine"
 
-Sources are cited in each submodule: `hardware` (datasheets), `collectives` (ring and
-tree algorithms), `transformer` (Megatron-LM, Korthikanti et al. 2022, the Ultra-Scale
+Sources are cited in each submodule: `hardware` (datasheets, published nccl-tests bus
+bandwidth, NCCL's latencies; NICs striped between nodes), `collectives` (ring, tree and
+NVLS algorithms), `transformer` (Megatron-LM, Korthikanti et al. 2022, the Ultra-Scale
 Playbook, the JAX scaling book), `memory` (per-GPU memory: ZeRO's bytes per parameter,
 Korthikanti et al. 2022's activations, tplab's own block), `calibrate` (the fit). Also:
 `lab_models` (the lab's own MLP and Block under its plans, checked against `tplab.trace`
@@ -21,12 +22,15 @@ from tplab.cost.collectives import OPS, collective_terms, collective_time, recor
 from tplab.cost.hardware import GPU_MEMORY, HARDWARE, LINKS, Hardware, Link
 from tplab.cost.memory import activation_bytes, gpu_memory, layer_saved, param_count
 from tplab.cost.transformer import (
+    MFU,
     MODELS,
+    OVERLAPS,
     BlockShape,
     best_tp,
     block_collectives,
     block_flops,
     comm_bound_tp,
+    comm_times,
     mlp_comm_ratio,
     scaled,
     step_time,
@@ -34,9 +38,10 @@ from tplab.cost.transformer import (
 )
 
 __all__ = [
-    "GPU_MEMORY", "HARDWARE", "LINKS", "MODELS", "OPS", "BlockShape", "Calibration",
+    "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS", "OVERLAPS", "BlockShape",
+    "Calibration",
     "Hardware", "Link",
     "best_tp", "block_collectives", "block_flops", "calibrate", "collective_terms",
-    "collective_time", "comm_bound_tp", "mlp_comm_ratio", "records_time", "scaled",
+    "collective_time", "comm_bound_tp", "comm_times", "mlp_comm_ratio", "records_time", "scaled",
     "step_time", "sweep", "activation_bytes", "gpu_memory", "layer_saved", "param_count",
 ]

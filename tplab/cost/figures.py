@@ -5,6 +5,8 @@
 - `collective_lines`: time of one collective against message size, one line per link.
 - `memory_bars`: per-GPU memory per TP degree (parameters, gradients, optimizer state,
   activations stacked), with a line at each GPU's memory.
+- `sensitivity`: where TP stops paying (the fastest TP degree) against one knob per panel
+  (NICs per node, latency, ...), one line per overlap mode.
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ LINE_COLORS = ("#1f4e9c", "#b2182b", "#2e7d32", "#6a3d9a", "#ff7f00", "#616161")
 
 def step_breakdown(panels: dict[str, list[dict]], title: str = "Step time against TP degree",
                    subtitle: str | None = None) -> go.Figure:
-    """One panel per label of `sweep` rows: stacked compute and TP communication (ms), the
-    fastest TP degree marked, and the degrees whose TP group crosses nodes shaded."""
+    """One panel per label of `sweep` rows: stacked compute and the TP communication left on
+    the critical path (ms: `exposed_comm_s`, all of it without overlap), the fastest TP
+    degree marked, and the degrees whose TP group crosses nodes shaded."""
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=list(panels),
                         horizontal_spacing=0.08)
     for col, rows in enumerate(panels.values(), start=1):
         x = [str(r["tp"]) for r in rows]
         for key, name, color in (("compute_s", "compute", COMPUTE_COLOR),
-                                 ("tp_comm_s", "TP communication", COMM_COLOR)):
-            fig.add_bar(x=x, y=[r[key] * 1e3 for r in rows], name=name, marker_color=color,
+                                 ("exposed_comm_s", "TP communication", COMM_COLOR)):
+            fig.add_bar(x=x, y=[r.get(key, r["tp_comm_s"]) * 1e3 for r in rows], name=name,
+                        marker_color=color,
                         showlegend=col == 1, legendgroup=name, row=1, col=col,
                         customdata=[[r["link"], r["comm_fraction"]] for r in rows],
                         hovertemplate="TP %{x}: %{y:.1f} ms<br>link %{customdata[0]}<br>"
@@ -134,3 +138,28 @@ def memory_bars(rows: list[dict], title: str = "Memory per GPU against TP degree
     fig.update_xaxes(title_text=x_title, type="category")
     fig.update_yaxes(title_text=f"{unit} per GPU")
     return style(fig, title, subtitle, barmode="stack", height=430)
+
+
+def sensitivity(panels: dict[str, dict[str, list[tuple]]], title: str = "Where TP stops paying",
+                subtitle: str | None = None, y_title: str = "fastest TP degree") -> go.Figure:
+    """One panel per knob: {panel title: {line label: [(x, fastest TP degree), ...]}}, the x
+    values as categories (NIC counts, latencies), the TP degree on a log2 axis."""
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=list(panels),
+                        horizontal_spacing=0.07, shared_yaxes=True)
+    labels = list(dict.fromkeys(label for lines in panels.values() for label in lines))
+    for col, lines in enumerate(panels.values(), start=1):
+        for label, points in lines.items():
+            i = labels.index(label)   # dashes and shrinking markers: coinciding lines show
+            color = LINE_COLORS[i % len(LINE_COLORS)]
+            fig.add_scatter(x=[str(x) for x, _ in points], y=[tp for _, tp in points],
+                            name=label, legendgroup=label, showlegend=col == 1,
+                            mode="lines+markers", row=1, col=col,
+                            line={"color": color, "dash": ("solid", "dash", "dot")[i % 3],
+                                  "width": 4 - i % 3},
+                            marker={"size": 12 - 3 * (i % 3)},
+                            hovertemplate="%{x}: TP %{y}<extra>" + label + "</extra>")
+        fig.update_xaxes(type="category", row=1, col=col)
+    tps = sorted({tp for lines in panels.values() for pts in lines.values() for _, tp in pts})
+    fig.update_yaxes(type="log", tickvals=tps, ticktext=[str(t) for t in tps])
+    fig.update_yaxes(title_text=y_title, row=1, col=1)
+    return style(fig, title, subtitle, height=420)

@@ -59,7 +59,7 @@ The differences are asserted in tests/test_memory.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tplab.cost.transformer import BlockShape
 
@@ -86,6 +86,7 @@ class Saved:
     tp: bool = False
     sp: bool = False
     selective: bool = False
+    linear_input: bool = False   # a TP region's input: whole or a shard under SP (sp_saves)
 
     def local_bytes(self, tokens: int, tp: int = 1, sequence_parallel: bool = False) -> float:
         """Bytes one rank holds: an int whenever the split is even."""
@@ -109,7 +110,7 @@ def tplab_layer(shape: BlockShape, sublayers=("attention", "mlp"), prefix: str =
 
     if "attention" in sublayers:
         out += norm("attention_norm")
-        out += [Saved("attention.wq", "normed input (q, k, v)", h, d),
+        out += [Saved("attention.wq", "normed input (q, k, v)", h, d, linear_input=True),
                 Saved("attention", "q", h, d, tp=True),
                 Saved("attention", "k", kv, d, tp=True),
                 Saved("attention", "v", kv, d, tp=True),
@@ -120,7 +121,8 @@ def tplab_layer(shape: BlockShape, sublayers=("attention", "mlp"), prefix: str =
         path = (lambda name: f"{ff}.{name}" if ff else name)
         if "attention" in sublayers:
             out += norm("ffn_norm")
-        out.append(Saved(path("w1"), "input (w1, w3)" if shape.gated else "input", h, d))
+        out.append(Saved(path("w1"), "input (w1, w3)" if shape.gated else "input", h, d,
+                         linear_input=True))
         if shape.gated:
             out += [Saved(ff, "w1 x (silu input)", f, d, tp=True),
                     Saved(ff, "silu(w1 x)", f, d, tp=True),
@@ -138,7 +140,7 @@ def gpt_layer(shape: BlockShape) -> list[Saved]:
     h, d, a, s, f = shape.hidden, shape.dtype_bytes, shape.heads, shape.seq, shape.ffn_size
     return [
         Saved("attention_norm", "LayerNorm input", h, d, sp=True),
-        Saved("attention", "QKV input", h, d, sp=True),
+        Saved("attention", "QKV input", h, d, sp=True, linear_input=True),
         Saved("attention", "Q", h, d, tp=True),
         Saved("attention", "K", h, d, tp=True),
         Saved("attention", "softmax output", a * s, d, tp=True, selective=True),
@@ -148,7 +150,7 @@ def gpt_layer(shape: BlockShape) -> list[Saved]:
         Saved("attention", "output projection input", h, d, tp=True),
         Saved("attention", "dropout mask", h, 1, sp=True),
         Saved("ffn_norm", "LayerNorm input", h, d, sp=True),
-        Saved("feed_forward", "first linear input", h, d, sp=True),
+        Saved("feed_forward", "first linear input", h, d, sp=True, linear_input=True),
         Saved("feed_forward", "GeLU input", f, d, tp=True),
         Saved("feed_forward", "GeLU output (second linear input)", f, d, tp=True),
         Saved("feed_forward", "dropout mask", h, 1, sp=True),
@@ -156,29 +158,35 @@ def gpt_layer(shape: BlockShape) -> list[Saved]:
 
 
 def layer_saved(shape: BlockShape, recompute: str = "none", layout: str = "tplab",
-                sublayers=("attention", "mlp")) -> list[Saved]:
+                sublayers=("attention", "mlp"), sp_saves: str | None = None) -> list[Saved]:
     """The tensors one layer keeps for backward under a recomputation policy.
 
     "selective" drops what the paper recomputes (the attention scores); "full" keeps only
     the layer's input (Korthikanti et al. 2022, Table 2). `layout`: "tplab" (tplab's Block)
-    or "gpt" (the paper's GPT layer)."""
+    or "gpt" (the paper's GPT layer). `sp_saves`: how a TP region keeps its input under SP,
+    "gathered" (whole: DTensor, tplab's default) or "shard" (1/t, gathered again in
+    backward: Megatron-LM, the paper's default); None: the layout's own."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if sp_saves not in (None, "gathered", "shard"):
+        raise ValueError(f"sp_saves must be 'gathered', 'shard' or None, not {sp_saves!r}")
     if recompute == "full":
         return [Saved("", "layer input", shape.hidden, shape.dtype_bytes, sp=True)]
     items = tplab_layer(shape, sublayers) if layout == "tplab" else gpt_layer(shape)
+    if sp_saves is not None:
+        items = [replace(i, sp=sp_saves == "shard") if i.linear_input else i for i in items]
     return [i for i in items if not (recompute == "selective" and i.selective)]
 
 
 def activation_bytes(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
                      recompute: str = "none", layout: str = "tplab",
-                     sublayers=("attention", "mlp")) -> float:
+                     sublayers=("attention", "mlp"), sp_saves: str | None = None) -> float:
     """Activation bytes one GPU keeps for backward, for ONE layer and one micro-batch."""
     tokens = shape.tokens
     return sum(i.local_bytes(tokens, tp, sequence_parallel)
-               for i in layer_saved(shape, recompute, layout, sublayers))
+               for i in layer_saved(shape, recompute, layout, sublayers, sp_saves))
 
 
 def param_count(shape: BlockShape, tp: int = 1) -> float:
@@ -194,12 +202,22 @@ def param_count(shape: BlockShape, tp: int = 1) -> float:
 
 def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
                recompute: str = "none", precision: str = "mixed", optimizer: str = "adam",
-               layout: str = "tplab") -> dict:
+               layout: str = "tplab", sp_saves: str | None = None, dp: int = 1,
+               zero: int = 0) -> dict:
     """Bytes one GPU holds for training with TP degree `tp`: parameters, gradients,
     optimizer state, and every layer's activations for one micro-batch (the embedding's
     output and the logits are left out, as in the paper's Table 2). Keys as `tplab.memory`:
     param_bytes, grad_bytes, optimizer_bytes, activation_bytes, and memory_bytes (the sum).
+
+    `zero` with `dp` data-parallel replicas shards the model states over them (Rajbhandari
+    et al. 2020, section 5): stage 1 the optimizer state (Megatron-LM's distributed
+    optimizer), 2 also the gradients, 3 also the parameters (FSDP; the one layer gathered
+    at a time is left out).
     """
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero is a ZeRO stage, 0 to 3; got {zero!r}")
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be a positive int, got {dp!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     if optimizer not in OPTIMIZER_BYTES:
@@ -208,9 +226,11 @@ def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
     n = param_count(shape, tp)
-    row = {"param_bytes": n * PARAM_BYTES[precision], "grad_bytes": n * GRAD_BYTES[precision],
-           "optimizer_bytes": n * OPTIMIZER_BYTES[optimizer][precision],
+    shard = [dp if zero >= stage else 1 for stage in (3, 2, 1)]
+    row = {"param_bytes": n * PARAM_BYTES[precision] / shard[0],
+           "grad_bytes": n * GRAD_BYTES[precision] / shard[1],
+           "optimizer_bytes": n * OPTIMIZER_BYTES[optimizer][precision] / shard[2],
            "activation_bytes": shape.layers * activation_bytes(
-               shape, tp, sequence_parallel, recompute, layout)}
+               shape, tp, sequence_parallel, recompute, layout, sp_saves=sp_saves)}
     row["memory_bytes"] = sum(row.values())
     return row

@@ -74,9 +74,10 @@ def _predict_cost(name, answer, lab=None):
         latency, transfer = cost.collective_terms("all_reduce", nbytes, n, hw)
         raise fail(name, f"seconds: you said {s * 1e6:.1f} us, the model says "
                          f"{seconds * 1e6:.1f} us = {latency * 1e6:.1f} us of latency "
-                         f"(2 (n-1) steps x {hw.intra.latency * 1e6:.1f} us) + "
-                         f"{transfer * 1e6:.1f} us of bytes at "
-                         f"{hw.intra.bandwidth / 1e9:.0f} GB/s (NVLink 4, one way)")
+                         f"({hw.intra.base_latency * 1e6:.1f} us per call + 2 (n-1) steps x "
+                         f"{hw.intra.latency * 1e6:.1f} us) + {transfer * 1e6:.1f} us of bytes "
+                         f"at {hw.intra.bandwidth / 1e9:.0f} GB/s (NVLink 4's bus bandwidth, "
+                         "as nccl-tests measures it)")
     return f"right: {sent / 2**20:.1f} MiB sent per GPU, {seconds * 1e6:.1f} us"
 
 
@@ -170,7 +171,8 @@ EXERCISES = [
              'H100 SXM node: {"bytes": bytes each GPU sends, "seconds": its time}.',
              ("A ring all-reduce is a reduce-scatter then an all-gather.",
               "Each half sends (n-1)/n of the tensor, in n-1 steps of alpha each.",
-              "bytes = 2 (n-1)/n * 4096*8192*2; seconds = 2 (n-1) * 1.9e-6 + bytes / 450e9."),
+              "bytes = 2 (n-1)/n * 4096*8192*2; seconds = 8.4e-6 + 2 (n-1) * 1.9e-6 "
+              "+ bytes / 370e9."),
              _predict_cost, "08", needs_lab=False),
 ]
 

@@ -173,11 +173,12 @@ def block_counts(world_size: int) -> dict:
 
 def cost_prediction() -> dict:
     """A ring all-reduce of a (1, 4096, 8192) bf16 activation over 8 GPUs of an H100 SXM
-    node: each GPU sends 2 (n-1)/n of the tensor; time = 2 (n-1) alpha + bytes / bandwidth."""
+    node: each GPU sends 2 (n-1)/n of the tensor; time = NCCL's per-call latency +
+    2 (n-1) alpha + bytes sent / bus bandwidth (tplab.cost.hardware cites the numbers)."""
     nbytes, n = 1 * 4096 * 8192 * 2, 8
     sent = 2 * (n - 1) / n * nbytes
-    alpha, bandwidth = 1.9e-6, 450e9  # NVLink 4: 1.9 us a ring step, 450 GB/s each way
-    return {"bytes": sent, "seconds": 2 * (n - 1) * alpha + sent / bandwidth}
+    base, alpha, bandwidth = 8.4e-6, 1.9e-6, 370e9  # per call, per ring step; nccl-tests busbw
+    return {"bytes": sent, "seconds": base + 2 * (n - 1) * alpha + sent / bandwidth}
 
 
 SOLUTIONS = {
