@@ -303,6 +303,7 @@ def test_slurm_runs_four_ranks_and_cancels_its_job(slurm, monkeypatch):
     finally:
         lab.shutdown()
     pids = [r["pid"] for r in results]
+    assert not os.path.exists("slurm_engine.sbatch"), "the batch script stays in the lab's folder"
     deadline = time.monotonic() + 10
     while slurm.jobs() and time.monotonic() < deadline:
         time.sleep(0.2)

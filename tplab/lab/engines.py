@@ -85,6 +85,9 @@ def configure(config, engines: str, env: dict, state_dir: str) -> None:
     env[HEARTBEAT_ENV] = "connection-file"  # engines watch the heartbeat, not the owner pid
     if "slurm" in name:  # keep what sbatch says on failure (ipyparallel does not capture it)
         os.makedirs(os.path.dirname(submit_errors(state_dir)), mode=0o700, exist_ok=True)
+        # the batch script goes to the lab's folder, not the notebook's working directory
+        config.SlurmEngineSetLauncher.batch_file_name = os.path.join(
+            state_dir, "slurm_engine.sbatch")
         config.SlurmLauncher.submit_command = [
             "sh", "-c", 'sbatch "$@" 2>"$0"; s=$?; cat "$0" >&2; exit $s',
             submit_errors(state_dir)]
