@@ -10,12 +10,20 @@ Prints medians and ratios (lab / baseline):
   engines. Goal: <= 1.15x.
 - a 4 MB tensor from every rank, against pulling the same data as numpy arrays through
   raw ipyparallel. Goal: <= 1.5x.
+
+    python benchmarks/launch.py --engines [--world-size 4] [--repeats 3]
+
+prints instead the launch time (to the first all-reduce done) through other launchers,
+against local engines in the same run: engines="mpi" (mpiexec on this machine) and
+engines="ssh" (two test hosts in network namespaces with sshd, as tests/test_engines.py
+makes them; needs root). A launcher that is not available here is skipped, saying why.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -97,12 +105,73 @@ def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def launch_seconds(n: int, **options) -> float:
+    started = time.perf_counter()
+    with tplab.launch(n, **options) as lab:
+        assert lab.run(allreduce_one) == [float(n)] * n
+        return time.perf_counter() - started
+
+
+def engines_comparison(n: int, repeats: int) -> None:
+    """Launch time through mpi and ssh against local engines, medians of `repeats`."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from hosts import Hosts, skip_reason
+
+    kinds = {"local": {}}
+    why_not = {}
+    if not shutil.which("mpiexec"):
+        why_not["mpi"] = "mpiexec not found (apt-get install openmpi-bin)"
+    else:
+        try:
+            import mpi4py  # noqa: F401
+
+            os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            kinds["mpi (this machine)"] = {"engines": "mpi", "cluster_options": {
+                "config": {"MPILauncher": {"mpi_args": ["--oversubscribe"]}}}}
+        except ImportError:
+            why_not["mpi"] = 'mpi4py missing: pip install "tplab[mpi]"'
+    hosts = None
+    reason = skip_reason("ip", "sshd", "ssh", "ssh-keygen")
+    if reason:
+        why_not["ssh"] = reason
+    else:
+        hosts = Hosts(2).start()
+        hosts.start_sshd()
+        per_host = {a: (n + 1) // 2 for a in hosts.addresses}
+        kinds["ssh (2 namespace hosts)"] = {"engines": "ssh", "ip": hosts.controller,
+                                            "cluster_options": {"config": {
+            "SSHEngineSetLauncher": {"engines": per_host},
+            "SSHLauncher": {"ssh_cmd": ["ssh", "-F", hosts.ssh_config],
+                            "scp_cmd": ["scp", "-F", hosts.ssh_config]}}}}
+    try:
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for _ in range(repeats):  # interleaved, so every launcher sees the same load
+            for kind, options in kinds.items():
+                times[kind].append(launch_seconds(n, **options))
+    finally:
+        if hosts is not None:
+            hosts.stop()
+    local = statistics.median(times["local"])
+    print(f"world size {n}, {repeats} repeats, medians: launch to the first all-reduce")
+    for kind, seconds in times.items():
+        median = statistics.median(seconds)
+        print(f"  {kind:26} {median:6.2f} s  ({median / local:.2f}x local)")
+    for kind, why in why_not.items():
+        print(f"  {kind:26} skipped: {why}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", action="store_true",
+                        help="launch time through mpi and ssh against local engines")
     args = parser.parse_args()
     n = args.world_size
+    if args.engines:
+        engines_comparison(n, args.repeats)
+        return
     floors, labs_s = [], []
     for _ in range(args.repeats):  # interleaved, so both see the same machine state
         floors.append(floor_seconds(n))

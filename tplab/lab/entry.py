@@ -2,7 +2,10 @@
 
 Both wrap ipyparallel's own entry points and add two things:
 - an owner watch: when the notebook kernel that started the lab dies (even by SIGKILL),
-  the process kills its own process group, so nothing outlives the notebook;
+  the process kills its own process group, so nothing outlives the notebook. A pid only
+  means something on its own machine: engines that another launcher started (mpi, ssh,
+  slurm; perhaps on other hosts) watch the controller's heartbeat instead, and exit when
+  it has been silent for HEARTBEAT_LOST_S (the controller dies with the notebook);
 - for engines, `import torch.distributed.tensor` in a background thread while the engine
   registers with the controller (the import is most of a rank's start-up time).
 """
@@ -17,6 +20,9 @@ import time
 
 OWNER_ENV = "TPLAB_OWNER"  # "pid:start_time" of the notebook kernel that owns the lab
 STATE_DIR_ENV = "TPLAB_STATE_DIR"  # the lab's private folder, removed when the owner dies
+HEARTBEAT_ENV = "TPLAB_CONTROLLER_HB"  # tcp://host:port of the hub's heartbeat ping (PUB)
+HEARTBEAT_LOST_S = 10.0  # the hub pings every 0.1 s (HeartMonitor.period=100)
+FIRST_ID_ENV = "TPLAB_FIRST_ID"  # MPI engines ask for engine id FIRST_ID + their MPI rank
 POLL_S = 0.5
 
 
@@ -32,13 +38,25 @@ def process_start_time(pid: int) -> str | None:
         return None
 
 
+def boot_id() -> str:
+    """This machine's boot id: the same on every process of one running kernel."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()
+
+
 def owner_token(pid: int | None = None) -> str:
     pid = pid or os.getpid()
-    return f"{pid}:{process_start_time(pid) or ''}"
+    return f"{pid}:{process_start_time(pid) or ''}:{boot_id()}"
 
 
 def _owner_alive(token: str) -> bool:
     pid_s, _, start = token.partition(":")
+    start = start.split(":", 1)[0]
     pid = int(pid_s)
     if start and os.path.exists("/proc"):
         return process_start_time(pid) == start
@@ -68,9 +86,68 @@ def _watch_owner(token: str) -> None:
         os._exit(1)
 
 
-def _start_owner_watch() -> None:
+def _heartbeat_url(value: str, wait_s: float = 60.0) -> str | None:
+    """A tcp:// address as given, or ("connection-file") the hub's heartbeat ping from the
+    engine connection file ipyparallel gives every engine (in $IPP_PROFILE_DIR/security)."""
+    if value.startswith("tcp://"):
+        return value
+    import json
+
+    path = os.path.join(os.environ.get("IPP_PROFILE_DIR", ""), "security",
+                        f"ipcontroller-{os.environ.get('IPP_CLUSTER_ID', '')}-engine.json")
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            print(f"[tplab] no connection file {path}: not watching the controller",
+                  file=sys.stderr)
+            return None
+        time.sleep(0.2)
+    with open(path) as f:
+        info = json.load(f)
+    host = info["interface"].split("://", 1)[-1]
+    if host in ("*", "0.0.0.0", ""):
+        host = info.get("location") or "127.0.0.1"
+    return f"tcp://{host}:{info['hb_ping']}"
+
+
+def _watch_heartbeat(url: str) -> None:
+    """Exit (with every child) when the controller's heartbeat ping has been silent for
+    HEARTBEAT_LOST_S: the controller is gone, so is the notebook. ipyparallel's own
+    engine check runs on the engine's event loop, which a busy cell blocks; this thread
+    does not wait for the cell."""
+    import zmq
+
+    url = _heartbeat_url(url)
+    if url is None:
+        return
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(url)
+    last = time.monotonic()
+    while time.monotonic() - last < HEARTBEAT_LOST_S:
+        if sub.poll(500):
+            while sub.poll(0):
+                sub.recv_multipart()
+            last = time.monotonic()
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    os._exit(1)
+
+
+def _start_owner_watch(role: str = "engine") -> None:
     token = os.environ.get(OWNER_ENV)
-    if token:
+    heartbeat = os.environ.get(HEARTBEAT_ENV)
+    if role == "engine" and heartbeat:
+        threading.Thread(target=_watch_heartbeat, args=(heartbeat,), daemon=True,
+                         name="tplab-heartbeat-watch").start()
+    elif token and token.rsplit(":", 1)[-1] in (boot_id(), ""):  # the owner is on this machine
         threading.Thread(target=_watch_owner, args=(token,), daemon=True,
                          name="tplab-owner-watch").start()
 
@@ -99,7 +176,8 @@ def _capture_output() -> None:
     os.makedirs(os.path.dirname(out_path), mode=0o700, exist_ok=True)
     log = os.fdopen(os.dup(2), "w", buffering=1)
     for fd, path in ((1, out_path), (2, err_path)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # read-write: ranks elsewhere read their own output back (rank.py forwards it)
+        target = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(target, fd)
         os.close(target)
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
@@ -186,12 +264,26 @@ def _zygote() -> None:
     os._exit(0)  # stdin closed: the lab that owns this fork server is gone
 
 
+def _mpi_engine_id(argv: list[str]) -> list[str]:
+    """Each start of the ranks gets engine ids of its own: FIRST_ID + MPI rank (ipyparallel
+    would ask for the MPI rank itself, still taken until the hub drops the old ranks, and
+    delay registering by id * mpi_registration_delay)."""
+    from mpi4py import MPI  # ipyparallel's MPI engines need it: pip install "tplab[mpi]"
+
+    engine_id = int(os.environ[FIRST_ID_ENV]) + MPI.COMM_WORLD.Get_rank()
+    return [*argv, f"--IPEngine.id={engine_id}", "--IPEngine.mpi_registration_delay=0"]
+
+
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in ("engine", "controller", "zygote"):
         raise SystemExit("usage: python -m tplab.lab.entry engine|controller|zygote [args]")
     role, rest = argv[0], argv[1:]
-    _start_owner_watch()
+    if role == "engine" and "--mpi" in rest and os.environ.get(FIRST_ID_ENV):
+        rest = _mpi_engine_id(rest)  # first: MPI_Init before any other thread runs
+    _start_owner_watch(role)
     if role == "engine":
+        # (after MPI_Init: Open MPI's initialisation racing torch's import in another thread
+        # hung engines on other hosts now and then)
         threading.Thread(target=_warm_torch, daemon=True, name="tplab-warm-torch").start()
         _run_engine(rest)
     elif role == "zygote":

@@ -23,10 +23,11 @@ from traitlets.config import Config
 
 from tplab import platforms
 from tplab.errors import LabError
-from tplab.lab import processes
+from tplab.lab import engines as other_engines
+from tplab.lab import network, processes
 from tplab.lab import rank as rank_side
 from tplab.lab.cells import Cells
-from tplab.lab.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
+from tplab.lab.entry import FIRST_ID_ENV, OWNER_ENV, STATE_DIR_ENV, owner_token
 from tplab.lab.names import RankNames
 from tplab.lab.validate import (
     check_launch_args,
@@ -87,6 +88,8 @@ class Lab(Cells):
         # the lab listens on every interface (so that ranks elsewhere can reach it).
         self._master_addr = master_addr or (
             ip if ip not in ("0.0.0.0", "*", "") else socket.gethostname())
+        self._master_addr_given = master_addr is not None  # else: rank 0's, for remote ranks
+        self._engine_watch = None
         self.fork = fork  # local ranks forked from a process that imported torch once
         self._fork_server = None
         self._cells = itertools.count(1)
@@ -129,7 +132,7 @@ class Lab(Cells):
     def _state_holder(self) -> dict:
         # What a finalizer needs to end the processes, without a reference to self.
         self._holder = {"roots": [], "extra_roots": [], "state_dir": self._state_dir,
-                        "cluster": None}
+                        "cluster": None, "engine_sets": []}
         return self._holder
 
     def _start(self) -> None:
@@ -150,7 +153,11 @@ class Lab(Cells):
         config.ControllerLauncher.controller_cmd = [
             python, "-m", "tplab.lab.entry", "controller"]
         config.LocalEngineSetLauncher.delay = 0.0
+        if self.engines != "local":
+            other_engines.configure(config, self.engines, env, self._state_dir)
         engines = self.engines
+        if self.engines == "ssh":  # ipyparallel's, starting every host at once
+            engines = other_engines.SSHEngineSetLauncherByHost
         if self.engines == "local":
             engines = processes.ForkedEngineSetLauncher if self.fork else processes.RankSetLauncher
         if self.engines == "local" and self.fork:
@@ -168,6 +175,10 @@ class Lab(Cells):
             load_profile=False, log=_log, config=config,
         )
         options.update(self._cluster_options)
+        if "config" in self._cluster_options:  # the user's settings win, the lab's stay
+            config.merge(Config(self._cluster_options["config"]))
+            options["config"] = config
+        self._engine_env = {**env, **dict(config.BaseLauncher.environment)}
         self._cluster = self._holder["cluster"] = ipp.Cluster(**options)
         self._cluster.start_controller_sync()
         self._remember_roots()
@@ -183,13 +194,23 @@ class Lab(Cells):
         extra = {"fork_server": self._fork_server} if self._fork_server is not None else {}
         if self.engines == "local":
             extra["first_id"] = first_id
+        if self.engines == "mpi":  # engine id = first_id + MPI rank (entry.py)
+            extra["environment"] = {**self._engine_env, FIRST_ID_ENV: str(first_id)}
         before = set(self._client.ids) if self._client is not None else set()
-        engine_set_id = cluster.start_engines_sync(self.world_size, **extra)
+        try:
+            engine_set_id = cluster.start_engines_sync(self.world_size, **extra)
+        except Exception as exc:
+            if self.engines == "local":
+                raise
+            raise other_engines.start_error(self.engines, exc, self._state_dir) from None
         self.processes.reset([cluster.engines[engine_set_id]])
         self._remember_roots()
+        if self.engines != "local":
+            self._engine_watch = other_engines.EngineWatch(
+                [cluster.engines[engine_set_id]], self._state_dir)
         if self._client is None:
             self._client = cluster.connect_client_sync()
-        if self.engines == "local":
+        if self.engines in ("local", "mpi"):
             wanted = [first_id + r for r in range(self.world_size)]
         else:  # other launchers pick their own ids: take the new ones
             wanted = None
@@ -211,11 +232,20 @@ class Lab(Cells):
             self._fail_if_a_rank_exited()
             time.sleep(0.01)
         self._init_ranks()
+        self._engine_watch = None  # started: what engines log from now on is the user's
 
     def _init_ranks(self) -> None:
         port = _free_port(self.ip if self.ip != "0.0.0.0" else "127.0.0.1")
         self.master_addr, self.master_port = self._master_addr, port
         forward = self.engines != "local"
+        if forward:  # ranks elsewhere: the store on rank 0's host, gloo on the route to it
+            if not self._master_addr_given:
+                controller = self.ip if self.ip not in ("0.0.0.0", "*") else socket.gethostname()
+                where = self._wait_for_init([self._client[self._engine_ids[0]].apply_async(
+                    network.rank_address, controller)])[0]
+                self.master_addr, port = where["address"], where["port"]
+            self._wait_for_init([self._client[eid].apply_async(
+                network.point_gloo_at, self.master_addr) for eid in self._engine_ids])
         ars = [
             self._client[eid].apply_async(
                 rank_side.init_rank, r, self.world_size, self.backend, self.master_addr, port,
@@ -229,6 +259,7 @@ class Lab(Cells):
             if info["host"] == host and not forward:
                 self.processes.files.attach(r, *info["output"])
         self.names.reset()
+        self.master_port = port
         self.watchdog.connect_store(self.master_addr, port)
 
     def _wait_for_init(self, ars: list) -> list[dict]:
@@ -249,6 +280,9 @@ class Lab(Cells):
         return infos
 
     def _fail_if_a_rank_exited(self) -> None:
+        failed = self._engine_watch.check() if self._engine_watch is not None else None
+        if failed:
+            raise LabError(f"the engines ({self.engines!r}) failed to start: {failed}")
         dead = self.processes.dead()
         if dead:
             pid = next(p for p, c in self.processes.exit_codes().items() if c is not None)
@@ -262,19 +296,20 @@ class Lab(Cells):
         controller = self._cluster.controller if self._cluster else None
         if controller is not None and getattr(controller, "pid", -1) > 0:
             roots.append(controller.pid)
-        for engine_set in (self._cluster.engines.values() if self._cluster else []):
-            for el in getattr(engine_set, "launchers", {}).values():
-                if el.pid > 0:
-                    roots.append(el.pid)
+        engine_sets = list(self._cluster.engines.values()) if self._cluster else []
+        for engine_set in engine_sets:
+            roots += other_engines.local_pids(engine_set)  # never a pid on another host
         self._holder["roots"] = roots
+        self._holder["engine_sets"] = engine_sets
 
     @property
     def pids(self) -> list[int]:
         """Every process this lab started and that is still running: the controller and
         its schedulers, the fork server, every rank (and its nanny, where ipyparallel
-        starts one)."""
-        return processes.tree(self._holder["roots"] + self._holder["extra_roots"]
-                              + self.processes.pids)
+        starts one). Ranks that another launcher started are here only as descendants of
+        a local launcher process (mpiexec): a pid on another host means nothing here."""
+        ranks = self.processes.pids if self.engines == "local" else []
+        return processes.tree(self._holder["roots"] + self._holder["extra_roots"] + ranks)
 
     def restart(self) -> float:
         """Start fresh rank processes (same settings, same controller); returns seconds.
@@ -290,8 +325,10 @@ class Lab(Cells):
         with deferred_interrupts() as held:
             self._broken = "the last restart did not finish"
             self.watchdog.disconnect_store()
+            other_engines.stop_remote(self._holder["engine_sets"])  # ssh engines, batch jobs
             old = [pid for pid in self._holder["roots"] if pid != self._controller_pid()]
-            processes.kill_trees(old + self.processes.pids, timeout=0)  # they die on their own
+            ranks = self.processes.pids if self.engines == "local" else []  # pids elsewhere
+            processes.kill_trees(old + ranks, timeout=0)  # they die on their own
             for set_id in list(self._cluster.engines):
                 self._cluster.engines.pop(set_id)
             self.processes.reset([])
@@ -322,6 +359,7 @@ class Lab(Cells):
 
     @staticmethod
     def _cleanup(holder: dict) -> None:
+        other_engines.stop_remote(holder.get("engine_sets", []))  # ssh engines, batch jobs
         processes.kill_trees(holder["roots"] + holder["extra_roots"])
         cluster = holder.get("cluster")
         if cluster is not None:

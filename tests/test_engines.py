@@ -1,0 +1,311 @@
+"""Engines beyond the local launcher, for real: MPI (Open MPI's mpiexec), SSH (sshd in
+network namespaces) and Slurm (slurmctld + slurmd + munged), all started here and ended
+by pid (tests/hosts.py). Ranks on different hosts meet over the veths: master_addr is
+rank 0's host address, never loopback. These tests need root and Debian's packages
+(.ci/run installs them); they skip, saying what is missing, elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from hosts import Hosts, Slurm, skip_reason
+from pids import alive, wait_gone
+
+import tplab
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+ROOT_MPI = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def need(*tools):
+    reason = skip_reason(*tools)
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    need("ip", "sshd", "ssh", "ssh-keygen")
+    h = Hosts(2).start()
+    try:
+        h.start_sshd()
+        yield h
+    finally:
+        h.stop()
+
+
+def sum_of_ranks_and_where():
+    """On a rank: an all-reduce of rank+1, and the address this rank reaches rank 0 from."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from tplab.lab.network import route_source
+
+    x = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(x)
+    return {"sum": x.item(), "from": route_source(os.environ["MASTER_ADDR"]),
+            "gloo": os.environ.get("GLOO_SOCKET_IFNAME"), "pid": os.getpid()}
+
+
+def listening(pids) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening IPv4/IPv6 TCP socket of these processes,
+    each seen from its own network namespace (/proc/PID/net/tcp; psutil reads the
+    caller's namespace)."""
+    import ipaddress
+    import socket
+    import struct
+
+    out = []
+    for pid in pids:
+        try:
+            inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1]
+                      for fd in os.listdir(f"/proc/{pid}/fd")
+                      if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+        except OSError:
+            continue
+        for table, width in (("tcp", 8), ("tcp6", 32)):
+            try:
+                with open(f"/proc/{pid}/net/{table}") as f:
+                    rows = f.read().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                cols = row.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_ip, hex_port = cols[1].split(":")
+                raw = bytes.fromhex(hex_ip)
+                raw = b"".join(struct.pack("<I", struct.unpack(">I", raw[i:i + 4])[0])
+                               for i in range(0, len(raw), 4))
+                ip = socket.inet_ntop(socket.AF_INET if width == 8 else socket.AF_INET6, raw)
+                mapped = ipaddress.ip_address(ip)
+                if getattr(mapped, "ipv4_mapped", None):
+                    ip = str(mapped.ipv4_mapped)
+                out.append((pid, ip, int(hex_port, 16)))
+    return out
+
+
+def mpi_options(h: Hosts) -> dict:
+    hostfile = os.path.join(h.tmp, "hostfile")
+    with open(hostfile, "w") as f:
+        f.write("".join(f"{a} slots=2\n" for a in h.addresses))
+    net = f"{h.subnet}.0/24"
+    return {"config": {"MPILauncher": {"mpi_args": [
+        "--hostfile", hostfile, "--mca", "plm_rsh_agent", f"ssh -F {h.ssh_config}",
+        "--mca", "oob_tcp_if_include", net,
+        # tplab's ranks talk through gloo; MPI's own TCP transport would listen on every
+        # interface (Open MPI 4 binds it to 0.0.0.0), so only shared memory and self here.
+        "--mca", "btl", "self,vader"]}}}
+
+
+@pytest.mark.parametrize(("said", "fix"), [
+    ("ModuleNotFoundError: No module named 'mpi4py'", 'pip install "tplab[mpi]"'),
+    ("mpiexec has detected an attempt to run as root.", "OMPI_ALLOW_RUN_AS_ROOT=1"),
+    ("There are not enough slots available in the system", "--oversubscribe"),
+    ("root@node2: Permission denied (publickey).", "ssh HOST true"),
+    ("ModuleNotFoundError: No module named 'tplab'", "pip install tplab"),
+    ("sbatch: error: invalid partition specified: gpu", "SlurmEngineSetLauncher"),
+])
+def test_engine_errors_come_with_their_fix(said, fix):
+    from tplab.lab.engines import hint_for
+
+    assert fix in hint_for(f"some line\n{said}\nanother line")
+
+
+def test_an_unknown_error_gets_no_made_up_fix():
+    from tplab.lab.engines import hint_for
+
+    assert hint_for("ValueError: something only the user's code says") == ""
+
+
+def test_mpi_engine_failure_is_reported_within_10_s_with_the_fix(tmp_path, monkeypatch):
+    """The engines die at once (here: mpi4py cannot be imported, as without tplab[mpi]):
+    the lab says so within 10 s, with the engines' own error and the fix."""
+    need("mpiexec")
+    shadow = tmp_path / "mpi4py"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'mpi4py'\", name='mpi4py')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    for k, v in ROOT_MPI.items():
+        monkeypatch.setenv(k, v)
+    started = time.monotonic()
+    with pytest.raises(tplab.LabError) as info:
+        tplab.launch(2, engines="mpi", cluster_options={
+            "config": {"MPILauncher": {"mpi_args": ["--oversubscribe"]}}})
+    took = time.monotonic() - started
+    text = str(info.value)
+    assert took < 10, f"reported after {took:.1f} s"
+    assert "ModuleNotFoundError: No module named 'mpi4py'" in text, text
+    assert 'pip install "tplab[mpi]"' in text, text
+    state = text.rsplit("logs: ", 1)[1].split("/profile/log")[0]
+    assert not os.path.exists(state), "the failed lab's state folder is removed"
+    left = [p.pid for p in psutil.process_iter(["environ"])
+            if (p.info["environ"] or {}).get("TPLAB_STATE_DIR") == state]
+    assert wait_gone(left, 5) == [], "the failed lab's processes are ended"
+
+
+def say_where():
+    import os
+
+    print(f"rank {os.environ['RANK']} on {os.environ['GLOO_SOCKET_IFNAME']}")
+
+
+def test_mpi_ranks_on_two_hosts(hosts, monkeypatch, capsys):
+    """mpiexec with a hostfile over two hosts: 4 ranks meet over the veths; the store and
+    gloo listen on the hosts' addresses only; only signed messages reach the hub; what the
+    ranks print reaches the notebook; restart()
+    replaces the ranks; after shutdown() nothing is left on either host."""
+    need("mpiexec")
+    pytest.importorskip("mpi4py", reason='engines="mpi" needs mpi4py: pip install "tplab[mpi]"')
+    for k, v in ROOT_MPI.items():
+        monkeypatch.setenv(k, v)
+    lab = tplab.launch(4, engines="mpi", ip=hosts.controller, cluster_options=mpi_options(hosts))
+    try:
+        results = lab.run(sum_of_ranks_and_where)
+        assert [r["sum"] for r in results] == [10.0] * 4
+        assert lab.master_addr in hosts.addresses  # rank 0's host, not loopback
+        assert sorted(r["from"] for r in results) == sorted(hosts.addresses * 2)
+        assert {r["gloo"] for r in results} == {"eth0"}
+        rank_pids = [r["pid"] for r in results]
+        where = {r["pid"]: r["from"] for r in results}
+        socks = listening(rank_pids)
+        assert (rank_pids[0], lab.master_addr, lab.master_port) in socks  # the store
+        for pid, ip, _ in socks:  # gloo on the host's address; ipyparallel on its loopback
+            assert ip in (where[pid], "127.0.0.1"), (pid, ip, socks)
+        hub = [p for p in lab.pids if "tplab.lab.entry controller" in " ".join(
+            psutil.Process(p).cmdline())]  # the controller and its schedulers
+        hub_ips = {ip for _, ip, _ in listening(hub)}
+        assert hosts.controller in hub_ips and hub_ips <= {hosts.controller, "127.0.0.1"}, \
+            hub_ips
+        check_only_signed_messages_run(lab)
+        capsys.readouterr()
+        lab.run(say_where)  # what ranks elsewhere print reaches the notebook, by rank
+        shown = "".join(capsys.readouterr())
+        assert all(f"rank {r} on eth0" in shown for r in range(4)), shown
+        lab.restart()  # the old ranks end on their hosts, new ones start through mpiexec
+        again = lab.run(sum_of_ranks_and_where)
+        assert [r["sum"] for r in again] == [10.0] * 4
+        assert wait_gone(rank_pids, 10) == []
+        rank_pids = [r["pid"] for r in again]
+    finally:
+        lab.shutdown()
+    assert wait_gone(rank_pids, 10) == []
+    deadline = time.monotonic() + 10  # the engines' nannies tell the (gone) hub first
+    while hosts.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hosts.leftovers() == {}
+
+
+def check_only_signed_messages_run(lab) -> None:
+    """A client with the wrong HMAC key gets no answer from the hub and runs nothing; with
+    the lab's key the same steps run code (so the check itself could pass)."""
+    import ipyparallel as ipp
+
+    path = os.path.join(lab.state_dir, "profile", "security", "ipcontroller-tplab-client.json")
+    with open(path) as f:
+        info = json.load(f)
+    marker = os.path.join(lab.state_dir, "ran-by-a-stranger")
+    with pytest.raises(TimeoutError):
+        ipp.Client(dict(info, key="0123-not-the-key"), timeout=3)
+    assert not os.path.exists(marker)
+    client = ipp.Client(info, timeout=10)
+    try:
+        client[:].execute(f"open({marker!r}, 'w').close()").get(timeout=30)
+    finally:
+        client.close()
+    assert os.path.exists(marker)
+
+
+KERNEL = r"""
+import json, sys, time
+import tplab
+h = json.loads(sys.argv[1])
+lab = tplab.launch(2, engines="ssh", ip=h["controller"], cluster_options={"config": {
+    "SSHEngineSetLauncher": {"engines": {a: 1 for a in h["addresses"]}},
+    "SSHLauncher": {"ssh_cmd": ["ssh", "-F", h["ssh_config"]],
+                    "scp_cmd": ["scp", "-F", h["ssh_config"]]}}})
+sys.path.insert(0, h["tests"])
+from test_engines import sum_of_ranks_and_where
+results = lab.run(sum_of_ranks_and_where)
+print(json.dumps({"results": results, "pids": lab.pids, "master_addr": lab.master_addr}),
+      flush=True)
+time.sleep(600)
+"""
+
+
+def test_ssh_ranks_on_two_hosts_end_when_the_kernel_is_killed(hosts):
+    """ipyparallel's ssh launcher puts one rank on each host; when the notebook kernel is
+    SIGKILLed, the controller ends (owner watch) and the remote engines notice the
+    missing heartbeat: every process on every host is gone within 30 s."""
+    spec = {"controller": hosts.controller, "addresses": hosts.addresses,
+            "ssh_config": hosts.ssh_config, "tests": os.path.dirname(__file__)}
+    kernel = subprocess.Popen([sys.executable, "-c", KERNEL, json.dumps(spec)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = kernel.stdout.readline()
+        assert line, "the kernel failed to start the lab"
+        got = json.loads(line)
+        assert [r["sum"] for r in got["results"]] == [3.0, 3.0]
+        assert sorted(r["from"] for r in got["results"]) == sorted(hosts.addresses)
+        assert got["master_addr"] in hosts.addresses
+        on_hosts = [p for ns in hosts.names for p in hosts.ns_pids(ns)]
+        assert {r["pid"] for r in got["results"]} <= set(on_hosts)
+    finally:
+        kernel.send_signal(signal.SIGKILL)
+        kernel.wait()
+    everything = sorted(set(got["pids"]) | set(on_hosts))
+    assert alive(everything), "the lab's processes were running before the kill"
+    killed = time.monotonic()
+    left = wait_gone(everything, 30)
+    assert left == [], hosts.leftovers()
+    assert hosts.leftovers() == {}
+    # tplab's heartbeat watch (10 s of silence), not ipyparallel's (50 misses of 0.6 s)
+    assert time.monotonic() - killed < 25
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    need("slurmctld", "slurmd", "munged", "sbatch")
+    cluster = Slurm(cpus=4).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_slurm_runs_four_ranks_and_cancels_its_job(slurm, monkeypatch):
+    for k, v in slurm.env.items():
+        monkeypatch.setenv(k, v)
+    started = time.monotonic()
+    with pytest.raises(tplab.LabError) as info:  # a job Slurm refuses: said at once
+        tplab.launch(2, engines="slurm", cluster_options={
+            "config": {"SlurmEngineSetLauncher": {"queue": "no-such-partition"}}})
+    assert time.monotonic() - started < 10
+    assert "invalid partition" in str(info.value).lower(), info.value
+    assert "Fix: Slurm refused the job" in str(info.value), info.value
+    lab = tplab.launch(4, engines="slurm")
+    try:
+        results = lab.run(sum_of_ranks_and_where)
+        assert [r["sum"] for r in results] == [10.0] * 4
+        jobs = slurm.jobs()
+        assert len(jobs) == 1 and jobs[0].endswith("RUNNING"), jobs
+    finally:
+        lab.shutdown()
+    pids = [r["pid"] for r in results]
+    assert not os.path.exists("slurm_engine.sbatch"), "the batch script stays in the lab's folder"
+    deadline = time.monotonic() + 10
+    while slurm.jobs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert slurm.jobs() == [], "shutdown() cancels the job"
+    assert wait_gone(pids, 10) == []
