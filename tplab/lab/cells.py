@@ -10,8 +10,8 @@ import cloudpickle
 from tplab.errors import LabError
 from tplab.lab import rank as rank_side
 from tplab.lab.names import payload_for_run
+from tplab.lab.results import RankResults
 from tplab.lab.validate import check_ranks, check_timeout
-from tplab.lab.watchdog import RankResults
 
 
 class Cells:

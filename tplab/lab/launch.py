@@ -254,6 +254,9 @@ class Lab(Cells):
         ]
         infos = self._wait_for_init(ars)
         self.processes.pids = [info["pid"] for info in infos]
+        self.processes.local = self.engines == "local"
+        self.processes.signal_remote = lambda ranks, sig: self._client.send_signal(
+            sig, targets=[self._engine_ids[r] for r in ranks], block=False)
         host = socket.gethostname()
         for r, info in enumerate(infos):
             if info["host"] == host and not forward:

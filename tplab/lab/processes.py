@@ -225,6 +225,8 @@ class RankProcesses:
 
     def __init__(self):
         self.pids: list[int] = []
+        self.local = True  # False: ranks on other hosts, whose pids mean nothing here
+        self.signal_remote = None  # (ranks, signal) -> None, through ipyparallel's nannies
         self.files = RankFiles()
         self.engine_sets: list = []  # ipyparallel engine set launchers of the current ranks
 
@@ -248,6 +250,21 @@ class RankProcesses:
             if code is not None:
                 out[self.pids.index(pid) if pid in self.pids else -1] = how_it_ended(code)
         return out
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to these ranks: by pid here; through ipyparallel for ranks elsewhere."""
+        if not self.local:
+            if self.signal_remote is not None and ranks:
+                try:
+                    self.signal_remote(ranks, signal.SIGINT)
+                except Exception:  # noqa: BLE001 - an engine without a nanny: nothing to do
+                    pass
+            return
+        for r in ranks:
+            try:
+                os.kill(self.pids[r], signal.SIGINT)
+            except (OSError, IndexError):
+                pass
 
     def read_output(self) -> list[tuple[int, str, str]]:
         return self.files.read()

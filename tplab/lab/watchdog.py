@@ -16,19 +16,17 @@ is, collectives.py) are read every 0.1 s. The rules (docs/DESIGN.md, "Cells"):
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
 from datetime import timedelta
-
-from ipyparallel import error as ipp_error
 
 from tplab.errors import CellTimeout, CollectiveHang, LabError, RankDied, RankError, RankPlanError
 from tplab.lab import diagnose
 from tplab.lab import rank as rank_side
 from tplab.lab.collectives import WHERE_KEY
 from tplab.lab.output import format_rank_list
+from tplab.lab.results import RankResults, engine_died, strip_engine_id
 from tplab.lab.streams import LiveOutput, StatusLine
 from tplab.transfer import from_wire, is_wire
 
@@ -37,38 +35,6 @@ CHECK_S = 0.1  # how often the ranks' reports are read
 STATUS_AFTER_S = 3.0  # a rank waiting this long for computing peers gets a status line
 FREE_ROUNDS = 8  # collectives completed for stuck ranks, at most, before a restart
 INTERRUPT_GRACE_S = 3.0
-
-
-class RankResults:
-    """One ipyparallel AsyncResult over several ranks, looked at rank by rank."""
-
-    def __init__(self, ar, ranks: list[int]):
-        self.ar, self.ranks = ar, ranks
-        self._futures = dict(zip(ranks, ar._children, strict=True))  # one per target
-        self._replies: dict = {}
-
-    def done(self, r: int) -> bool:
-        return self._futures[r].done()
-
-    def finished(self) -> list[int]:
-        return [r for r in self.ranks if self._futures[r].done()]
-
-    def pending(self) -> list[int]:
-        return [r for r in self.ranks if not self._futures[r].done()]
-
-    def reply(self, r: int):
-        """The rank's Reply; an ipyparallel error (engine died...) is returned, not raised."""
-        if r not in self._replies:
-            try:
-                message = self._futures[r].result()
-            except Exception as exc:  # noqa: BLE001 - e.g. an EngineError
-                message = exc
-            self._replies[r] = from_wire(message) if is_wire(message) else message
-        return self._replies[r]
-
-    def value(self, r: int):
-        reply = self.reply(r)
-        return reply.value if isinstance(reply, rank_side.Reply) else reply
 
 
 class Watchdog:
@@ -261,7 +227,7 @@ class Watchdog:
 
     def _check_alive(self, res: RankResults, live: LiveOutput) -> None:
         dead = self.processes.dead()
-        if not dead and any(_engine_died(res.value(r)) for r in res.finished()):
+        if not dead and any(engine_died(res.value(r)) for r in res.finished()):
             dead = self._wait_for_exit_codes()
         if dead:
             self._rank_died(dead, res, live)
@@ -316,11 +282,7 @@ class Watchdog:
                           where={r: v.report for r, v in views.items()})
 
     def _signal(self, ranks: list[int]) -> None:
-        for r in ranks:
-            try:
-                os.kill(self.processes.pids[r], signal.SIGINT)
-            except (OSError, IndexError):
-                pass
+        self.processes.interrupt(ranks)
 
     def _settle(self, res, cell, live, state) -> str:
         """After interrupting: free ranks stuck in collectives that interrupted peers never
@@ -355,11 +317,11 @@ class Watchdog:
         results = {r: res.value(r) for r in res.ranks}
         replies = {r: res.reply(r) for r in res.ranks}
         for r, value in results.items():
-            if _engine_died(value):
+            if engine_died(value):
                 self._rank_died(self._wait_for_exit_codes(), res, LiveOutput([]))
             if isinstance(value, Exception):  # an ipyparallel error outside user code
                 raise LabError(f"the lab could not run the cell on rank {r}: "
-                               f"{_strip_engine_id(value)}")
+                               f"{strip_engine_id(value)}")
         for r, reply in replies.items():
             if isinstance(reply, rank_side.Reply) and (reply.stdout or reply.stderr):
                 live = LiveOutput([r])
@@ -416,18 +378,6 @@ def _freed_note(state: _CellState) -> str:
             f"{'s' if n != 1 else ''} on {format_rank_list(peers)} with placeholder data "
             "(zeros), so this cell's results are not valid. No restart was needed: names "
             "defined on the ranks are kept.")
-
-
-def _engine_died(value) -> bool:
-    return isinstance(value, ipp_error.EngineError) or (
-        isinstance(value, ipp_error.RemoteError) and value.ename == "EngineError")
-
-
-def _strip_engine_id(error) -> str:
-    import re
-
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
-    return re.sub(r"^\[\d+:apply\]:?\s*", "", text)
 
 
 class deferred_interrupts:
