@@ -27,7 +27,7 @@ import report
 from test_notebooks import modes
 
 REPO = pathlib.Path(__file__).parent.parent
-NOTEBOOKS = sorted((REPO / "notebooks").glob("0*.ipynb"))
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 SHOTS = REPO / ".tplab-state" / "browser"
 WORLD_SIZE = 2
 EXPLORER_WORLD_SIZE = 4  # notebook 01
