@@ -12,7 +12,6 @@ labelled lines:
 
 from __future__ import annotations
 
-import collections
 import itertools
 import os
 import sys
@@ -25,14 +24,21 @@ ALIKE_WINDOW_S = 1.0  # ... from a rank whose last line was shown with it (it la
 PROGRESS_EVERY_S = 0.1
 
 
+_KERNEL: list[bool] = []
+
+
 def in_kernel() -> bool:
-    """True inside a Jupyter kernel, where displays can be updated in place."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
+    """True inside a Jupyter kernel, where displays can be updated in place (asked once:
+    a process does not move in or out of a kernel)."""
+    if not _KERNEL:
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+        except ImportError:
+            shell = None
+        _KERNEL.append(shell is not None and getattr(shell, "kernel", None) is not None)
+    return _KERNEL[0]
 
 
 class RankFiles:
@@ -123,24 +129,28 @@ class _Stream:
     def __init__(self, file, live: bool):
         self.file, self.live = file, live
         self.partial: dict[int, str] = {}
-        self.lines: dict[int, collections.deque] = {}  # rank -> lines waiting, oldest first
-        self.times: dict[int, collections.deque] = {}  # rank -> when each arrived
+        # rank -> lines waiting, oldest first, from index head[rank] on (a list and a start,
+        # so that taking k lines off the front costs nothing)
+        self.lines: dict[int, list[str]] = {}
+        self.times: dict[int, list[float]] = {}
+        self.head: dict[int, int] = {}
         self.progress: dict[int, _Progress] = {}
         self.grouped_with: dict[int, frozenset[int]] = {}  # rank -> its last line's ranks
 
     def _queue(self, rank: int, now: float, lines: list[str]) -> None:
         if rank not in self.lines:
-            self.lines[rank], self.times[rank] = collections.deque(), collections.deque()
+            self.lines[rank], self.times[rank], self.head[rank] = [], [], 0
         self.lines[rank].extend(lines)
         self.times[rank].extend(itertools.repeat(now, len(lines)))
 
+    def _waiting(self, rank: int) -> int:
+        return len(self.lines[rank]) - self.head[rank] if rank in self.lines else 0
+
     def _pop(self, rank: int, k: int = 1) -> None:
-        if k == 1:
-            self.lines[rank].popleft()
-            self.times[rank].popleft()
-        else:
-            self.lines[rank] = collections.deque(itertools.islice(self.lines[rank], k, None))
-            self.times[rank] = collections.deque(itertools.islice(self.times[rank], k, None))
+        head = self.head[rank] = self.head[rank] + k
+        if head > 4096 and head * 2 > len(self.lines[rank]):  # drop what was shown
+            del self.lines[rank][:head], self.times[rank][:head]
+            self.head[rank] = 0
 
     def feed(self, rank: int, text: str, now: float) -> None:
         text = self.partial.pop(rank, "") + text
@@ -176,25 +186,26 @@ class _Stream:
     def _alike(self, participants: set[int]) -> list[str]:
         """The fast path: the lines every participant has printed alike, all at once."""
         ranks = sorted(participants)
-        queues = [self.lines.get(r) for r in ranks]
-        if len(queues) < 2 or any(not q for q in queues):
+        if len(ranks) < 2 or any(not self._waiting(r) for r in ranks):
             return []
-        k = min(len(q) for q in queues)
-        texts = [list(itertools.islice(q, 0, k)) for q in queues]
+        k = min(self._waiting(r) for r in ranks)
+        texts = [self.lines[r][self.head[r]:self.head[r] + k] for r in ranks]
         while k and any(t[:k] != texts[0][:k] for t in texts[1:]):
-            k //= 2  # a common prefix of k lines; halving finds one quickly
+            k //= 2  # a common prefix of k lines (list compares run in C)
         if not k:
             return []
+        alike = texts[0][:k]
         group = frozenset(participants)
         for r in ranks:
-            self._pop(r, k)
+            self._pop(r, len(alike))
             self.grouped_with[r] = group
         label = f"[{format_rank_list(participants)}] "
-        return [label + line for line in texts[0][:k]]
+        return [label + line for line in alike]
 
     def _later(self, rank: int, line: str) -> bool:
         """Whether `rank` has `line` waiting behind its first line."""
-        return line in itertools.islice(self.lines[rank], 1, self.LOOK_AHEAD)
+        head = self.head[rank]
+        return line in self.lines[rank][head + 1:head + self.LOOK_AHEAD]
 
     def flush(self, participants: set[int], now: float, final: bool) -> None:
         if final:
@@ -206,7 +217,8 @@ class _Stream:
             self.partial.clear()
         out = self._alike(participants)
         while True:
-            heads = {r: (self.times[r][0], q[0]) for r, q in self.lines.items() if q}
+            heads = {r: (self.times[r][self.head[r]], q[self.head[r]])
+                     for r, q in self.lines.items() if len(q) > self.head[r]}
             if not heads:
                 break
             # A line some rank has further back in its queue waits for that rank's earlier
