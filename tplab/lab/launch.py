@@ -214,7 +214,7 @@ class Lab(Cells):
             wanted = [first_id + r for r in range(self.world_size)]
         else:  # other launchers pick their own ids: take the new ones
             wanted = None
-        deadline = time.monotonic() + max(60.0, self.timeout)
+        deadline = time.monotonic() + self._start_limit_s()
         while True:
             ids = set(self._client.ids)
             if wanted is not None and ids.issuperset(wanted):
@@ -227,7 +227,7 @@ class Lab(Cells):
             if time.monotonic() > deadline:
                 raise LabError(
                     f"only {len(ids - before)} of {self.world_size} ranks started within "
-                    f"{max(60.0, self.timeout):.0f} s; the engines' logs are in "
+                    f"{self._start_limit_s():.0f} s; the engines' logs are in "
                     f"{self._state_dir}/profile/log")
             self._fail_if_a_rank_exited()
             time.sleep(0.01)
@@ -265,8 +265,13 @@ class Lab(Cells):
         self.master_port = port
         self.watchdog.connect_store(self.master_addr, port)
 
+    def _start_limit_s(self) -> float:
+        """How long ranks may take to register and join: 60 s, or more for many ranks on
+        few cores (each imports and connects while the others do)."""
+        return max(60.0, self.timeout, 8.0 * self.world_size / max(1, os.cpu_count() or 1))
+
     def _wait_for_init(self, ars: list) -> list[dict]:
-        deadline = time.monotonic() + max(60.0, self.timeout)
+        deadline = time.monotonic() + self._start_limit_s()
         infos = []
         for r, ar in enumerate(ars):
             while not ar.ready():
