@@ -1,8 +1,9 @@
 # The two commands a new user needs. Both create .venv on first use.
 #   make lab    JupyterLab on notebooks/, on 127.0.0.1 with a token
 #   make test   the whole test suite, notebooks included (what CI runs)
+#   make test-extended  the default run plus the extended cases (every size, every model)
 #   make doctor is this machine ready for a workshop? (exit 0 when it is)
-.PHONY: lab test lint bench doctor
+.PHONY: lab test test-extended lint bench doctor
 
 PORT ?= 8888
 # Jupyter refuses to run as root unless told; containers often run as root.
@@ -15,6 +16,9 @@ lab:
 
 test:
 	scripts/env.sh python -m pytest -q $(PYTEST_ARGS)
+
+test-extended:
+	scripts/env.sh python -m pytest -q -m "" $(PYTEST_ARGS)
 
 doctor:
 	scripts/env.sh python -m tplab doctor
