@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${TPLAB_VENV:-.venv}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[tplab] creating $VENV with $($PYTHON --version)"
@@ -33,5 +34,5 @@ news="$state/lab-settings/@jupyterlab/apputils-extension/notification.jupyterlab
 if [ ! -f "$news" ]; then
   mkdir -p "$(dirname "$news")" && echo '{"fetchNews": "false", "checkForUpdates": false}' > "$news"
 fi
-export PATH="$PWD/$VENV/bin:$PATH"
+export PATH="$VENV/bin:$PATH"
 exec "$@"
