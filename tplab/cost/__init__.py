@@ -7,16 +7,16 @@ block's bytes and FLOPs, hardware presets, and a calibration of this machine.
     cal = cost.calibrate(lab)          # real ranks only; cal.hardware is "this machine"
 
 Sources are cited in each submodule: `hardware` (datasheets, published nccl-tests bus
-bandwidth, NCCL's latencies; NICs striped between nodes), `collectives` and `nccl` (NCCL
-2.21.5's tuning model: ring, tree, NVLS, CollNet x LL, LL128, Simple), `transformer` (Megatron-LM, Korthikanti et al. 2022, the Ultra-Scale
-Playbook, the JAX scaling book), `memory` (per-GPU memory: ZeRO's bytes per parameter,
-Korthikanti et al. 2022's activations, tplab's own block), `gemm` (per-shape GEMM
-efficiency), `data_parallel` (DP gradient and ZeRO traffic), `step` (a step's time and the
-TP degree rows recommend), `validate` (one check of every input), `calibrate` (the fit). Also:
-`lab_models` (the lab's own MLP and Block under its plans, checked against `tplab.trace`
-and `tplab.memory`), `figures` (plotly) and
-`explorer` (an ipywidgets explorer); those two import plotly and ipywidgets, so they are
-not imported here.
+bandwidth; NICs striped between nodes), `collectives` and `nccl` (NCCL 2.21.5's tuning
+model: ring, tree, NVLS, CollNet x LL, LL128, Simple), `transformer` (Megatron-LM,
+Korthikanti et al. 2022, the Ultra-Scale Playbook, the JAX scaling book), `memory`
+(per-GPU memory: Megatron-LM's and ZeRO's bytes per parameter, Korthikanti et al. 2022's
+activations, tplab's own block), `gemm` (per-shape GEMM efficiency), `data_parallel` (DP
+gradient and ZeRO traffic), `step` (a step's time and the TP degree rows recommend),
+`validate` (one check of every input), `calibrate` (the fit). Also: `lab_models` (the
+lab's own MLP and Block under its plans, checked against `tplab.trace` and
+`tplab.memory`), `figures` (plotly) and `explorer` (an ipywidgets explorer); those two
+import plotly and ipywidgets, so they are not imported here.
 """
 
 from tplab.cost.calibrate import Calibration, calibrate

@@ -32,8 +32,7 @@ from tplab.cost.collectives import collective_time
 from tplab.cost.hardware import Hardware
 from tplab.cost.memory import GRAD_BYTES, PARAM_BYTES, PRECISIONS, param_count
 from tplab.cost.transformer import BlockShape
-from tplab.cost.validate import (check_bool, check_choice, check_int, check_number,
-                                 check_type)
+from tplab.cost.validate import check_bool, check_choice, check_int, check_number, check_type
 
 
 def dp_group_hardware(hw: Hardware, tp: int) -> Hardware:

@@ -76,8 +76,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tplab.cost.transformer import BlockShape
-from tplab.cost.validate import (check_bool, check_choice, check_int, check_sublayers,
-                                 check_type)
+from tplab.cost.validate import check_bool, check_choice, check_int, check_sublayers, check_type
 
 PRECISIONS = ("fp32", "bf16", "mixed", "mixed_bf16_grads")
 RECOMPUTE = ("none", "selective", "full")

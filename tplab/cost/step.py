@@ -28,6 +28,7 @@ from tplab.cost.transformer import (
     block_flops,
     check_tp,
     kv_replicated,
+    tp_allowed,
 )
 from tplab.cost.validate import (
     check_bool,
@@ -220,6 +221,11 @@ def sweep(shape: BlockShape, hw: Hardware, tps=None, **kw) -> list[dict]:
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_type("hw", hw, Hardware, "a tplab.cost.Hardware")
     tps = allowed_tps(shape, TPS) if tps is None else check_tps("tps", tps)
+    refused = [t for t in tps if t not in allowed_tps(shape, (t,))]
+    if refused:
+        raise ValueError(f"tps = {tps}: tp = {refused[0]} is not a TP degree "
+                         f"{shape.name or 'this shape'} allows (cost.allowed_tps(shape, tps) "
+                         f"keeps those it does): {tp_allowed(shape, refused[0])}")
     rows = [step_time(shape, tp, hw, **kw) for tp in tps]
     for row in rows:
         row["speedup"] = rows[0]["step_s"] / row["step_s"]

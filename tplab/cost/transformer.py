@@ -53,8 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from tplab.cost.validate import (check_bool, check_choice, check_int, check_sublayers,
-                                 check_type)
+from tplab.cost.validate import check_bool, check_choice, check_int, check_sublayers, check_type
 
 
 @dataclass(frozen=True)
