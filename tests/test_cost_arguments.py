@@ -85,7 +85,8 @@ def test_every_bad_cost_input_names_its_argument(name, arg, value):
         frame = traceback.extract_tb(exc.__traceback__)[-1].filename
         assert "tplab/cost/" in frame.replace("\\", "/"), frame
     except BaseException as exc:  # noqa: BLE001 - what is raised is what is checked
-        raise AssertionError(f"{name}({arg}={value!r}) raised {type(exc).__name__}: {exc}")
+        raise AssertionError(f"{name}({arg}={value!r}) raised {type(exc).__name__}: {exc}") \
+            from exc
     else:
         check_result(got)
 
