@@ -190,7 +190,7 @@ def _cost_state(page) -> dict:
             '.jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot')];
         const [out, memory] = plots.slice(-2);
         const summary = [...document.querySelectorAll('.widget-html-content')]
-            .map(e => e.textContent).filter(t => t.includes('fastest at')).pop();
+            .map(e => e.textContent).filter(t => t.includes('Shortest micro-batch')).pop();
         const ys = fig => fig.data.map(t => Array.from(t.y).map(v => Number(v.toPrecision(6))));
         return {title: out.querySelector('.gtitle').textContent, summary: summary,
                 y: ys(out), memory_y: ys(memory)};

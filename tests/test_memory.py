@@ -207,14 +207,21 @@ def test_tplab_block_differs_from_the_paper_by_the_documented_bytes():
         assert cost.activation_bytes(s, t, True) - megatron_style == 4 * h * (t - 1) * 8
 
 
-def test_gpu_memory_mixed_precision_is_16_bytes_per_parameter():
+def test_gpu_memory_bytes_per_parameter_for_each_precision():
     shape = cost.MODELS["Llama-3 8B"]
     assert cost.param_count(shape) == pytest.approx(8.03e9, rel=1e-3)
     assert cost.param_count(cost.MODELS["Llama-3 70B"]) == pytest.approx(70.55e9, rel=1e-3)
-    for precision, per in (("mixed", 16), ("fp32", 16), ("bf16", 8)):
+    # Megatron's bf16 recipe: 2 + 4 (fp32 grads) + 12 = 18; the ZeRO paper's 2 + 2 + 12 = 16
+    for precision, per in (("mixed", 18), ("mixed_bf16_grads", 16), ("fp32", 16),
+                           ("bf16", 8)):
         m = cost.gpu_memory(shape, precision=precision)
         states = m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]
         assert states == pytest.approx(per * cost.param_count(shape))
+    # the distributed optimizer over d replicas: 6 + 12/d (Megatron-LM's docs)
+    for d in (2, 8, 64):
+        m = cost.gpu_memory(shape, dp=d, zero=1)
+        states = m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]
+        assert states == pytest.approx((6 + 12 / d) * cost.param_count(shape))
     m1, m8 = cost.gpu_memory(shape, 1), cost.gpu_memory(shape, 8)
     assert m8["param_bytes"] < m1["param_bytes"] / 7.9   # only the norms stay whole
     with pytest.raises(ValueError, match="precision"):
@@ -227,16 +234,17 @@ def test_best_tp_with_a_memory_limit():
     hw = cost.HARDWARE["H100 SXM"].with_(nics_per_node=1)   # one NIC: fastest at TP 8
     shape = cost.MODELS["Llama-3 70B"]
     rows = cost.sweep(shape, hw, sequence_parallel=True)
-    assert cost.best_tp(rows) == 8
+    assert cost.best_tp(rows, "latency") == 8
     fits = [r["tp"] for r in rows if r["memory_bytes"] <= hw.memory]
     assert fits and fits[0] > 1 and all(r["fits"] == (r["tp"] in fits) for r in rows)
-    assert cost.best_tp(rows, memory_limit=hw.memory) == min(
+    assert all(r["fits"] == (r["memory_bytes"] <= hw.usable_memory) for r in rows)
+    assert cost.best_tp(rows, "latency", memory_limit=hw.memory) == min(
         (r for r in rows if r["tp"] in fits), key=lambda r: r["step_s"])["tp"]
     assert cost.best_tp(rows, memory_limit=1e9) is None    # nothing fits in 1 GB
     limit = next(r for r in rows if r["tp"] == 16)["memory_bytes"]
     fitting = [r for r in rows if r["memory_bytes"] <= limit]    # 16, 32, 64: not 8
-    assert cost.best_tp(rows, memory_limit=limit) == min(fitting, key=lambda r: r["step_s"])[
-        "tp"] != 8
+    assert cost.best_tp(rows, "latency", memory_limit=limit) == min(
+        fitting, key=lambda r: r["step_s"])["tp"] != 8
     with pytest.raises(ValueError, match="memory_bytes"):
         cost.best_tp([{"tp": 1, "step_s": 1.0}], memory_limit=1e9)
 
@@ -258,7 +266,9 @@ def test_explorer_memory_view_redraws_on_every_control():
     assert list(first) == ["parameters", "gradients", "optimizer state", "activations"]
     assert first["activations"] == pytest.approx([r["activation_bytes"] / 1e9
                                                   for r in ex.rows])
-    assert gpu_line() == [80] and ex.fits_tp == cost.best_tp(ex.rows, memory_limit=80e9)
+    usable = (81559 * 2**20 - 2 * 2**30) / 1e9       # nvidia-smi's MiB less the reserve
+    assert gpu_line() == pytest.approx([usable])
+    assert ex.fits_tp == cost.best_tp(ex.rows, memory_limit=usable * 1e9)
     seen = [first]
     for name, value in (("sequence_parallel", True), ("layout", "gpt"),
                         ("recompute", "selective"), ("precision", "fp32"),
@@ -270,15 +280,17 @@ def test_explorer_memory_view_redraws_on_every_control():
     acts = [r["activation_bytes"] for r in ex.rows]   # full recomputation, SP: input / t
     assert acts == pytest.approx([acts[0] / r["tp"] for r in ex.rows])
     ex.controls["hardware"].value = "H200 SXM"
-    assert gpu_line() == [141]
-    assert ex.fits_tp == cost.best_tp(ex.rows, memory_limit=141e9)
-    assert "141 GB" in ex.summary.value
+    usable = (143771 * 2**20 - 2 * 2**30) / 1e9
+    assert gpu_line() == pytest.approx([usable])
+    assert ex.fits_tp == cost.best_tp(ex.rows, memory_limit=usable * 1e9)
+    assert f"{usable:.0f} GB usable" in ex.summary.value
 
 
 def test_recomputation_costs_time_and_saves_memory():
     hw = cost.HARDWARE["H100 SXM"]
     shape = cost.MODELS["Llama-3 8B"]
-    none, full = (cost.step_time(shape, 8, hw, recompute=rc) for rc in ("none", "full"))
+    none, full = (cost.step_time(shape, 8, hw, recompute=rc, gemm="flat")
+                  for rc in ("none", "full"))
     assert full["compute_s"] == pytest.approx(4 / 3 * none["compute_s"])   # a second forward
     assert full["tp_comm_s"] == pytest.approx(1.5 * none["tp_comm_s"])     # its collectives
     assert full["activation_bytes"] == shape.layers * shape.tokens * shape.hidden * 2

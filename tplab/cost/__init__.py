@@ -1,4 +1,4 @@
-"""What a TP plan would cost at scale: an alpha-beta model of collectives, a transformer
+"""What a TP plan would cost at scale: NCCL's cost model of collectives, a transformer
 block's bytes and FLOPs, hardware presets, and a calibration of this machine.
 
     from tplab import cost
@@ -7,41 +7,65 @@ block's bytes and FLOPs, hardware presets, and a calibration of this machine.
     cal = cost.calibrate(lab)          # real ranks only; cal.hardware is "this machine"
 
 Sources are cited in each submodule: `hardware` (datasheets, published nccl-tests bus
-bandwidth, NCCL's latencies; NICs striped between nodes), `collectives` (ring, tree and
-NVLS algorithms), `transformer` (Megatron-LM, Korthikanti et al. 2022, the Ultra-Scale
-Playbook, the JAX scaling book), `memory` (per-GPU memory: ZeRO's bytes per parameter,
-Korthikanti et al. 2022's activations, tplab's own block), `calibrate` (the fit). Also:
-`lab_models` (the lab's own MLP and Block under its plans, checked against `tplab.trace`
-and `tplab.memory`), `figures` (plotly) and
-`explorer` (an ipywidgets explorer); those two import plotly and ipywidgets, so they are
-not imported here.
+bandwidth; NICs striped between nodes), `collectives` and `nccl` (NCCL 2.21.5's tuning
+model: ring, tree, NVLS, CollNet x LL, LL128, Simple), `transformer` (Megatron-LM,
+Korthikanti et al. 2022, the Ultra-Scale Playbook, the JAX scaling book), `memory`
+(per-GPU memory: Megatron-LM's and ZeRO's bytes per parameter, Korthikanti et al. 2022's
+activations, tplab's own block), `gemm` (per-shape GEMM efficiency), `data_parallel` (DP
+gradient and ZeRO traffic), `step` (a step's time and the TP degree rows recommend),
+`validate` (one check of every input), `calibrate` (the fit). Also: `lab_models` (the
+lab's own MLP and Block under its plans, checked against `tplab.trace` and
+`tplab.memory`), `figures` (plotly) and `explorer` (an ipywidgets explorer); those two
+import plotly and ipywidgets, so they are not imported here.
 """
 
 from tplab.cost.calibrate import Calibration, calibrate
-from tplab.cost.collectives import OPS, collective_terms, collective_time, records_time
+from tplab.cost.collectives import (
+    ALGORITHMS,
+    OPS,
+    PROTOCOLS,
+    collective_plan,
+    collective_terms,
+    collective_time,
+    records_time,
+)
+from tplab.cost.data_parallel import dp_collectives, dp_times
+from tplab.cost.gemm import gemm_efficiency
 from tplab.cost.hardware import GPU_MEMORY, HARDWARE, LINKS, Hardware, Link
-from tplab.cost.memory import activation_bytes, gpu_memory, layer_saved, param_count
+from tplab.cost.memory import (
+    PRECISIONS,
+    activation_bytes,
+    gpu_memory,
+    layer_saved,
+    param_count,
+)
+from tplab.cost.step import (
+    best_tp,
+    comm_bound_tp,
+    comm_times,
+    gemm_times,
+    mlp_comm_ratio,
+    step_time,
+    sweep,
+)
 from tplab.cost.transformer import (
     MFU,
     MODELS,
     OVERLAPS,
     BlockShape,
-    best_tp,
+    allowed_tps,
     block_collectives,
     block_flops,
-    comm_bound_tp,
-    comm_times,
-    mlp_comm_ratio,
     scaled,
-    step_time,
-    sweep,
+    tp_allowed,
 )
 
 __all__ = [
-    "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS", "OVERLAPS", "BlockShape",
-    "Calibration",
-    "Hardware", "Link",
-    "best_tp", "block_collectives", "block_flops", "calibrate", "collective_terms",
-    "collective_time", "comm_bound_tp", "comm_times", "mlp_comm_ratio", "records_time", "scaled",
-    "step_time", "sweep", "activation_bytes", "gpu_memory", "layer_saved", "param_count",
+    "ALGORITHMS", "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS", "OVERLAPS",
+    "PRECISIONS", "PROTOCOLS", "BlockShape", "Calibration", "Hardware", "Link",
+    "activation_bytes", "allowed_tps", "best_tp", "block_collectives", "block_flops",
+    "calibrate", "collective_plan", "collective_terms", "collective_time", "comm_bound_tp",
+    "comm_times", "dp_collectives", "dp_times", "gemm_efficiency", "gemm_times",
+    "gpu_memory", "layer_saved", "mlp_comm_ratio", "param_count", "records_time", "scaled",
+    "step_time", "sweep", "tp_allowed",
 ]

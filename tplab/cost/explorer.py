@@ -1,6 +1,12 @@
 """`CostExplorer`: change the hardware and the model's dimensions, watch where TP stops paying,
 and (the memory view) from which TP degree a micro-batch fits in the GPU's memory.
 
+Two questions, two answers in the summary: `best_tp` is the training answer (the most
+tokens per second per GPU: `best_tp(rows)`, objective "throughput"), `fits_tp` the same
+within the GPU's usable memory, and `fastest_tp` the latency answer (the shortest
+micro-batch, objective "latency": serving, or a fixed group of GPUs). The sweep runs the
+TP degrees the model's heads allow (`allowed_tps`).
+
 The widgets only set values; `update(**values)` does the same from code, so a notebook run
 by papermill drives the explorer (and asserts on `rows`) without anyone clicking. The figure
 lives in an ipywidgets Output whose `outputs` are set directly (as the Explorer's are): not
@@ -18,7 +24,8 @@ from IPython.display import display
 
 from tplab.cost.figures import memory_bars, step_breakdown
 from tplab.cost.hardware import HARDWARE, Hardware
-from tplab.cost.transformer import MODELS, BlockShape, best_tp, comm_bound_tp, scaled, sweep
+from tplab.cost.step import best_tp, comm_bound_tp, sweep
+from tplab.cost.transformer import MODELS, BlockShape, allowed_tps, scaled
 
 TPS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -120,11 +127,13 @@ class CostExplorer:
         v = {name: c.value for name, c in self.controls.items()}
         self.shape, self.hw = self._scaled(v), self.hardware[v["hardware"]].with_(
             gpus_per_node=v["gpus_per_node"])
-        self.rows = sweep(self.shape, self.hw, self.tps, sequence_parallel=v["sequence_parallel"],
+        tps = allowed_tps(self.shape, self.tps) or (1,)
+        self.rows = sweep(self.shape, self.hw, tps, sequence_parallel=v["sequence_parallel"],
                           recompute=v["recompute"], precision=v["precision"],
                           layout=v["layout"])
-        self.best_tp = best_tp(self.rows)
-        self.fits_tp = best_tp(self.rows, memory_limit=self.hw.memory)   # None: nothing fits
+        self.best_tp = best_tp(self.rows)                        # throughput: training
+        self.fastest_tp = best_tp(self.rows, "latency")          # latency: serving
+        self.fits_tp = best_tp(self.rows, memory_limit=self.hw.usable_memory)  # None: no fit
         self.comm_bound_tp = comm_bound_tp(self.shape, self.hw)
         self._draw()
         return self.rows
@@ -135,18 +144,22 @@ class CostExplorer:
                       name=f"{base.name}, h={v['hidden']}, s={v['seq']}, b={v['batch']}")
 
     def _draw(self) -> None:
-        best = next(r for r in self.rows if r["tp"] == self.best_tp)
+        fast = next(r for r in self.rows if r["tp"] == self.fastest_tp)
         bound = self.comm_bound_tp
+        usable = self.hw.usable_memory
         self.summary.value = (
-            f"<b>{self.hw.name}</b>, {self.hw.gpus_per_node} GPUs per node: fastest at "
-            f"<b>TP {self.best_tp}</b> ({best['step_s'] * 1e3:.1f} ms, "
-            f"{best['comm_fraction']:.0%} communication); communication-bound from "
-            f"<b>TP {bound if bound else '> 1024'}</b>. In {self.hw.memory / 1e9:.0f} GB per GPU "
-            + (f"the fastest that fits is <b>TP {self.fits_tp}</b>." if self.fits_tp else
-               f"<b>nothing fits</b> up to TP {self.tps[-1]}."))
+            f"<b>{self.hw.name}</b>, {self.hw.gpus_per_node} GPUs per node. Training (most "
+            f"tokens/s per GPU) within {usable / 1e9:.0f} GB usable of "
+            f"{self.hw.memory / 1e9:.0f} GB per GPU: "
+            + (f"<b>TP {self.fits_tp}</b>" if self.fits_tp else
+               f"<b>nothing fits</b> up to TP {self.rows[-1]['tp']}")
+            + f". Shortest micro-batch (latency): <b>TP {self.fastest_tp}</b> "
+            f"({fast['step_s'] * 1e3:.1f} ms, {fast['comm_fraction']:.0%} communication); "
+            f"communication-bound from <b>TP {bound if bound else '> 1024'}</b>. "
+            "Model only: not measured on a GPU here.")
         self.figure = step_breakdown({self.shape.name: self.rows}, title=f"{self.hw.name}")
         self.memory_figure = memory_bars(self.rows, f"Memory per GPU, {self.hw.name}",
-                                         self.shape.name, memory=self.hw.memory)
+                                         self.shape.name, memory=self.hw.usable_memory)
         self.figure_output.outputs = (
             {"output_type": "display_data", "data": self._bundle(), "metadata": {}},)
         self.memory_output.outputs = (

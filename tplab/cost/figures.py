@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 
 from tplab.cost.collectives import collective_time
 from tplab.cost.hardware import GPU_MEMORY, Link
-from tplab.cost.transformer import best_tp
+from tplab.cost.step import best_tp
 from tplab.viz.palette import BAD_COLOR, PHASE_COLORS, human_bytes, style
 
 COMPUTE_COLOR = "#8da0cb"
@@ -31,7 +31,8 @@ def step_breakdown(panels: dict[str, list[dict]], title: str = "Step time agains
                    subtitle: str | None = None) -> go.Figure:
     """One panel per label of `sweep` rows: stacked compute and the TP communication left on
     the critical path (ms: `exposed_comm_s`, all of it without overlap), the fastest TP
-    degree marked, and the degrees whose TP group crosses nodes shaded."""
+    degree (objective "latency") marked, and the degrees whose TP group crosses nodes
+    shaded."""
     fig = make_subplots(rows=1, cols=len(panels), subplot_titles=list(panels),
                         horizontal_spacing=0.08)
     for col, rows in enumerate(panels.values(), start=1):
@@ -49,7 +50,7 @@ def step_breakdown(panels: dict[str, list[dict]], title: str = "Step time agains
             fig.add_vrect(x0=crossing[0] - 0.5, x1=len(rows) - 0.5, fillcolor="#e8e8e8",
                           opacity=0.5, layer="below", line_width=0, row=1, col=col,
                           annotation_text="crosses nodes", annotation_position="top left")
-        i = [r["tp"] for r in rows].index(best_tp(rows))
+        i = [r["tp"] for r in rows].index(best_tp(rows, "latency"))
         fig.add_annotation(x=i, y=rows[i]["step_s"] * 1e3, text="fastest",
                            showarrow=True, arrowhead=2, ax=0, ay=-40, row=1, col=col)
         fig.update_xaxes(title_text="TP degree", type="category", row=1, col=col)
@@ -92,7 +93,8 @@ def collective_lines(links: dict[str, Link], op: str, group_size: int,
     fig.update_xaxes(title_text="message bytes", type="log")
     fig.update_yaxes(title_text="microseconds", type="log")
     title = title or f"{op.replace('_', '-')} over {group_size} ranks"
-    return style(fig, title, "alpha-beta model: latency term + bytes term", height=400)
+    return style(fig, title, "NCCL's model: latency term + bytes term, its protocol by size",
+                 height=400)
 
 
 def memory_bars(rows: list[dict], title: str = "Memory per GPU against TP degree",
@@ -118,7 +120,8 @@ def memory_bars(rows: list[dict], title: str = "Memory per GPU against TP degree
                       annotation_font_color="#757575")
     if memory is not None:
         fig.add_hline(y=memory / 1e9, line={"color": BAD_COLOR, "width": 2},
-                      annotation_text=f"{memory / 1e9:.0f} GB", annotation_position="top right",
+                      annotation_text=f"{memory / 1e9:.0f} GB usable",
+                      annotation_position="top right",
                       annotation_font_color=BAD_COLOR)
         fits = [i for i, r in enumerate(rows) if r["memory_bytes"] <= memory]
         if fits:

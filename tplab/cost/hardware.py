@@ -33,8 +33,7 @@ Measured bus bandwidth (`LINKS` "... (nccl-tests)", what the `HARDWARE` presets 
   NVLink bandwidth of 370GB/s"); all-reduce with NVLink SHARP on 8 H100: a peak bus
   bandwidth of about 480 GB/s, algorithm bandwidth 275 GB/s. S. Jeaugey (NCCL), in
   NVIDIA/nccl-tests issue #212 (2024).
-- NVLink 3 (A100): NCCL's own tuning model caps an A100's bus bandwidth at 235 GB/s
-  (src/graph/tuning.cc, `if (compCap80) busBw = std::min(busBw, 235.0f)`).
+- NVLink 3 (A100): about 230 GB/s (below).
 - InfiniBand NDR: "CX-7 NICs at NDR rate (400Gbps) should achieve up to 48-49GB/s per NIC"
   (D. Addison (NCCL), NVIDIA/nccl-tests issue #267): 48 GB/s.
 - InfiniBand HDR: 24 GB/s inter-node bus bandwidth per HDR NIC (S. Jeaugey, NVIDIA/nccl
@@ -42,31 +41,57 @@ Measured bus bandwidth (`LINKS` "... (nccl-tests)", what the `HARDWARE` presets 
   (D. Addison, NVIDIA/nccl issue #812, quoted in #1576): 8 x 24, the striping modelled here.
 - PCIe: no published nccl-tests figure is used; the PCIe presets keep the datasheet peak.
 
-Latency (NCCL's tuning model, src/graph/tuning.cc): per ring step (`hwLat`, LL128
-protocol) about 1.9 us for NVLink, 2.5 us for PCIe and 4 us for the network; per call
-(`baseLat`, ring, Simple protocol, the one large messages use) 8.4 us.
+Latency: NCCL's tuning model (`tplab.cost.nccl`, NCCL 2.21.5's src/graph/tuning.cc). A
+link's `kind` ("nvlink", "pci", "net") says which row of NCCL's latency tables it takes;
+its `latency` and `base_latency` are the ring's Simple-protocol values there (per step
+`hwLat`: 3.4 us NVLink, 5.7 us PCIe, 14 us network; per call `baseLat` 8.4 us), and the
+other protocols and algorithms take NCCL's own values scaled by the same ratio, so that
+`link.with_(latency=2 * link.latency)` doubles every latency. A link with no `kind` (a
+calibrated one, or one made by hand) is a plain alpha-beta link: one protocol, its own
+numbers.
+
+Cross-node all-to-all gets ONE NIC per GPU, not the striped rings: NCCL's all-to-all is
+point-to-point and cannot aggregate NICs ("CX-7 NICs at NDR rate should achieve up to
+48-49GB/s per NIC", D. Addison, nccl-tests issue #267), about 48 GB/s per GPU on NDR.
+
+A100: NCCL's tuning model capped an A100's bus bandwidth at 235 GB/s until 2.18.1
+(`if (compCap80) busBw = std::min(busBw, 235.0f)`, gone from 2.18.1 on); the preset
+takes 230 GB/s, the ring bus bandwidth DGX A100 nodes measure (the cap was set from such
+measurements; not re-measured here: no GPU).
 
 Peak dense bf16 Tensor Core FLOP/s (the datasheets quote twice these "with sparsity"):
 H100 SXM and H200 SXM 989 TFLOP/s, H100 PCIe 756 TFLOP/s, A100 (SXM and PCIe) 312 TFLOP/s.
-Memory per GPU (datasheets, in GB = 1e9 bytes): H100 SXM and PCIe 80 GB, H200 SXM
-141 GB, A100 40 GB or 80 GB (the SXM preset here is the 80 GB part, the PCIe one 40 GB).
-Less than that is usable: the CUDA context, NCCL's buffers and the allocator's
-fragmentation take a few GB.
+Memory bandwidth (datasheets): H100 SXM 3.35 TB/s, H200 4.8 TB/s, H100 PCIe 2.0 TB/s,
+A100 SXM 80 GB 2.039 TB/s, A100 PCIe 40 GB 1.555 TB/s; streaming multiprocessors: H100 SXM
+and H200 132, H100 PCIe 114, A100 108 (the GEMM model, `tplab.cost.gemm`, uses both).
+
+Memory per GPU in bytes as nvidia-smi reports it, not the datasheet's GB: H100 80 GB
+81,559 MiB, H200 143,771 MiB, A100 80 GB 81,920 MiB, A100 40 GB 40,960 MiB. Not all of it
+holds tensors: `memory_reserve` (default 2 GiB, an assumption: the CUDA context, cuBLAS
+workspaces, NCCL's buffers, allocator fragmentation; set it to what your runs show) is
+kept back, and `usable_memory` is what the model fits parameters and activations into.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from tplab.cost.validate import check_bool, check_choice, check_int, check_number, check_type
+
 GB = 1e9
-NCCL_BASE_LATENCY = 8.4e-6   # tuning.cc baseLat, ring / Simple
+MiB, GiB = 2**20, 2**30
+KINDS = ("", "nvlink", "pci", "net")
+ARCHS = ("volta", "ampere", "hopper")
+CPUS = ("intel", "amd")
 
 
 @dataclass(frozen=True)
 class Link:
-    """One GPU's view of a wire: `bandwidth` bytes/s one way (bus bandwidth), `latency` s
-    per ring step, `base_latency` s per call, `nvls_bandwidth` the bus bandwidth of an
-    in-switch all-reduce (0: the link has none).
+    """One GPU's view of a wire: `bandwidth` bytes/s one way (bus bandwidth, the Simple
+    protocol's at large sizes), `latency` s per ring step and `base_latency` s per call
+    (NCCL's ring/Simple values for a `kind` of link; see the module doc), `nvls_bandwidth`
+    the peak bus bandwidth of an in-switch all-reduce (0: the link has none) and
+    `nvls_ramp` the message size at which NVLS reaches half of it beyond its latency.
 
     `per_op` holds fitted (latency, bandwidth) per op name when they were measured
     (see `tplab.cost.calibrate`); it overrides the two shared numbers for that op.
@@ -78,6 +103,18 @@ class Link:
     per_op: dict[str, tuple[float, float]] = field(default_factory=dict, compare=False)
     base_latency: float = 0.0
     nvls_bandwidth: float = 0.0
+    kind: str = ""
+    nvls_ramp: float = 0.0
+
+    def __post_init__(self):
+        check_type("name", self.name, str, "a string")
+        check_number("bandwidth", self.bandwidth, strict=True)
+        check_number("latency", self.latency)
+        check_number("base_latency", self.base_latency)
+        check_number("nvls_bandwidth", self.nvls_bandwidth)
+        check_number("nvls_ramp", self.nvls_ramp)
+        check_choice("kind", self.kind, KINDS)
+        check_type("per_op", self.per_op, dict, "a dict {op: (latency, bandwidth)}")
 
     def params(self, op: str) -> tuple[float, float]:
         """(alpha in s, bandwidth in bytes/s) that `op` runs at on this link."""
@@ -91,30 +128,69 @@ class Link:
 @dataclass(frozen=True)
 class Hardware:
     """A GPU and the links around it: `intra` inside a node, `inter` one NIC between nodes,
-    `nics_per_node` of them (NCCL stripes its rings over all of them)."""
+    `nics_per_node` of them (NCCL stripes its rings over all of them). `arch` and `cpu`
+    pick NCCL's tables (its LL bandwidth caps, its network overhead); `sms` and
+    `memory_bandwidth` feed the GEMM model; `memory` is bytes (nvidia-smi's), of which
+    `memory_reserve` is kept back; `collnet`: the fabric reduces in the switches (SHARP),
+    which lets NCCL use its CollNet algorithms (no preset has it)."""
 
     name: str
     flops: float
     intra: Link
     inter: Link
     gpus_per_node: int = 8
-    memory: float = 80 * GB          # bytes of GPU memory
+    memory: float = 81559 * MiB      # bytes of GPU memory (nvidia-smi)
     nics_per_node: int = 8
+    arch: str = "hopper"
+    cpu: str = "intel"
+    sms: int = 132
+    memory_bandwidth: float = 3.35e12
+    memory_reserve: float = 2 * GiB
+    collnet: bool = False
 
-    def link(self, group_size: int) -> Link:
+    def __post_init__(self):
+        check_type("name", self.name, str, "a string")
+        check_number("flops", self.flops, strict=True)
+        check_type("intra", self.intra, Link, "a tplab.cost.Link")
+        check_type("inter", self.inter, Link, "a tplab.cost.Link")
+        check_int("gpus_per_node", self.gpus_per_node)
+        check_number("memory", self.memory, strict=True)
+        check_int("nics_per_node", self.nics_per_node)
+        check_choice("arch", self.arch, ARCHS)
+        check_choice("cpu", self.cpu, CPUS)
+        check_int("sms", self.sms)
+        check_number("memory_bandwidth", self.memory_bandwidth, strict=True)
+        check_number("memory_reserve", self.memory_reserve, maximum=self.memory)
+        check_bool("collnet", self.collnet)
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes the model fits tensors into: `memory` - `memory_reserve`."""
+        return self.memory - self.memory_reserve
+
+    def link(self, group_size: int, op: str = "all_reduce") -> Link:
         """The link a collective over `group_size` GPUs runs at: `intra` inside a node;
         beyond, the node's NICs striped (nics_per_node x inter.bandwidth, at most the
-        intra-node bandwidth the rings also cross), with inter.latency per step."""
+        intra-node bandwidth the rings also cross), with inter's latencies. An all-to-all
+        across nodes gets one GPU's share of the NICs: NCCL cannot aggregate them for
+        point-to-point traffic (nccl-tests #267)."""
+        check_int("group_size", group_size)
         if group_size <= self.gpus_per_node:
             return self.intra
         nics = max(1, self.nics_per_node)
+        if op == "all_to_all":
+            share = self.inter.bandwidth * nics / self.gpus_per_node
+            return self.inter.with_(name=f"{self.inter.name}, one NIC per GPU",
+                                    bandwidth=min(share, self.inter.bandwidth))
         name = self.inter.name if nics == 1 else f"{nics} x {self.inter.name}"
-        return Link(name, min(self.intra.bandwidth, nics * self.inter.bandwidth),
-                    self.inter.latency,
-                    base_latency=max(self.intra.base_latency, self.inter.base_latency))
+        return self.inter.with_(name=name, per_op={},
+                                bandwidth=min(self.intra.bandwidth, nics * self.inter.bandwidth),
+                                base_latency=max(self.intra.base_latency,
+                                                 self.inter.base_latency))
 
     def nodes(self, group_size: int) -> int:
         """How many nodes a group of `group_size` consecutive GPUs spans."""
+        check_int("group_size", group_size)
         return max(1, -(-group_size // self.gpus_per_node))
 
     def with_(self, **changes) -> Hardware:
@@ -122,23 +198,37 @@ class Hardware:
         return replace(self, **changes)
 
 
+# NCCL 2.21.5 src/graph/tuning.cc, ring / Simple: hwLat per step and baseLat per call
+NCCL_BASE_LATENCY = 8.4e-6
+SIMPLE_STEP = {"nvlink": 3.4e-6, "pci": 5.7e-6, "net": 14.0e-6}
+NVLS_RAMP = 19.5e6
+"""Half-bandwidth size of NVLS beyond its 25 us latency: with it, the model gives the
+algorithm bandwidth of about 250 GB/s at 256 MiB on 8 H100 that nccl-tests #212 reports
+(busbw 437 of the 480 GB/s peak S. Jeaugey quotes there: "256M is too small to reach peak
+bandwidth"). A fit to one published point, stated as such."""
+
 LINKS: dict[str, Link] = {
-    # datasheet peaks
-    "NVLink 4": Link("NVLink 4", 450 * GB, 1.9e-6),
-    "NVLink 3": Link("NVLink 3", 300 * GB, 1.9e-6),
-    "PCIe Gen4 x16": Link("PCIe Gen4 x16", 32 * GB, 2.5e-6, base_latency=NCCL_BASE_LATENCY),
-    "PCIe Gen5 x16": Link("PCIe Gen5 x16", 64 * GB, 2.5e-6, base_latency=NCCL_BASE_LATENCY),
-    "InfiniBand NDR": Link("InfiniBand NDR", 50 * GB, 4.0e-6),
-    "InfiniBand HDR": Link("InfiniBand HDR", 25 * GB, 4.0e-6),
-    # measured bus bandwidth, with NCCL's per-call latency (see the module doc)
-    "NVLink 4 (nccl-tests)": Link("NVLink 4 (nccl-tests)", 370 * GB, 1.9e-6,
-                                  base_latency=NCCL_BASE_LATENCY, nvls_bandwidth=480 * GB),
-    "NVLink 3 (nccl-tests)": Link("NVLink 3 (nccl-tests)", 235 * GB, 1.9e-6,
-                                  base_latency=NCCL_BASE_LATENCY),
-    "InfiniBand NDR (nccl-tests)": Link("InfiniBand NDR (nccl-tests)", 48 * GB, 4.0e-6,
-                                        base_latency=NCCL_BASE_LATENCY),
-    "InfiniBand HDR (nccl-tests)": Link("InfiniBand HDR (nccl-tests)", 24 * GB, 4.0e-6,
-                                        base_latency=NCCL_BASE_LATENCY),
+    # datasheet peaks, plain alpha-beta (no kind): the Simple ring's per-step latency
+    "NVLink 4": Link("NVLink 4", 450 * GB, SIMPLE_STEP["nvlink"]),
+    "NVLink 3": Link("NVLink 3", 300 * GB, SIMPLE_STEP["nvlink"]),
+    "PCIe Gen4 x16": Link("PCIe Gen4 x16", 32 * GB, SIMPLE_STEP["pci"], kind="pci",
+                          base_latency=NCCL_BASE_LATENCY),
+    "PCIe Gen5 x16": Link("PCIe Gen5 x16", 64 * GB, SIMPLE_STEP["pci"], kind="pci",
+                          base_latency=NCCL_BASE_LATENCY),
+    "InfiniBand NDR": Link("InfiniBand NDR", 50 * GB, SIMPLE_STEP["net"]),
+    "InfiniBand HDR": Link("InfiniBand HDR", 25 * GB, SIMPLE_STEP["net"]),
+    # measured bus bandwidth, with NCCL's latency tables (see the module doc)
+    "NVLink 4 (nccl-tests)": Link("NVLink 4 (nccl-tests)", 370 * GB, SIMPLE_STEP["nvlink"],
+                                  base_latency=NCCL_BASE_LATENCY, nvls_bandwidth=480 * GB,
+                                  kind="nvlink", nvls_ramp=NVLS_RAMP),
+    "NVLink 3 (nccl-tests)": Link("NVLink 3 (nccl-tests)", 230 * GB, SIMPLE_STEP["nvlink"],
+                                  base_latency=NCCL_BASE_LATENCY, kind="nvlink"),
+    "InfiniBand NDR (nccl-tests)": Link("InfiniBand NDR (nccl-tests)", 48 * GB,
+                                        SIMPLE_STEP["net"], base_latency=NCCL_BASE_LATENCY,
+                                        kind="net"),
+    "InfiniBand HDR (nccl-tests)": Link("InfiniBand HDR (nccl-tests)", 24 * GB,
+                                        SIMPLE_STEP["net"], base_latency=NCCL_BASE_LATENCY,
+                                        kind="net"),
 }
 
 _NV4, _NV3 = LINKS["NVLink 4 (nccl-tests)"], LINKS["NVLink 3 (nccl-tests)"]
@@ -146,15 +236,21 @@ _NDR, _HDR = LINKS["InfiniBand NDR (nccl-tests)"], LINKS["InfiniBand HDR (nccl-t
 
 HARDWARE: dict[str, Hardware] = {
     "H100 SXM": Hardware("H100 SXM", 989e12, _NV4, _NDR),
-    "H200 SXM": Hardware("H200 SXM", 989e12, _NV4, _NDR, memory=141 * GB),
-    "A100 SXM": Hardware("A100 SXM", 312e12, _NV3, _HDR),
-    "H100 PCIe": Hardware("H100 PCIe", 756e12, LINKS["PCIe Gen5 x16"], _NDR),
+    "H200 SXM": Hardware("H200 SXM", 989e12, _NV4, _NDR, memory=143771 * MiB,
+                         memory_bandwidth=4.8e12),
+    "A100 SXM": Hardware("A100 SXM", 312e12, _NV3, _HDR, memory=81920 * MiB, arch="ampere",
+                         cpu="amd", sms=108, memory_bandwidth=2.039e12),
+    "H100 PCIe": Hardware("H100 PCIe", 756e12, LINKS["PCIe Gen5 x16"], _NDR, sms=114,
+                          memory_bandwidth=2.0e12),
     "A100 PCIe": Hardware("A100 PCIe", 312e12, LINKS["PCIe Gen4 x16"], _HDR,
-                          memory=40 * GB),
+                          memory=40960 * MiB, arch="ampere", cpu="amd", sms=108,
+                          memory_bandwidth=1.555e12),
 }
 """Presets by name: measured bus bandwidth where nccl-tests results are published, 8 NICs
-per node. "this machine" comes from `calibrate(lab).hardware`."""
+per node; DGX H100/H200 have Intel CPUs, DGX A100 AMD ones (NCCL's network overhead).
+"this machine" comes from `calibrate(lab).hardware`."""
 
-GPU_MEMORY: dict[str, float] = {"A100 40 GB": 40 * GB, "A100 / H100 80 GB": 80 * GB,
-                                "H200 141 GB": 141 * GB}
-"""The memory sizes the cost explorer draws as lines (datasheets)."""
+GPU_MEMORY: dict[str, float] = {"A100 40 GB": 40960 * MiB, "A100 / H100 80 GB": 81920 * MiB,
+                                "H100 (nvidia-smi)": 81559 * MiB,
+                                "H200 141 GB": 143771 * MiB}
+"""The memory sizes the cost explorer draws as lines (nvidia-smi's MiB, in bytes)."""

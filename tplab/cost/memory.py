@@ -1,14 +1,20 @@
 """Per-GPU memory of a transformer under TP: parameters, gradients, optimizer state and the
 activations saved for backward, by TP degree t, sequence parallelism and recomputation.
 
-**Parameters, gradients, optimizer state** (bytes per parameter element; Rajbhandari et al.
-2020, "ZeRO", section 3.1: mixed precision with Adam is 2 + 2 + K with K = 12):
+**Parameters, gradients, optimizer state** (bytes per parameter element):
 
-| precision | parameters | gradients | Adam state | SGD state |
-|---|---|---|---|---|
-| "fp32" | 4 | 4 | 8 (m, v) | 0 |
-| "bf16" | 2 | 2 | 4 (m, v in bf16) | 0 |
-| "mixed" | 2 | 2 | 12 (fp32 master, m, v) | 4 (master) |
+| precision | parameters | gradients | Adam state | SGD state | with Adam |
+|---|---|---|---|---|---|
+| "fp32" | 4 | 4 | 8 (m, v) | 0 | 16 |
+| "bf16" | 2 | 2 | 4 (m, v in bf16) | 0 | 8 |
+| "mixed" | 2 | 4 (fp32) | 12 (fp32 master, m, v) | 4 (master) | 18 |
+| "mixed_bf16_grads" | 2 | 2 | 12 | 4 | 16 |
+
+"mixed" is Megatron-LM's bf16 recipe: `--bf16` accumulates and reduces gradients in fp32
+(`accumulate_allreduce_grads_in_fp32`), so its distributed-optimizer docs count 18 bytes
+per parameter, 6 + 12/d with the optimizer state sharded over d data-parallel replicas
+(docs/source/api-guide/dist_optimizer.md). "mixed_bf16_grads" is the ZeRO paper's 2 + 2 + 12
+(Rajbhandari et al. 2020, section 3.1), 2-byte gradients.
 
 TP splits every matrix of a block and the vocabulary of the embedding and the lm head
 (Megatron's VocabParallelEmbedding) by t; the norms' weights are replicated on every rank.
@@ -36,6 +42,7 @@ RMSNorm computes in fp32, so its tensors are 4-byte whatever d is):
 | module | saved | elements per token (bytes each) | split by |
 |---|---|---|---|
 | attention_norm, ffn_norm | input, rstd, normalised input | h, 1, h (4: fp32) | SP |
+| (with norm="fused") | input, rstd | h (d), 1 (4) | SP |
 | attention.wq | the normed input (wk, wv share it) | h (d) | - |
 | attention | q, k, v, the output, logsumexp | h + 2 h_kv + h (d), a (4) | TP |
 | feed_forward.w1 | the normed input (w3 shares it) | h (d) | - |
@@ -55,6 +62,13 @@ GQA (the paper's 34h + 5as against tplab's 60h + 4a + 8):
   on every rank; Megatron-LM saves the shard and all-gathers it again in backward (section
   4.2.2), 4h/t: tplab keeps 4h (t-1)/t bytes per token more.
 The differences are asserted in tests/test_memory.py.
+
+**Which RMSNorm path** (`norm=`): "composite" (the default) is what torch's RMSNorm saves on
+CPU, where it runs as composite ops in fp32 (8h + 4 bytes per token, measured by
+`tplab.memory`); "fused" is what CUDA's fused kernel, Transformer Engine and Megatron-LM
+save: the d-byte input and the fp32 rstd, 2h + 4 bytes at d = 2. For Llama-3 70B at TP 4
+with SP and 4096 tokens the difference is 12h x 4096 / 4 x 80 layers, about 8 GB per GPU.
+Rows say which path they used (`norm`).
 """
 
 from __future__ import annotations
@@ -62,15 +76,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tplab.cost.transformer import BlockShape
+from tplab.cost.validate import check_bool, check_choice, check_int, check_sublayers, check_type
 
-PRECISIONS = ("fp32", "bf16", "mixed")
+PRECISIONS = ("fp32", "bf16", "mixed", "mixed_bf16_grads")
 RECOMPUTE = ("none", "selective", "full")
 LAYOUTS = ("tplab", "gpt")
-# bytes per parameter element: parameters, gradients, optimizer state (ZeRO, section 3.1)
-PARAM_BYTES = {"fp32": 4, "bf16": 2, "mixed": 2}
-GRAD_BYTES = {"fp32": 4, "bf16": 2, "mixed": 2}
-OPTIMIZER_BYTES = {"adam": {"fp32": 8, "bf16": 4, "mixed": 12},
-                   "sgd": {"fp32": 0, "bf16": 0, "mixed": 4}}
+NORMS = ("composite", "fused")
+# bytes per parameter element: parameters, gradients, optimizer state (module doc)
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "mixed": 2, "mixed_bf16_grads": 2}
+GRAD_BYTES = {"fp32": 4, "bf16": 2, "mixed": 4, "mixed_bf16_grads": 2}
+OPTIMIZER_BYTES = {"adam": {"fp32": 8, "bf16": 4, "mixed": 12, "mixed_bf16_grads": 12},
+                   "sgd": {"fp32": 0, "bf16": 0, "mixed": 4, "mixed_bf16_grads": 4}}
 
 
 @dataclass(frozen=True)
@@ -95,21 +111,28 @@ class Saved:
         return total // parts if total % parts == 0 else total / parts
 
 
-def tplab_layer(shape: BlockShape, sublayers=("attention", "mlp"), prefix: str = "") -> list[Saved]:
+def tplab_layer(shape: BlockShape, sublayers=("attention", "mlp"), prefix: str = "",
+                norm: str = "composite") -> list[Saved]:
     """What `tplab.models.Block` (or, with sublayers=("mlp",), `tplab.models.MLP` when the
-    shape is not gated) saves for backward, one `Saved` per tensor; see the module doc."""
+    shape is not gated) saves for backward, one `Saved` per tensor; see the module doc.
+    `norm`: which RMSNorm path ("composite": CPU, measured; "fused": CUDA, TE, Megatron)."""
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_choice("norm", norm, NORMS)
     h, d, a = shape.hidden, shape.dtype_bytes, shape.heads
     kv = (shape.kv_heads or a) * (h // a)
     f = shape.ffn_size
     out: list[Saved] = []
 
-    def norm(module):
+    def norm_saves(module):
+        if norm == "fused":
+            return [Saved(module, "input", h, d, sp=True),
+                    Saved(module, "rstd (fp32)", 1, 4, sp=True)]
         return [Saved(module, "input (fp32)", h, 4, sp=True),
                 Saved(module, "rstd (fp32)", 1, 4, sp=True),
                 Saved(module, "normalised input (fp32)", h, 4, sp=True)]
 
     if "attention" in sublayers:
-        out += norm("attention_norm")
+        out += norm_saves("attention_norm")
         out += [Saved("attention.wq", "normed input (q, k, v)", h, d, linear_input=True),
                 Saved("attention", "q", h, d, tp=True),
                 Saved("attention", "k", kv, d, tp=True),
@@ -120,7 +143,7 @@ def tplab_layer(shape: BlockShape, sublayers=("attention", "mlp"), prefix: str =
         ff = prefix if "attention" not in sublayers else "feed_forward"
         path = (lambda name: f"{ff}.{name}" if ff else name)
         if "attention" in sublayers:
-            out += norm("ffn_norm")
+            out += norm_saves("ffn_norm")
         out.append(Saved(path("w1"), "input (w1, w3)" if shape.gated else "input", h, d,
                          linear_input=True))
         if shape.gated:
@@ -158,23 +181,26 @@ def gpt_layer(shape: BlockShape) -> list[Saved]:
 
 
 def layer_saved(shape: BlockShape, recompute: str = "none", layout: str = "tplab",
-                sublayers=("attention", "mlp"), sp_saves: str | None = None) -> list[Saved]:
+                sublayers=("attention", "mlp"), sp_saves: str | None = None,
+                norm: str = "composite") -> list[Saved]:
     """The tensors one layer keeps for backward under a recomputation policy.
 
     "selective" drops what the paper recomputes (the attention scores); "full" keeps only
     the layer's input (Korthikanti et al. 2022, Table 2). `layout`: "tplab" (tplab's Block)
     or "gpt" (the paper's GPT layer). `sp_saves`: how a TP region keeps its input under SP,
     "gathered" (whole: DTensor, tplab's default) or "shard" (1/t, gathered again in
-    backward: Megatron-LM, the paper's default); None: the layout's own."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, not {recompute!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-    if sp_saves not in (None, "gathered", "shard"):
-        raise ValueError(f"sp_saves must be 'gathered', 'shard' or None, not {sp_saves!r}")
+    backward: Megatron-LM, the paper's default); None: the layout's own. `norm`: the
+    RMSNorm path of tplab's layout (module doc)."""
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_choice("recompute", recompute, RECOMPUTE)
+    check_choice("layout", layout, LAYOUTS)
+    check_sublayers("sublayers", sublayers)
+    if sp_saves is not None:
+        check_choice("sp_saves", sp_saves, ("gathered", "shard"))
+    check_choice("norm", norm, NORMS)
     if recompute == "full":
         return [Saved("", "layer input", shape.hidden, shape.dtype_bytes, sp=True)]
-    items = tplab_layer(shape, sublayers) if layout == "tplab" else gpt_layer(shape)
+    items = tplab_layer(shape, sublayers, norm=norm) if layout == "tplab" else gpt_layer(shape)
     if sp_saves is not None:
         items = [replace(i, sp=sp_saves == "shard") if i.linear_input else i for i in items]
     return [i for i in items if not (recompute == "selective" and i.selective)]
@@ -182,16 +208,24 @@ def layer_saved(shape: BlockShape, recompute: str = "none", layout: str = "tplab
 
 def activation_bytes(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
                      recompute: str = "none", layout: str = "tplab",
-                     sublayers=("attention", "mlp"), sp_saves: str | None = None) -> float:
+                     sublayers=("attention", "mlp"), sp_saves: str | None = None,
+                     norm: str = "composite") -> float:
     """Activation bytes one GPU keeps for backward, for ONE layer and one micro-batch."""
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_int("tp", tp)
+    check_bool("sequence_parallel", sequence_parallel)
     tokens = shape.tokens
     return sum(i.local_bytes(tokens, tp, sequence_parallel)
-               for i in layer_saved(shape, recompute, layout, sublayers, sp_saves))
+               for i in layer_saved(shape, recompute, layout, sublayers, sp_saves, norm))
 
 
 def param_count(shape: BlockShape, tp: int = 1) -> float:
     """Parameter elements on one GPU: every block (matrices split by t, norm weights whole),
-    the embedding and lm head split by t over the vocabulary, and the final norm."""
+    the embedding and lm head split by t over the vocabulary, and the final norm. Past
+    t = n_kv_heads Megatron splits the fused QKV weight t ways all the same (and gathers its
+    output: `tplab.cost.transformer`), so the count stays 1/t."""
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_int("tp", tp)
     h, f = shape.hidden, shape.ffn_size
     kv = (shape.kv_heads or shape.heads) * (h // shape.heads)
     matrices = h * (h + 2 * kv) + h * h + (3 if shape.gated else 2) * h * f
@@ -203,7 +237,7 @@ def param_count(shape: BlockShape, tp: int = 1) -> float:
 def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
                recompute: str = "none", precision: str = "mixed", optimizer: str = "adam",
                layout: str = "tplab", sp_saves: str | None = None, dp: int = 1,
-               zero: int = 0) -> dict:
+               zero: int = 0, norm: str = "composite") -> dict:
     """Bytes one GPU holds for training with TP degree `tp`: parameters, gradients,
     optimizer state, and every layer's activations for one micro-batch (the embedding's
     output and the logits are left out, as in the paper's Table 2). Keys as `tplab.memory`:
@@ -212,25 +246,23 @@ def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
     `zero` with `dp` data-parallel replicas shards the model states over them (Rajbhandari
     et al. 2020, section 5): stage 1 the optimizer state (Megatron-LM's distributed
     optimizer), 2 also the gradients, 3 also the parameters (FSDP; the one layer gathered
-    at a time is left out).
+    at a time is left out). With "mixed" precision and zero=1 this is Megatron-LM's
+    6 + 12/d bytes per parameter.
     """
-    if zero not in (0, 1, 2, 3):
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_int("tp", tp)
+    check_int("dp", dp)
+    check_int("zero", zero, minimum=0)
+    if zero > 3:
         raise ValueError(f"zero is a ZeRO stage, 0 to 3; got {zero!r}")
-    if not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be a positive int, got {dp!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
-    if optimizer not in OPTIMIZER_BYTES:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_BYTES)}, not "
-                         f"{optimizer!r}")
-    if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("optimizer", optimizer, tuple(OPTIMIZER_BYTES))
     n = param_count(shape, tp)
     shard = [dp if zero >= stage else 1 for stage in (3, 2, 1)]
     row = {"param_bytes": n * PARAM_BYTES[precision] / shard[0],
            "grad_bytes": n * GRAD_BYTES[precision] / shard[1],
            "optimizer_bytes": n * OPTIMIZER_BYTES[optimizer][precision] / shard[2],
            "activation_bytes": shape.layers * activation_bytes(
-               shape, tp, sequence_parallel, recompute, layout, sp_saves=sp_saves)}
+               shape, tp, sequence_parallel, recompute, layout, sp_saves=sp_saves, norm=norm)}
     row["memory_bytes"] = sum(row.values())
     return row

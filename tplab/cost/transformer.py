@@ -10,6 +10,15 @@ section 4.2.2; the Ultra-Scale Playbook, "Tensor Parallelism" and "Sequence Para
 | TP | 2 all-reduce (g after attention and MLP) | 2 all-reduce (f at their inputs) |
 | TP + SP | 2 all-gather + 2 reduce-scatter | 2 all-gather + 2 reduce-scatter |
 
+Past TP = n_kv_heads (grouped-query attention with fewer KV heads than ranks) Megatron-LM
+still splits the fused QKV projection t ways, then all-gathers its output so that each rank
+can take its query group's k and v (megatron/core/transformer/attention.py,
+`get_query_key_value_tensors`, `num_query_groups < world_size`): one more forward
+all-gather of b s (h + 2 h_kv) d bytes, and its backward reduce-scatter. On the wire that
+adds 2 (h + 2 h_kv) / (8 h) to the layer's TP bytes: 37.5% for Llama-3 8B, 31% for 70B.
+`tp_allowed` says which degrees a shape allows at all: the query heads and the feed-forward
+size must divide by t, and t must divide, or be a multiple of, the KV heads.
+
 An all-reduce is a reduce-scatter followed by an all-gather, so both plans move the same
 bytes; sequence parallelism saves activation memory, not bandwidth (Korthikanti et al.
 2022), though its twice as many calls pay NCCL's per-call latency twice. Under SP Megatron-LM
@@ -41,9 +50,10 @@ the all-reduce's factor 2 (N-1)/N; C is `mfu` x peak.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-from tplab.cost.hardware import Hardware
+from tplab.cost.validate import check_bool, check_choice, check_int, check_sublayers, check_type
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,23 @@ class BlockShape:
     dtype_bytes: int = 2             # bf16
     name: str = ""
     vocab: int = 0                   # embedding and lm head rows (0: blocks only)
+
+    def __post_init__(self):
+        for name in ("hidden", "heads", "seq", "batch", "layers", "dtype_bytes"):
+            check_int(name, getattr(self, name))
+        check_int("vocab", self.vocab, minimum=0)
+        if self.ffn is not None:
+            check_int("ffn", self.ffn)
+        if self.kv_heads is not None:
+            check_int("kv_heads", self.kv_heads)
+        check_bool("gated", self.gated)
+        check_type("name", self.name, str, "a string")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden = {self.hidden} must divide into heads = {self.heads} "
+                             "heads of equal width")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads = {self.kv_heads} must divide heads = {self.heads}: "
+                             "each KV head serves a whole group of query heads")
 
     @property
     def ffn_size(self) -> int:
@@ -99,13 +126,57 @@ SUBLAYERS = ("attention", "mlp")
 def scaled(shape: BlockShape, hidden: int, **changes) -> BlockShape:
     """`shape` at another hidden size: heads of the same width, the same ffn / hidden ratio,
     the same number of kv heads (at most the heads). Other fields may change too."""
-    heads = max(1, hidden // (shape.hidden // shape.heads))
-    return shape.with_(hidden=hidden, heads=heads, kv_heads=min(shape.kv_heads or heads, heads),
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_int("hidden", hidden)
+    width = shape.hidden // shape.heads
+    if hidden % width:
+        raise ValueError(f"hidden = {hidden} is not a whole number of {width}-wide heads "
+                         f"(the head width of {shape.name or 'shape'})")
+    heads = hidden // width
+    return shape.with_(hidden=hidden, heads=heads,
+                       kv_heads=math.gcd(shape.kv_heads or heads, heads),
                        ffn=round(shape.ffn_size * hidden / shape.hidden), **changes)
+
+
+def tp_allowed(shape: BlockShape, tp: int) -> str | None:
+    """None if a framework can split `shape` `tp` ways, else why not: the query heads and
+    the feed-forward size must divide by tp, and tp must divide the KV heads or be a
+    multiple of them (Megatron-LM then gathers the QKV output; see the module doc)."""
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_int("tp", tp)
+    kv = shape.kv_heads or shape.heads
+    if shape.heads % tp:
+        return f"TP {tp} does not divide the {shape.heads} query heads"
+    if kv % tp and tp % kv:
+        return f"TP {tp} neither divides nor is a multiple of the {kv} KV heads"
+    if shape.ffn_size % tp:
+        return f"TP {tp} does not divide the feed-forward size {shape.ffn_size}"
+    return None
+
+
+def allowed_tps(shape: BlockShape, tps=(1, 2, 4, 8, 16, 32, 64)) -> tuple[int, ...]:
+    """The degrees of `tps` that `shape` allows (`tp_allowed`)."""
+    return tuple(t for t in tps if tp_allowed(shape, t) is None)
+
+
+def check_tp(shape: BlockShape, tp: int) -> int:
+    """`tp` if the shape allows it, else a ValueError naming tp and why."""
+    why = tp_allowed(shape, tp)
+    if why:
+        raise ValueError(f"tp = {tp} is not a TP degree {shape.name or 'this shape'} "
+                         f"allows: {why}")
+    return tp
+
+
+def kv_replicated(shape: BlockShape, tp: int) -> bool:
+    """True when tp exceeds the KV heads: each KV head lives on several ranks."""
+    return tp > (shape.kv_heads or shape.heads)
 
 
 def block_flops(shape: BlockShape, sublayers: tuple[str, ...] = SUBLAYERS) -> int:
     """Forward FLOPs of one block on one micro-batch, over all TP ranks together."""
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_sublayers("sublayers", sublayers)
     h, t = shape.hidden, shape.tokens
     kv_dim = (shape.kv_heads or shape.heads) * (h // shape.heads)
     qkv = 2 * t * h * (h + 2 * kv_dim)
@@ -115,12 +186,13 @@ def block_flops(shape: BlockShape, sublayers: tuple[str, ...] = SUBLAYERS) -> in
     return ("attention" in sublayers) * (qkv + out + scores) + ("mlp" in sublayers) * mlp
 
 
-ROLES = ("fwd_in", "fwd_out", "bwd_out", "bwd_in", "regather")
+ROLES = ("fwd_in", "fwd_out", "bwd_out", "bwd_in", "regather", "qkv_gather", "qkv_scatter")
 """Where a TP record sits in its region (its "role"): entering it in forward (SP's
 all-gather), leaving it in forward (g: all-reduce, or SP's reduce-scatter), the
 conjugate of leaving it in backward (SP's all-gather of dy), the conjugate of entering it
 in backward (f: all-reduce, or SP's reduce-scatter of dx), and Megatron's second
-all-gather of a sequence-sharded input in backward (`sp_saves="shard"`)."""
+all-gather of a sequence-sharded input in backward (`sp_saves="shard"`), and past
+n_kv_heads the all-gather of the QKV output and its backward reduce-scatter."""
 
 OVERLAPS: dict[str, dict[str, str]] = {
     "none": {},
@@ -141,10 +213,11 @@ OVERLAPS: dict[str, dict[str, str]] = {
 SP_SAVES = ("gathered", "shard")
 
 MFU = 0.40
-"""Default model FLOPs utilisation: Llama 3 405B trained at 38-43% BF16 MFU on 8K-16K
-H100s ("The Llama 3 Herd of Models", 2024, Table 4). It is an end-to-end figure (it pays
-for the communication that was not hidden), so compute at 40% of peak plus the TP
-communication modelled here errs on the slow side."""
+"""Default compute efficiency of a large, well-shaped GEMM: Llama 3 405B trained at 38-43%
+BF16 MFU on 8K-16K H100s ("The Llama 3 Herd of Models", 2024, Table 4). It is an
+end-to-end figure (it pays for the communication that was not hidden), so compute at 40%
+of peak plus the communication modelled here errs on the slow side. Smaller per-rank GEMMs
+run below it (`tplab.cost.gemm`); each row carries the `mfu` it ended up with."""
 
 
 def block_collectives(shape: BlockShape, tp: int, sequence_parallel: bool = False,
@@ -158,28 +231,40 @@ def block_collectives(shape: BlockShape, tp: int, sequence_parallel: bool = Fals
     `sp_saves="shard"` is Megatron's way of keeping a TP region's input for backward: its
     1/t sequence shard, all-gathered again in backward (one more all-gather per region,
     10 collectives instead of 8: 25% more bytes); "gathered" keeps the gathered input, as
-    DTensor's plans do (Korthikanti et al. 2022, section 4.2.2).
+    DTensor's plans do (Korthikanti et al. 2022, section 4.2.2). Past tp = n_kv_heads the
+    attention also all-gathers its QKV output in forward and reduce-scatters its gradient
+    in backward (Megatron-LM; see the module doc).
     """
-    if sp_saves not in SP_SAVES:
-        raise ValueError(f"sp_saves must be one of {SP_SAVES}, not {sp_saves!r}")
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_int("tp", tp)
+    check_bool("sequence_parallel", sequence_parallel)
+    check_sublayers("sublayers", sublayers, allowed=None)
+    check_choice("sp_saves", sp_saves, SP_SAVES)
     if tp <= 1:
         return []
     nbytes = shape.activation_bytes
+    kv_dim = (shape.kv_heads or shape.heads) * (shape.hidden // shape.heads)
+    qkv_bytes = shape.tokens * (shape.hidden + 2 * kv_dim) * shape.dtype_bytes
+    gather_qkv = kv_replicated(shape, tp)
 
-    def rec(phase, module, op, role):
-        return {"phase": phase, "module": module, "op": op, "bytes": nbytes,
+    def rec(phase, module, op, role, size=nbytes):
+        return {"phase": phase, "module": module, "op": op, "bytes": size,
                 "group_size": tp, "role": role}
 
     records = []
     for sub in sublayers:
         if sequence_parallel:   # gather the sequence in, scatter the sum out
-            records += [rec("forward", sub, "all_gather", "fwd_in"),
-                        rec("forward", sub, "reduce_scatter", "fwd_out")]
-        else:                   # g: sum the row-parallel partial outputs
-            records.append(rec("forward", sub, "all_reduce", "fwd_out"))
+            records.append(rec("forward", sub, "all_gather", "fwd_in"))
+        if gather_qkv and sub == "attention":
+            records.append(rec("forward", sub, "all_gather", "qkv_gather", qkv_bytes))
+        records.append(rec("forward", sub, "reduce_scatter" if sequence_parallel
+                           else "all_reduce", "fwd_out"))   # g: sum the partial outputs
     for sub in reversed(sublayers):
         if sequence_parallel:   # the transposes: all-gather of dy, reduce-scatter of dx
             records.append(rec("backward", sub, "all_gather", "bwd_out"))
+        if gather_qkv and sub == "attention":
+            records.append(rec("backward", sub, "reduce_scatter", "qkv_scatter", qkv_bytes))
+        if sequence_parallel:
             if sp_saves == "shard":
                 records.append(rec("backward", sub, "all_gather", "regather"))
             records.append(rec("backward", sub, "reduce_scatter", "bwd_in"))
@@ -198,165 +283,3 @@ def region_gemm_flops(shape: BlockShape) -> dict[str, dict[str, float]]:
             "mlp": {"col": 2 * t * h * f * (2 if shape.gated else 1), "row": 2 * t * h * f}}
 
 
-def comm_times(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool = False,
-               algorithm: str = "ring", sublayers: tuple[str, ...] = SUBLAYERS,
-               overlap: str = "none", sp_saves: str = "gathered", mfu: float = MFU,
-               recompute: str = "none") -> list[dict]:
-    """One block's TP records (`block_collectives`) with `time_s` (alpha-beta), `hidden_by`
-    (the GEMM that `overlap` puts beside it, or None), `gemm_s` (that GEMM's time at `mfu`
-    of peak on 1/tp of the work) and `exposed_s` = max(0, time_s - gemm_s): what stays on
-    the critical path, assuming ideal overlap (a lower bound: an overlapped collective
-    also takes SMs and memory bandwidth from the GEMM it hides behind)."""
-    from tplab.cost.collectives import collective_time
-
-    if overlap not in OVERLAPS:
-        raise ValueError(f"overlap must be one of {tuple(OVERLAPS)}, not {overlap!r}")
-    if overlap == "async_tp" and not sequence_parallel:
-        raise ValueError("overlap='async_tp' needs sequence_parallel=True: PyTorch's async "
-                         "TP fuses all-gather + matmul and matmul + reduce-scatter")
-    records = block_collectives(shape, tp, sequence_parallel, sublayers, sp_saves)
-    if recompute == "full":   # the re-run forward issues its collectives again
-        records += [dict(r) for r in records if r["phase"] == "forward"]
-    mapping = OVERLAPS[overlap]
-    if overlap == "async_tp" and tp > hw.gpus_per_node:
-        mapping = {}   # symmetric memory needs every rank of the group on one NVLink domain
-    gemms = region_gemm_flops(shape)
-    for r in records:
-        r["time_s"] = collective_time(r["op"], r["bytes"], tp, hw, algorithm)
-        r["hidden_by"] = mapping.get(r["role"])
-        r["gemm_s"] = 0.0
-        if r["hidden_by"]:
-            side = r["hidden_by"].split("_")[0]
-            r["gemm_s"] = gemms[r["module"]][side] / (tp * hw.flops * mfu)
-        r["exposed_s"] = max(0.0, r["time_s"] - r["gemm_s"])
-    return records
-
-
-def step_time(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool = False,
-              algorithm: str = "ring", sublayers: tuple[str, ...] = SUBLAYERS,
-              recompute: str = "none", precision: str = "mixed", optimizer: str = "adam",
-              layout: str = "tplab", overlap: str = "none", sp_saves: str | None = None,
-              mfu: float = MFU, dp: int = 1, zero: int = 0) -> dict:
-    """Forward + backward time of the model's blocks on one micro-batch, N-way TP, and the
-    memory one GPU needs for it (`tplab.cost.memory.gpu_memory`, for the whole model
-    whatever `sublayers` says: param_bytes, grad_bytes, optimizer_bytes, activation_bytes,
-    memory_bytes, and `fits`: within `hw.memory`).
-
-    Compute runs at `mfu` of the GPU's peak (default `MFU`, 0.40, with its source); TP
-    collectives at the link's bus bandwidth with NCCL's latencies (`tplab.cost.hardware`).
-    `tp_comm_s` is all of the TP communication, `exposed_comm_s` what `overlap` leaves on
-    the critical path ("none"; "megatron": the backward input-gradient all-reduce or
-    reduce-scatter behind the weight-gradient GEMM; "async_tp": PyTorch's async TP, SP
-    only, inside one NVLink domain; see `comm_times`), and `step_s` = compute + exposed.
-    Throughput: `tokens_per_s_per_gpu` = the micro-batch's tokens / (step_s x tp), the
-    quantity training maximises; `gpu_s` = step_s x tp.
-
-    `dp` and `zero` shard the model states over data-parallel replicas in the memory
-    (`gpu_memory`); they change no time here (the DP gradient traffic is not modelled).
-    Under SP, `sp_saves` says how a region keeps its input for backward: "gathered"
-    (DTensor, tplab's block) or "shard" (Megatron-LM: 1/t of it, gathered again in
-    backward: memory saved, 25% more TP bytes); by default the layout's own ("tplab":
-    gathered, "gpt": shard). Full recomputation runs the forward twice (4 passes instead
-    of 3, and the forward's collectives twice); selective recomputation of the paper's GPT
-    layer re-runs the attention scores, 4 b s^2 h FLOPs (Korthikanti et al. 2022, section 5).
-    """
-    from tplab.cost.memory import gpu_memory
-
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu is a fraction of peak, 0 < mfu <= 1; got {mfu}")
-    saves = sp_saves or ("shard" if layout == "gpt" else "gathered")
-    flops = block_flops(shape, sublayers)
-    passes = 4 if recompute == "full" else 3
-    extra = 4 * shape.batch * shape.seq**2 * shape.hidden * (
-        recompute == "selective" and layout == "gpt" and "attention" in sublayers)
-    compute = shape.layers * (passes * flops + extra) / (tp * hw.flops * mfu)
-    records = comm_times(shape, tp, hw, sequence_parallel, algorithm, sublayers, overlap,
-                         saves, mfu, recompute)
-    comm = shape.layers * sum(r["time_s"] for r in records)
-    exposed = shape.layers * sum(r["exposed_s"] for r in records)
-    applied = overlap
-    if overlap == "async_tp" and tp > hw.gpus_per_node:
-        applied = "none (async TP needs the TP group in one NVLink domain)"
-    link = hw.link(tp).name if tp > 1 else "-"
-    step = compute + exposed
-    row = {"model": shape.name, "hardware": hw.name, "tp": tp, "link": link,
-           "crosses_nodes": tp > hw.gpus_per_node, "compute_s": compute,
-           "tp_comm_s": comm, "exposed_comm_s": exposed, "hidden_comm_s": comm - exposed,
-           "step_s": step, "comm_fraction": exposed / step, "overlap": applied,
-           "mfu": mfu, "tokens": shape.tokens, "gpu_s": step * tp,
-           "tokens_per_s_per_gpu": shape.tokens / (step * tp)}
-    row |= gpu_memory(shape, tp, sequence_parallel, recompute, precision, optimizer, layout,
-                      sp_saves=saves, dp=dp, zero=zero)
-    row["fits"] = row["memory_bytes"] <= hw.memory
-    return row
-
-
-def sweep(shape: BlockShape, hw: Hardware, tps=(1, 2, 4, 8, 16, 32, 64),
-          **kw) -> list[dict]:
-    """`step_time` for each TP degree in `tps` (keywords as for `step_time`), with
-    `speedup`: the first row's step time over this row's."""
-    rows = [step_time(shape, tp, hw, **kw) for tp in tps]
-    for row in rows:
-        row["speedup"] = rows[0]["step_s"] / row["step_s"]
-    return rows
-
-
-def comm_bound_tp(shape: BlockShape, hw: Hardware, max_tp: int = 1024, **kw) -> int | None:
-    """The smallest power-of-two TP degree whose exposed TP communication takes longer than
-    its compute; None if none up to `max_tp`."""
-    tp = 2
-    while tp <= max_tp:
-        row = step_time(shape, tp, hw, **kw)
-        if row["exposed_comm_s"] >= row["compute_s"]:
-            return tp
-        tp *= 2
-    return None
-
-
-OBJECTIVES = ("latency", "throughput")
-
-
-def best_tp(rows: list[dict], objective: str = "latency",
-            memory_limit: float | None = None) -> int | None:
-    """The TP degree `sweep` rows recommend.
-
-    objective="latency": the fastest micro-batch (smallest `step_s`), the question of
-    serving one request or of a fixed number of GPUs per replica. objective="throughput":
-    the most tokens per second per GPU (`tokens_per_s_per_gpu`), the question of training
-    on a fixed budget of GPUs: TP never adds FLOP/s per GPU, so this is the smallest degree
-    that fits unless overlap hides all of its communication. With `memory_limit` (bytes
-    per GPU, e.g. `hw.memory`) only rows whose `memory_bytes` fit count; None when none
-    fits. Ties go to the smaller degree.
-    """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, not {objective!r}")
-    if memory_limit is not None:
-        if memory_limit <= 0:
-            raise ValueError(f"memory_limit is bytes per GPU, > 0; got {memory_limit}")
-        if any("memory_bytes" not in r for r in rows):
-            raise ValueError("best_tp(memory_limit=...) needs rows with 'memory_bytes' "
-                             "(from sweep or step_time)")
-        rows = [r for r in rows if r["memory_bytes"] <= memory_limit]
-        if not rows:
-            return None
-    if objective == "throughput":
-        if any("tokens_per_s_per_gpu" not in r for r in rows):
-            raise ValueError("best_tp(objective='throughput') needs rows with "
-                             "'tokens_per_s_per_gpu' (from sweep or step_time)")
-        return min(rows, key=lambda r: (-r["tokens_per_s_per_gpu"], r["tp"]))["tp"]
-    return min(rows, key=lambda r: (r["step_s"], r["tp"]))["tp"]
-
-
-def mlp_comm_ratio(shape: BlockShape, tp: int, hw: Hardware, mfu: float = MFU) -> float:
-    """Closed form of an MLP's TP communication time over its compute time, bytes terms
-    only: 2 d (N-1) C / (3 m f B) with m matrices (2, or 3 if gated) and C = mfu x peak,
-    which is d (N-1) C / (3 f B) for a plain MLP. Above 1, the MLP is communication-bound.
-
-    Derivation: 2 all-reduces of T = bsh d bytes (forward g, backward f) take
-    4 T (N-1) / (N B); 3 passes of 2 m bsh f FLOPs split N ways take 6 m bsh f / (N C).
-    """
-    if tp <= 1:
-        return 0.0
-    bw = hw.link(tp).params("all_reduce")[1]
-    m = 3 if shape.gated else 2
-    return 2 * shape.dtype_bytes * (tp - 1) * hw.flops * mfu / (3 * m * shape.ffn_size * bw)

@@ -174,10 +174,11 @@ def block_counts(world_size: int) -> dict:
 def cost_prediction() -> dict:
     """A ring all-reduce of a (1, 4096, 8192) bf16 activation over 8 GPUs of an H100 SXM
     node: each GPU sends 2 (n-1)/n of the tensor; time = NCCL's per-call latency +
-    2 (n-1) alpha + bytes sent / bus bandwidth (tplab.cost.hardware cites the numbers)."""
+    2 (n-1) alpha + bytes sent / bus bandwidth, with the Simple protocol NCCL takes for a
+    64 MiB message (tplab.cost.nccl: NCCL 2.21.5 tuning.cc cites the numbers)."""
     nbytes, n = 1 * 4096 * 8192 * 2, 8
     sent = 2 * (n - 1) / n * nbytes
-    base, alpha, bandwidth = 8.4e-6, 1.9e-6, 370e9  # per call, per ring step; nccl-tests busbw
+    base, alpha, bandwidth = 8.4e-6, 3.4e-6, 370e9  # ring/Simple per call, per step; busbw
     return {"bytes": sent, "seconds": base + 2 * (n - 1) * alpha + sent / bandwidth}
 
 

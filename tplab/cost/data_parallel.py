@@ -1,0 +1,101 @@
+"""The data-parallel traffic of a TP layout: gradient reduction and ZeRO's gathers.
+
+With `dp` data-parallel replicas of a TP group, each GPU's replica of its 1/tp of the model
+synchronises with the `dp` GPUs that hold the same shard (Megatron-LM's DP groups: the same
+TP rank in every replica):
+
+| zero | once per optimizer step | per micro-batch |
+|---|---|---|
+| 0 | all-reduce of the gradients (N x grad bytes) | - |
+| 1, 2 | reduce-scatter of the gradients, all-gather of the updated bf16 parameters | - |
+| 3 | reduce-scatter of the gradients | all-gather of the parameters in forward, again in backward |
+
+(Rajbhandari et al. 2020, "ZeRO", section 7: stages 1 and 2 move what an all-reduce moves,
+stage 3 1.5 times that; Megatron-LM's distributed optimizer is stage 1, its gradient
+buffers fp32 under `--bf16`.) N is the parameter count on one GPU (`param_count(shape, tp)`).
+
+Where: the DP group of a GPU has `gpus_per_node // tp` members in each node (one when TP
+fills the node or spans nodes), and all the node's DP groups reduce at once, so each gets
+its share of the node's NICs: `gpus_per_node // tp` of them, one NIC per GPU. NCCL's
+model (`tplab.cost.nccl`, algorithm "auto") prices each collective on that fabric.
+
+Overlap (`overlap=True`, Megatron-LM's `--overlap-grad-reduce` and
+`--overlap-param-gather`): the gradient reduction runs behind the backward pass of the
+step's last micro-batch, the parameter gather behind the next forward pass, ZeRO-3's
+gathers behind the micro-batch's compute; what does not fit stays exposed (ideal overlap,
+a lower bound). The per-step traffic is spread over the step's `micro_batches`.
+"""
+
+from __future__ import annotations
+
+from tplab.cost.collectives import collective_time
+from tplab.cost.hardware import Hardware
+from tplab.cost.memory import GRAD_BYTES, PARAM_BYTES, PRECISIONS, param_count
+from tplab.cost.transformer import BlockShape
+from tplab.cost.validate import check_bool, check_choice, check_int, check_number, check_type
+
+
+def dp_group_hardware(hw: Hardware, tp: int) -> Hardware:
+    """The fabric one DP group sees: `gpus_per_node // tp` GPUs per node (at least 1), each
+    with one NIC's share of the node's `nics_per_node`."""
+    check_type("hw", hw, Hardware, "a tplab.cost.Hardware")
+    check_int("tp", tp)
+    per_node = max(1, hw.gpus_per_node // tp)
+    nic = hw.inter.bandwidth * min(1.0, hw.nics_per_node / hw.gpus_per_node)
+    return hw.with_(name=f"{hw.name}, DP group", gpus_per_node=per_node,
+                    nics_per_node=per_node, inter=hw.inter.with_(bandwidth=nic))
+
+
+def dp_collectives(shape: BlockShape, tp: int, dp: int, zero: int = 0,
+                   precision: str = "mixed") -> list[dict]:
+    """The DP records of one GPU, trace-like (op, bytes, group_size) with `per`: "step"
+    (once per optimizer step) or "micro_batch"; see the module doc."""
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_int("tp", tp)
+    check_int("dp", dp)
+    check_int("zero", zero, minimum=0)
+    if zero > 3:
+        raise ValueError(f"zero is a ZeRO stage, 0 to 3; got {zero!r}")
+    check_choice("precision", precision, PRECISIONS)
+    if dp == 1:
+        return []
+    n = param_count(shape, tp)
+    grads, params = n * GRAD_BYTES[precision], n * PARAM_BYTES[precision]
+
+    def rec(op, nbytes, per, what):
+        return {"op": op, "bytes": nbytes, "group_size": dp, "per": per, "what": what}
+
+    if zero == 0:
+        return [rec("all_reduce", grads, "step", "gradients")]
+    out = [rec("reduce_scatter", grads, "step", "gradients")]
+    if zero < 3:
+        return out + [rec("all_gather", params, "step", "updated parameters")]
+    return out + [rec("all_gather", params, "micro_batch", "parameters, forward"),
+                  rec("all_gather", params, "micro_batch", "parameters, backward")]
+
+
+def dp_times(shape: BlockShape, tp: int, hw: Hardware, dp: int = 1, zero: int = 0,
+             precision: str = "mixed", micro_batches: int = 1, overlap: bool = True,
+             forward_s: float = 0.0, backward_s: float = 0.0) -> dict:
+    """Per micro-batch: `dp_comm_s` (all of the DP traffic) and `dp_exposed_s` (what
+    `overlap` leaves on the critical path, given the micro-batch's forward and backward
+    compute seconds), with `dp_link` (the fabric) and the `dp_records`."""
+    check_int("micro_batches", micro_batches)
+    check_bool("overlap", overlap)
+    check_number("forward_s", forward_s)
+    check_number("backward_s", backward_s)
+    records = dp_collectives(shape, tp, dp, zero, precision)
+    view = dp_group_hardware(hw, tp)
+    for r in records:
+        r["time_s"] = collective_time(r["op"], r["bytes"], dp, view, "auto")
+    step = [r["time_s"] for r in records if r["per"] == "step"]
+    grad_s, gather_s = (step + [0.0, 0.0])[:2]
+    mb_s = sum(r["time_s"] for r in records if r["per"] == "micro_batch")
+    if overlap:
+        exposed_step = max(0.0, grad_s - backward_s) + max(0.0, gather_s - forward_s)
+        exposed_mb = max(0.0, mb_s - forward_s - backward_s)
+    else:
+        exposed_step, exposed_mb = grad_s + gather_s, mb_s
+    return {"dp_comm_s": (grad_s + gather_s) / micro_batches + mb_s,
+            "dp_exposed_s": exposed_step / micro_batches + exposed_mb,
+            "dp_link": view.link(dp).name if dp > 1 else "-", "dp_records": records}
