@@ -7,16 +7,21 @@ went wrong, where and on which rank, while the lab stays usable.
 
 from __future__ import annotations
 
+import contextvars
 import html
 import re
 from dataclasses import dataclass
 
 import torch
 
-from tplab.errors import CollectiveHang, LabError, PlanError, RankDied, RankError
+from tplab.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
 from tplab.lab.output import format_rank_list
+from tplab.lab.simulate import Simulation
+from tplab.lab.time_limit import TimeLimitReached, stop_after
 
 CHECK_TIMEOUT_S = 10.0  # an answer that waits longer than this in a collective is stuck
+CHECK_TIME_LIMIT_S = 30.0  # an answer that computes longer than this never ends
+TIME_LIMIT = contextvars.ContextVar("tplab_check_time_limit", default=CHECK_TIME_LIMIT_S)
 
 
 class Stop(Exception):
@@ -61,21 +66,80 @@ def _last_line(tb: str) -> str:
     return lines[-1].strip() if lines else "an exception"
 
 
+_FRAME = re.compile(r'^(\s*)File "([^"]+)", line (\d+)')
+
+
+def frames(tb: str) -> list[tuple[str, str, str]]:
+    """(file, line, source line or "") of each frame of a formatted traceback. A frame's
+    source line is the next line when it is indented deeper than its `File` line (and is
+    not a `^^^` marker); a frame whose source is not known has none, and the line after it
+    is the next frame or the exception itself."""
+    lines = tb.splitlines()
+    found = []
+    for i, text in enumerate(lines):
+        m = _FRAME.match(text)
+        if not m:
+            continue
+        code = lines[i + 1] if i + 1 < len(lines) else ""
+        deeper = len(code) - len(code.lstrip()) > len(m.group(1))
+        if not deeper or _FRAME.match(code) or not code.strip().strip("^~ "):
+            code = ""
+        found.append((m.group(2), m.group(3), code.strip()))
+    return found
+
+
 def _user_line(tb: str) -> str:
     """The innermost frame of the traceback outside torch and tplab: the learner's line."""
-    frames = re.findall(r'File "([^"]+)", line (\d+)[^\n]*\n\s*([^\n]*)', tb)
-    own = [f for f in frames if "site-packages" not in f[0] and "/tplab/" not in f[0]]
+    own = [f for f in frames(tb) if "site-packages" not in f[0] and "/tplab/" not in f[0]]
     if not own:
         return ""
     path, line, code = own[-1]
     where = "your cell" if path.startswith("<") or "ipykernel" in path else path
-    return f" at {where}, line {line}: {code.strip()}" if code else f" at {where}, line {line}"
+    return f" at {where}, line {line}: {code}" if code else f" at {where}, line {line}"
+
+
+def _run_limited(lab, fn, args, limit: float):
+    """lab.run with the answer's time bounded: `cell_timeout` on rank processes (they are
+    interrupted); in a Simulation, which runs in this process, a limit that stops the
+    learner's own code between bytecodes (tplab/lab/time_limit.py)."""
+    if isinstance(lab, Simulation):
+        with stop_after(limit) as watch:
+            try:
+                return lab.run(fn, *args, timeout=CHECK_TIMEOUT_S)
+            except (RankError, TimeLimitReached):
+                if watch.reached:  # raised in the answer, wrapped or caught on the way
+                    raise TimeLimitReached from None
+                raise
+    return lab.run(fn, *args, timeout=CHECK_TIMEOUT_S, cell_timeout=limit)
+
+
+def _too_long(name: str, limit: float, lab, err) -> Stop:
+    where = ""
+    if isinstance(err, CellTimeout):
+        where = f"\n{str(err).split(chr(10), 1)[-1]}"
+    kind = ("its Python code was stopped (the simulation runs in this process)"
+            if isinstance(lab, Simulation) else "the ranks were interrupted")
+    return fail(name, f"your answer was still computing after {limit:g} s, so it was stopped "
+                      f"({kind}): a loop that never ends? Every step of an exercise takes "
+                      f"well under a second; the lab is ready for the next try.{where}")
 
 
 def run_on_ranks(name: str, lab, fn, *args):
-    """lab.run(fn, *args) with a short timeout; whatever goes wrong becomes a `Stop`."""
+    """lab.run(fn, *args) with a short timeout for collectives and a time limit for the
+    answer's computing (TIME_LIMIT); whatever goes wrong becomes a `Stop`."""
+    limit = TIME_LIMIT.get()
     try:
-        return lab.run(fn, *args, timeout=CHECK_TIMEOUT_S)
+        return _run_limited(lab, fn, args, limit)
+    except (CellTimeout, TimeLimitReached) as err:
+        raise _too_long(name, limit, lab, err) from None
+    except TypeError as err:
+        if "cannot be sent to the ranks" not in str(err) or err.__cause__ is None:
+            raise
+        cause = err.__cause__
+        raise fail(name, f"your answer cannot be sent to the ranks ({type(cause).__name__}: "
+                         f"{cause}): define it in the notebook or an importable module, and "
+                         "keep things that cannot be copied to another process (locks, "
+                         "open files, connections) out of it") from None
     except CollectiveHang as err:
         raise fail(name, "your answer waits in a collective that not every rank reaches: "
                          "every rank must call the same collectives in the same order "
