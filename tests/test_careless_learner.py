@@ -213,3 +213,51 @@ def test_bad_calls_are_errors_that_name_the_argument(labs):
     assert fb.message.startswith("your answer cannot be sent to the ranks")
     assert "conjugate_step" not in fb.message and "lock" in fb.message
     assert_all_reduces(lab)
+
+
+# --- item 10: display on a rank, and a trailing semicolon -----------------------------------
+
+def test_display_on_a_rank_shows_in_the_notebook_and_a_semicolon_hides_the_value(labs):
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+    from traitlets.config import Config
+
+    from tplab.lab.magics import register_magics
+
+    lab = labs.get(2)
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    shell = InteractiveShell.instance(config=config)
+    register_magics(lab)
+
+    def cell(code):
+        with capture_output() as cap:
+            result = shell.run_cell(code)
+        assert result.success, result.error_in_exec
+        return cap
+
+    cap = cell("%%ranks\nfrom IPython.display import HTML, display\n"
+               "display(HTML('<b>on a rank</b>'))\ndisplay(rank)\n40 + 2")
+    html = [o.data for o in cap.outputs if "text/html" in o.data]
+    assert [d["text/html"] for d in html] == ["<b>on a rank</b>"]   # the same: shown once
+    assert sorted(o.data["text/plain"] for o in cap.outputs if "text/html" not in o.data) == [
+        "0", "1"]                                                    # rank by rank
+    assert "[ranks 0,1] display:" in cap.stdout and "[rank 1] display:" in cap.stdout
+    assert "[ranks 0,1] 42" in cap.stdout
+    cap = cell("%%ranks\n40 + 2;")
+    assert "42" not in cap.stdout and not cap.outputs
+    cap = cell("%%rank 1\nimport threading\nthreading.Lock()  ;  # a value that cannot travel")
+    assert "Lock" not in cap.stdout and "cannot be sent" not in cap.stdout
+    cap = cell("%%ranks\n41 + 1  # no semicolon")
+    assert "[ranks 0,1] 42" in cap.stdout
+
+    def shows():
+        from IPython.display import Markdown, display
+
+        display(Markdown("**from lab.run**"))
+        return 1
+
+    with capture_output() as cap:
+        assert lab.run(shows) == [1, 1]
+    assert [o.data["text/markdown"] for o in cap.outputs] == ["**from lab.run**"]
+    assert_all_reduces(lab)
