@@ -62,6 +62,12 @@ class FForever(torch.autograd.Function):
         return grad, None
 
 
+def plan_forever(model, mesh):
+    """A plan function (model, mesh) -> model that never returns."""
+    while True:
+        pass
+
+
 class FUnsendable(solutions.F_):
     """A right f that holds a lock: it cannot be copied to a rank process."""
 
@@ -150,6 +156,8 @@ def test_an_answer_that_computes_forever_is_stopped_in_a_simulation():
     assert not fb.passed
     assert "still computing after 1 s" in fb.message and "stopped" in fb.message
     assert sys.gettrace() is None or "time_limit" not in repr(sys.gettrace())
+    fb = exercises.check("mlp_plan", plan_forever, sim, time_limit=1.0)   # in grad_check
+    assert not fb.passed and "still computing after 1 s" in fb.message, fb.message
     assert exercises.check("f", solutions.F_, sim).passed
     assert_all_reduces(sim)
 
@@ -160,6 +168,9 @@ def test_an_answer_that_computes_forever_is_interrupted_on_ranks(labs):
     fb = exercises.check("f", FForever, lab, time_limit=3.0)
     assert not fb.passed and "still computing after 3 s" in fb.message, fb.message
     assert "ranks were interrupted" in fb.message
+    fb = exercises.check("mlp_plan", plan_forever, lab, time_limit=3.0)   # in grad_check
+    assert not fb.passed and "still computing after 3 s" in fb.message, fb.message
+    assert lab.cell_timeout is None                                      # as it was
     assert exercises.check("f", solutions.F_, lab).passed
     assert_all_reduces(lab)
 

@@ -17,6 +17,7 @@ notebooks/exercises/ use `Workbook`, which injects solutions or typical mistakes
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 # Only rank-side modules at import time: the ranks import this package to reach `steps`,
@@ -125,8 +126,15 @@ def check(name: str, answer, lab=None, time_limit: float | None = None):
     ValueError/TypeError for a missing or wrong `lab` or `time_limit`, LabError for a lab
     that was shut down or that has too few ranks to tell a right answer from a wrong one.
     """
-    from tplab.errors import LabError
-    from tplab.exercises.feedback import CHECK_TIME_LIMIT_S, TIME_LIMIT, Feedback, Stop
+    from tplab.errors import CellTimeout, LabError
+    from tplab.exercises.feedback import (
+        CHECK_TIME_LIMIT_S,
+        Feedback,
+        Stop,
+        time_bounded,
+        too_long,
+    )
+    from tplab.lab.time_limit import TimeLimitReached
     from tplab.lab.validate import check_timeout
 
     e = _get(name)
@@ -145,17 +153,22 @@ def check(name: str, answer, lab=None, time_limit: float | None = None):
             "split and no collective moves data, so a wrong answer computes the same as a "
             f"right one. Check it on tplab.launch({e.min_world_size}) or "
             f"tplab.simulate({e.min_world_size})")
-    token = TIME_LIMIT.set(limit)
+    watch = None
     try:
-        return Feedback(name, True, e.checker(name, answer, lab))
+        with (time_bounded(lab, limit) if e.needs_lab else contextlib.nullcontext()) as watch:
+            return Feedback(name, True, e.checker(name, answer, lab))
+    except (CellTimeout, TimeLimitReached) as err:
+        return too_long(name, limit, lab, err).feedback
     except Stop as stop:
+        if watch is not None and watch.reached:  # stopped, and reported as an exception
+            return too_long(name, limit, lab).feedback
         return stop.feedback
     except Exception as exc:  # noqa: BLE001 - an answer no checker foresaw: say so, do not raise
+        if watch is not None and watch.reached:
+            return too_long(name, limit, lab).feedback
         return Feedback(name, False, f"this answer could not be checked: {type(exc).__name__}: "
                         f"{exc}. The answer was {_short(answer)}; exercises.task({name!r}) "
                         "says what it should be")
-    finally:
-        TIME_LIMIT.reset(token)
 
 
 def _short(value) -> str:

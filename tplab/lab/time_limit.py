@@ -34,6 +34,7 @@ class TimeLimitReached(BaseException):
     KeyboardInterrupt), so that `except Exception` in the learner's code cannot swallow it."""
 
 
+_CELL_NAMES = ("<ipython-input-", "<ranks cell", "<cell")
 _SEEN: dict[str, bool] = {}  # file name -> is_learner_code, asked once per file
 
 
@@ -42,10 +43,13 @@ def is_learner_code(filename: str) -> bool:
     library, an installed package or tplab."""
     found = _SEEN.get(filename)
     if found is None:
-        if filename.startswith("<frozen") or "site-packages" in filename:
+        if filename.startswith("<"):
+            # a cell (IPython's <ipython-input-...>, %%ranks' <ranks cell>); not code that
+            # libraries generate (<string>: dataclasses, namedtuples) or <frozen importlib>,
+            # which run inside imports that must not be cut in half
+            found = filename.startswith(_CELL_NAMES)
+        elif "site-packages" in filename or "dist-packages" in filename:
             found = False
-        elif filename.startswith("<"):
-            found = True  # <ipython-input-...>, <ranks cell>, <string>
         else:
             found = not os.path.realpath(filename).startswith(_LIBRARY_DIRS)
         _SEEN[filename] = found
