@@ -181,6 +181,7 @@ def test_an_answer_that_computes_forever_is_interrupted_on_ranks(labs):
     ("cost_prediction", {"bytes": "abc", "seconds": 1e-4}, '"bytes" must be a number'),
     ("cost_prediction", {"bytes": float("nan"), "seconds": 1e-4}, "finite number"),
     ("cost_prediction", None, "the answer is a dict"),
+    ("cost_prediction", {"bytes": "abc"}, "(it lacks 'seconds')"),
     ("block_memory", None, "the answer is a dict"),
     ("block_memory", {"activation_bytes": None}, '"activation_bytes" must be a number'),
     ("block_counts", {"forward": 2}, '"forward" must be a dict {op: count}'),

@@ -111,7 +111,11 @@ def _predict_cost(name, answer, lab=None):
     from tplab import cost
 
     if not (isinstance(answer, dict) and {"bytes", "seconds"} <= set(answer)):
-        raise fail(name, f'the answer is a dict {{"bytes": ..., "seconds": ...}}, not {answer!r}')
+        lacks = [repr(k) for k in ("bytes", "seconds") if isinstance(answer, dict)
+                 and k not in answer]
+        missing = f" (it lacks {', '.join(lacks)})" if lacks else ""
+        raise fail(name, f'the answer is a dict {{"bytes": ..., "seconds": ...}}, not {answer!r}'
+                         + missing)
     nbytes, n, hw = 1 * 4096 * 8192 * 2, 8, cost.HARDWARE["H100 SXM"]
     sent = 2 * (n - 1) / n * nbytes
     seconds = cost.collective_time("all_reduce", nbytes, n, hw)
