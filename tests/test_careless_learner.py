@@ -198,11 +198,14 @@ def test_malformed_answers_get_feedback_not_an_exception(name, answer, words):
     assert_all_reduces(sim)
 
 
-def test_feedback_for_an_exception_shows_the_learner_s_line():
+def test_feedback_for_an_exception_shows_the_learner_s_line(labs):
+    lab = labs.get(2)
+    for where in (tplab.simulate(2), lab):
+        fb = exercises.check("f", FTypo, where)
+        assert "NameError: name 'y' is not defined at " in fb.message, fb.message
+        assert fb.message.endswith(": return x.view_as(y)  # noqa: F821 - the typo"), fb.message
+    assert_all_reduces(lab)
     sim = tplab.simulate(2)
-    fb = exercises.check("f", FTypo, sim)
-    assert "NameError: name 'y' is not defined at " in fb.message, fb.message
-    assert fb.message.endswith(": return x.view_as(y)  # noqa: F821 - the typo"), fb.message
     fb = exercises.check("f", FNoSource, sim)   # no source: the place, not the error twice
     assert fb.message.endswith("ZeroDivisionError: division by zero at /gone/cell.py, line 1")
     assert_all_reduces(sim)

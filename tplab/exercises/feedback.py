@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import html
+import inspect
+import linecache
 import re
 from dataclasses import dataclass
 
@@ -87,12 +89,39 @@ def frames(tb: str) -> list[tuple[str, str, str]]:
     return found
 
 
-def _user_line(tb: str) -> str:
-    """The innermost frame of the traceback outside torch and tplab: the learner's line."""
+def answer_sources(args) -> list[tuple[str, int, int]]:
+    """(file, first line, last line) of the classes and functions among `args` (the
+    answer, sent to the ranks by value), where this process knows their source."""
+    found = []
+    for obj in args:
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue
+        try:
+            lines, start = inspect.getsourcelines(obj)
+            found.append((inspect.getsourcefile(obj) or "", start, start + len(lines) - 1))
+        except (OSError, TypeError):
+            continue
+    return found
+
+
+def _source_line(line: int, sources) -> str:
+    """The answer's source line `line`, when exactly one of the answer's sources holds it
+    (a rank knows code sent by value only by its line numbers)."""
+    hits = {linecache.getline(f, line).strip() for f, a, b in sources if a <= line <= b}
+    hits.discard("")
+    return hits.pop() if len(hits) == 1 else ""
+
+
+def _user_line(tb: str, sources=()) -> str:
+    """The innermost frame of the traceback outside torch and tplab: the learner's line.
+    A frame without its source (code that travelled by value) gets the line from the
+    answer's own source in this process, when it has one."""
     own = [f for f in frames(tb) if "site-packages" not in f[0] and "/tplab/" not in f[0]]
     if not own:
         return ""
     path, line, code = own[-1]
+    if not code and path.startswith("<"):
+        code = _source_line(int(line), sources)
     where = "your cell" if path.startswith("<") or "ipykernel" in path else path
     return f" at {where}, line {line}: {code}" if code else f" at {where}, line {line}"
 
@@ -112,7 +141,7 @@ def time_bounded(lab, limit: float):
         yield None
         return
     before = lab.cell_timeout
-    lab.cell_timeout = min(before or limit, limit)
+    lab.cell_timeout = limit  # the check's own bound, whatever the lab's cells have
     try:
         yield None
     finally:
@@ -158,7 +187,8 @@ def run_on_ranks(name: str, lab, fn, *args):
     except RankError as err:
         groups: dict[str, list[int]] = {}
         for rank, tb in err.tracebacks.items():
-            groups.setdefault(_last_line(tb) + _user_line(tb), []).append(rank)
+            groups.setdefault(_last_line(tb) + _user_line(tb, answer_sources(args)),
+                              []).append(rank)
         parts = [f"on {format_rank_list(ranks)}: {text}" for text, ranks in groups.items()]
         raise fail(name, "your answer raised an exception " + "; ".join(parts)) from None
     except LabError as err:
