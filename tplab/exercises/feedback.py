@@ -131,8 +131,8 @@ def time_bounded(lab, limit: float):
     """Bound how long an answer may compute during one check (grad_check included): rank
     processes get `cell_timeout=limit` on every call (the watchdog interrupts them, and
     the lab stays usable); a Simulation runs in this process, where the learner's own
-    Python code is stopped between bytecodes instead (tplab/lab/time_limit.py). Yields
-    the limit; `.reached` tells, in a Simulation, that it stopped the answer."""
+    Python code is stopped between bytecodes instead (tplab/lab/time_limit.py). Yields,
+    in a Simulation, the limit (its `.reached` says it stopped the answer); else None."""
     if isinstance(lab, Simulation):
         with stop_after(limit) as watch:
             yield watch
