@@ -129,6 +129,70 @@ def test_memory_tracks_the_peak_and_distinct_storages():
         assert kept["peak_bytes"] == 3 * 4 * 8 * 4   # x once, y1 and y2
 
 
+def nested_steps():
+    """Rank side: the same step measured alone, inside two nested contexts, and inside two
+    contexts that only overlap (the outer one closes first)."""
+    import torch
+
+    import tplab
+
+    lin = torch.nn.Linear(8, 8, bias=False)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def step():
+        y = lin(x)
+        (y * y).sum().backward()
+
+    with tplab.memory() as alone:
+        step()
+    with tplab.memory() as outer:
+        step()
+        with tplab.memory() as inner:
+            step()
+    a = tplab.memory()
+    a.__enter__()
+    step()                              # counted by a only
+    b = tplab.memory()
+    b.__enter__()
+    step()                              # counted by both
+    a.__exit__(None, None, None)
+    step()                              # counted by b only
+    b.__exit__(None, None, None)
+    with tplab.memory() as after:       # nothing left behind by the overlap
+        step()
+    again = tplab.memory()
+    with again, pytest.raises(RuntimeError, match="already open"):
+        again.__enter__()
+    return {k: m.summary() for k, m in [("alone", alone), ("outer", outer), ("inner", inner),
+                                        ("a", a), ("b", b), ("after", after)]}
+
+
+def test_nested_memory_contexts_both_count(labs):
+    import torch.distributed as dist
+
+    lab = labs.get(2)
+    runs = [nested_steps(), tplab.simulate(2).run(nested_steps)[1], lab.run(nested_steps)[1]]
+    for got in runs:
+        one = got["alone"]["activation_bytes"]
+        assert one == 2 * 4 * 8 * 4
+        assert got["inner"]["activation_bytes"] == one
+        assert got["outer"]["activation_bytes"] == 2 * one
+        assert got["outer"]["peak_bytes"] == got["inner"]["peak_bytes"] == one
+        assert got["outer"]["rows"] == [{"module": "", "bytes": 2 * one, "storages": 4}]
+        assert got["a"]["activation_bytes"] == got["b"]["activation_bytes"] == 2 * one
+        assert got["after"] == got["alone"]
+    # the lab still runs an all-reduce
+    assert lab.run(lambda: _all_reduce_sum(dist)) == [3.0, 3.0]
+
+
+def _all_reduce_sum(dist):
+    import torch
+
+    t = torch.ones(()) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return float(t)
+
+
 def test_parameters_used_outside_a_module_are_left_out_when_the_model_is_given():
     import torch
 

@@ -22,6 +22,11 @@ Under `tplab.simulate` every simulated rank is counted on its own (a LocalTensor
 per-rank tensors); a number that differs between ranks is a per-rank SymInt, which
 `sim.run` hands back as one int per rank, like everything else it returns.
 
+Contexts nest, as `tplab.trace()` does: each open `tplab.memory()` counts every tensor saved
+while it is open, so an outer context includes what was saved inside an inner one (also when
+they only overlap: `a` opened, `b` opened, `a` closed, `b` closed). torch runs only the
+innermost pair of saved-tensor hooks, so one pair serves every open context (`_OPEN`).
+
 Limits: a tensor saved by an activation-checkpointed region is not seen (torch.utils.
 checkpoint installs its own saved-tensor hooks there); a parameter used outside any module's
 forward is only recognised when the model is passed (`tplab.memory(model)`).
@@ -30,11 +35,32 @@ forward is only recognised when the model is passed (`tplab.memory(model)`).
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 import torch.nn as nn
 
 ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32 each, per parameter element
+
+
+class _Open(threading.local):
+    """The memory contexts open in this thread, oldest first (saved-tensor hooks are
+    per thread in torch, so is this list)."""
+
+    def __init__(self):
+        self.contexts: list[Memory] = []
+
+
+_OPEN = _Open()
+
+
+def _pack_all(tensor):
+    """The saved-tensor hook every open context shares: each one counts the tensor."""
+    return _Packed(tensor, [(m, m._pack(tensor)) for m in list(_OPEN.contexts)])
+
+
+def _unpack(packed):
+    return packed.tensor
 
 
 def _local_mode():
@@ -103,16 +129,18 @@ def storage_bytes(tensors, ranks: _Ranks) -> dict[int, int]:
 
 class _Packed:
     """What autograd keeps instead of a saved tensor; when autograd drops it (its node ran
-    in backward), the storages it held are released in the count."""
+    in backward), the storages it held are released in the count of every context that
+    counted them: `counts` is [(context, its keys for this tensor)]."""
 
-    __slots__ = ("tensor", "owner", "keys")
+    __slots__ = ("tensor", "counts")
 
-    def __init__(self, tensor, owner=None, keys=()):
-        self.tensor, self.owner, self.keys = tensor, owner, keys
+    def __init__(self, tensor, counts=()):
+        self.tensor, self.counts = tensor, counts
 
     def __del__(self):
-        if self.keys:
-            self.owner._release(self.keys)
+        for owner, keys in self.counts:
+            if keys:
+                owner._release(keys)
 
 
 class Memory:
@@ -136,6 +164,10 @@ class Memory:
     def __enter__(self) -> Memory:
         from torch.nn.modules.module import register_module_forward_pre_hook
 
+        if self in _OPEN.contexts:
+            raise RuntimeError("this tplab.memory() context is already open; nest a new "
+                               "one instead: with tplab.memory() as inner: ...")
+
         self._ranks = _Ranks()
         self._names: dict[int, str] = {}
         self._stack: list[str] = []
@@ -149,11 +181,16 @@ class Memory:
         if self.model is not None:
             self._root(self.model)
         self._handles.append(register_module_forward_pre_hook(self._pre))
-        self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # Every context pushes the same shared pair, so whichever pair an overlapping
+        # context pops, the one left serves the contexts still open.
+        self._saved = torch.autograd.graph.saved_tensors_hooks(_pack_all, _unpack)
         self._saved.__enter__()
+        _OPEN.contexts.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self in _OPEN.contexts:
+            _OPEN.contexts.remove(self)
         self._saved.__exit__(*exc)
         for h in self._handles:
             h.remove()
@@ -225,7 +262,8 @@ class Memory:
 
     # --- saved tensors --------------------------------------------------------------------
 
-    def _pack(self, tensor):
+    def _pack(self, tensor) -> list:
+        """Count a tensor autograd saves; returns the (rank, storage) keys it holds."""
         keys = []
         path = self._stack[-1] if self._stack else ""
         for r, local in self._ranks.locals(tensor).items():
@@ -243,11 +281,7 @@ class Memory:
                 row[1] += 1
             entry[1] += 1
             keys.append(key)
-        return _Packed(tensor, self, keys)
-
-    @staticmethod
-    def _unpack(packed):
-        return packed.tensor
+        return keys
 
     def _release(self, keys) -> None:
         for key in keys:

@@ -8,13 +8,16 @@ and costs. Each answer runs on the lab's ranks (or a `tplab.simulate`) against a
     exercises.hint("f", 2)                  # graded hints, 1 to 3
     exercises.solution("f")                 # the reference, as source
 
-A failed check names what is wrong, where, and on which rank; an answer that raises or
-hangs gets feedback too (with a short timeout), and the lab stays usable. Workbooks in
+A failed check names what is wrong, where, and on which rank; an answer that raises, hangs
+in a collective (CHECK_TIMEOUT_S) or computes forever (CHECK_TIME_LIMIT_S, `time_limit=`)
+gets feedback too, and the lab stays usable. A lab of one rank cannot tell a right answer
+from a wrong one: `check` refuses it (LabError). Workbooks in
 notebooks/exercises/ use `Workbook`, which injects solutions or typical mistakes for CI.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 # Only rank-side modules at import time: the ranks import this package to reach `steps`,
@@ -25,6 +28,7 @@ from tplab.exercises.solutions import SOLUTIONS
 
 _NOTEBOOK_SIDE = {"Feedback": "tplab.exercises.feedback",
                   "CHECK_TIMEOUT_S": "tplab.exercises.feedback",
+                  "CHECK_TIME_LIMIT_S": "tplab.exercises.feedback",
                   "EXERCISES": "tplab.exercises.catalog"}
 
 
@@ -35,8 +39,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_NOTEBOOK_SIDE[name]), name)
     raise AttributeError(f"module 'tplab.exercises' has no attribute {name!r}")
 
-__all__ = ["CHECK_TIMEOUT_S", "Feedback", "Workbook", "broken_plan", "check", "hint", "names",
-           "reference_answer", "solution", "task"]
+__all__ = ["CHECK_TIMEOUT_S", "CHECK_TIME_LIMIT_S", "Feedback", "Workbook", "broken_plan",
+           "check", "hint", "names", "reference_answer", "solution", "task"]
 
 
 def names() -> list[str]:
@@ -75,7 +79,10 @@ def task(name: str) -> Text:
 def hint(name: str, level: int = 1) -> Text:
     """Hint `level` (1: a nudge, 2: the idea, 3: nearly the code) for exercise `name`."""
     e = _get(name)
-    if not isinstance(level, int) or level < 1:
+    if isinstance(level, bool) or not isinstance(level, int):
+        raise TypeError(f"hint level is a number, 1 to {len(e.hints)}: "
+                        f"exercises.hint({name!r}, 1); got {type(level).__name__} {level!r}")
+    if level < 1:
         raise ValueError(f"hint level is 1, 2 or {len(e.hints)}; got {level!r}")
     text = e.hints[min(level, len(e.hints)) - 1]
     more = "" if level >= len(e.hints) else f" (more: exercises.hint({name!r}, {level + 1}))"
@@ -107,20 +114,69 @@ def broken_plan() -> dict:
     return dict(mistakes.BROKEN_PLAN)
 
 
-def check(name: str, answer, lab=None):
+def check(name: str, answer, lab=None, time_limit: float | None = None):
     """Run `answer` for exercise `name` on `lab` (a Lab or a Simulation) and compare it with
-    the reference. Never raises for a wrong answer: the Feedback says what is wrong."""
-    from tplab.exercises.feedback import Feedback, Stop
+    the reference. Never raises for a wrong or malformed answer: the Feedback says what is
+    wrong. An answer that waits in a collective gets CHECK_TIMEOUT_S; one that computes
+    gets `time_limit` seconds (default CHECK_TIME_LIMIT_S), then is stopped: rank
+    processes are interrupted; in a Simulation the answer's own Python code is stopped
+    between bytecodes (a single long torch op finishes first; tplab/lab/time_limit.py).
+
+    Raises (these are about the call, not the answer): KeyError for an unknown exercise,
+    ValueError/TypeError for a missing or wrong `lab` or `time_limit`, LabError for a lab
+    that was shut down or that has too few ranks to tell a right answer from a wrong one.
+    """
+    from tplab.errors import CellTimeout, LabError
+    from tplab.exercises.feedback import (
+        CHECK_TIME_LIMIT_S,
+        Feedback,
+        Stop,
+        time_bounded,
+        too_long,
+    )
+    from tplab.lab.time_limit import TimeLimitReached
+    from tplab.lab.validate import check_timeout
 
     e = _get(name)
+    limit = check_timeout(time_limit, "time_limit") or CHECK_TIME_LIMIT_S
     if e.needs_lab and lab is None:
         raise ValueError(f"exercise {name!r} runs on ranks: check({name!r}, answer, lab)")
-    if e.needs_lab and not hasattr(lab, "run"):
+    if e.needs_lab and not (hasattr(lab, "run") and hasattr(lab, "world_size")):
         raise TypeError(f"lab must be a tplab.launch(...) or tplab.simulate(...), not {lab!r}")
+    if e.needs_lab and getattr(lab, "closed", False):
+        raise LabError(f"the lab was shut down, so exercise {name!r} cannot run: start a new "
+                       "one with tplab.launch(2) (or tplab.simulate(2)) and check again")
+    if e.needs_lab and lab.world_size < e.min_world_size:
+        raise LabError(
+            f"exercise {name!r} needs a lab of at least {e.min_world_size} ranks: on "
+            f"{lab.world_size} rank{'s' if lab.world_size != 1 else ''} there is nothing to "
+            "split and no collective moves data, so a wrong answer computes the same as a "
+            f"right one. Check it on tplab.launch({e.min_world_size}) or "
+            f"tplab.simulate({e.min_world_size})")
+    watch = None
     try:
-        return Feedback(name, True, e.checker(name, answer, lab))
+        with (time_bounded(lab, limit) if e.needs_lab else contextlib.nullcontext()) as watch:
+            return Feedback(name, True, e.checker(name, answer, lab))
+    except (CellTimeout, TimeLimitReached) as err:
+        return too_long(name, limit, lab, err).feedback
     except Stop as stop:
+        if watch is not None and watch.reached:  # stopped, and reported as an exception
+            return too_long(name, limit, lab).feedback
         return stop.feedback
+    except Exception as exc:  # noqa: BLE001 - an answer no checker foresaw: say so, do not raise
+        if watch is not None and watch.reached:
+            return too_long(name, limit, lab).feedback
+        return Feedback(name, False, f"this answer could not be checked: {type(exc).__name__}: "
+                        f"{exc}. The answer was {_short(answer)}; exercises.task({name!r}) "
+                        "says what it should be")
+
+
+def _short(value) -> str:
+    try:
+        text = f"{type(value).__name__} {value!r}"
+    except Exception:  # noqa: BLE001 - a repr that raises
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def reference_answer(name: str, lab=None):

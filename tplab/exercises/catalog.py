@@ -23,6 +23,37 @@ class Exercise:
     checker: object = field(repr=False)
     notebook: str = ""
     needs_lab: bool = True
+    # On fewer ranks nothing is split and no collective moves data: a wrong f, g, plan or
+    # prediction computes what a right one does, so the check could not tell them apart.
+    min_world_size: int = 2
+
+
+def _number(name: str, answer: dict, key: str, what: str) -> float:
+    """answer[key] as a float, or the feedback that says why it is not a number."""
+    value = answer[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise fail(name, f'"{key}" must be a number ({what}), not {type(value).__name__} '
+                         f"{value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise fail(name, f'"{key}" must be a finite number >= 0 ({what}), not {value!r}')
+    return float(value)
+
+
+def _counts(name: str, answer, phase: str) -> dict:
+    """answer[phase] as {op: count}, or the feedback that says what is wrong with it."""
+    said = answer.get(phase, {})
+    example = '{"all_reduce": 2}'
+    if not isinstance(said, dict):
+        raise fail(name, f'"{phase}" must be a dict {{op: count}} such as {example}, not '
+                         f"{type(said).__name__} {said!r}")
+    for op, n in said.items():
+        if not isinstance(op, str):
+            raise fail(name, f'in "{phase}", {op!r} is not a collective\'s name (a string '
+                             'such as "all_reduce")')
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise fail(name, f'in "{phase}", the count of {op!r} must be a whole number '
+                             f">= 0, not {type(n).__name__} {n!r}")
+    return {op: n for op, n in said.items() if n}
 
 
 def _predict_counts(name, answer, lab):
@@ -32,13 +63,14 @@ def _predict_counts(name, answer, lab):
     if not (isinstance(answer, dict) and set(answer) <= {"forward", "backward"}):
         raise fail(name, 'the answer is a dict {"forward": {op: count}, "backward": {op: count}}'
                          f", not {answer!r}")
+    said_by_phase = {phase: _counts(name, answer, phase) for phase in ("forward", "backward")}
     cfg = checks.exercise_config(lab)
     build = functools.partial(models.Block, cfg)
     make_x = functools.partial(models.make_input, cfg)
     traced = checks.run_on_ranks(name, lab, steps.plan_counts, build,
                                  tplab.plans.block(), make_x)[0]
     for phase in ("forward", "backward"):
-        said = {op: n for op, n in answer.get(phase, {}).items() if n}
+        said = said_by_phase[phase]
         real = traced["counts"].get(phase, {})
         if said != real:
             where = [m or "(block)" for ph, _, m in traced["records"] if ph == phase]
@@ -60,7 +92,7 @@ def _predict_memory(name, answer, lab=None):
         raise fail(name, f'the answer is a dict {{"activation_bytes": ...}}, not {answer!r}')
     cfg = models.Config()
     want = lab_memory("block", cfg, 4, sequence_parallel=True)
-    said = float(answer["activation_bytes"])
+    said = _number(name, answer, "activation_bytes", "the bytes each rank saves")
     if said == want["activation_bytes"]:
         return f"right: {int(said):,} bytes saved for backward on each of the 4 ranks"
     known = {lab_memory("block", cfg, 4)["activation_bytes"]:
@@ -79,11 +111,15 @@ def _predict_cost(name, answer, lab=None):
     from tplab import cost
 
     if not (isinstance(answer, dict) and {"bytes", "seconds"} <= set(answer)):
-        raise fail(name, f'the answer is a dict {{"bytes": ..., "seconds": ...}}, not {answer!r}')
+        lacks = [repr(k) for k in ("bytes", "seconds") if isinstance(answer, dict)
+                 and k not in answer]
+        missing = f" (it lacks {', '.join(lacks)})" if lacks else ""
+        raise fail(name, f'the answer is a dict {{"bytes": ..., "seconds": ...}}, not {answer!r}'
+                         + missing)
     nbytes, n, hw = 1 * 4096 * 8192 * 2, 8, cost.HARDWARE["H100 SXM"]
     sent = 2 * (n - 1) / n * nbytes
     seconds = cost.collective_time("all_reduce", nbytes, n, hw)
-    b = float(answer["bytes"])
+    b = _number(name, answer, "bytes", "the bytes each GPU sends")
     if not math.isclose(b, sent, rel_tol=0.01):
         ratio = b / sent if sent else float("inf")
         why = {0.5: "that is one pass: an all-reduce is a reduce-scatter and then an "
@@ -94,7 +130,7 @@ def _predict_cost(name, answer, lab=None):
                     "each GPU sends 2 (n-1)/n x the tensor's bytes in a ring all-reduce")
         raise fail(name, f"bytes: you said {b:,.0f}, each GPU sends {sent:,.0f} "
                          f"(yours is {ratio:.2f}x that): {hint}")
-    s = float(answer["seconds"])
+    s = _number(name, answer, "seconds", "the all-reduce's time in seconds")
     if not math.isclose(s, seconds, rel_tol=0.05):
         latency, transfer = cost.collective_terms("all_reduce", nbytes, n, hw)
         raise fail(name, f"seconds: you said {s * 1e6:.1f} us, the model says "

@@ -293,6 +293,8 @@ def _plan_check(name, plan, lab, build, make_x, reference_plan, what):
         report = tplab.grad_check(lab, build, plan, make_x)
     except tplab.PlanError as err:
         raise fail(name, f"your plan does not fit {what}: {err}") from None
+    except tplab.CellTimeout:
+        raise  # a plan function that computes forever: check() says so
     except (tplab.LabError, RuntimeError, ValueError, TypeError) as err:
         run_on_ranks(name, lab, steps.plan_counts, build, plan, make_x)  # names the ranks
         raise fail(name, f"your plan fails: {err}") from None

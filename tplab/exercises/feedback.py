@@ -7,16 +7,22 @@ went wrong, where and on which rank, while the lab stays usable.
 
 from __future__ import annotations
 
+import contextlib
 import html
+import inspect
+import linecache
 import re
 from dataclasses import dataclass
 
 import torch
 
-from tplab.errors import CollectiveHang, LabError, PlanError, RankDied, RankError
+from tplab.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
 from tplab.lab.output import format_rank_list
+from tplab.lab.simulate import Simulation
+from tplab.lab.time_limit import stop_after
 
 CHECK_TIMEOUT_S = 10.0  # an answer that waits longer than this in a collective is stuck
+CHECK_TIME_LIMIT_S = 60.0  # an answer computing longer never ends (a busy room: imports)
 
 
 class Stop(Exception):
@@ -61,21 +67,115 @@ def _last_line(tb: str) -> str:
     return lines[-1].strip() if lines else "an exception"
 
 
-def _user_line(tb: str) -> str:
-    """The innermost frame of the traceback outside torch and tplab: the learner's line."""
-    frames = re.findall(r'File "([^"]+)", line (\d+)[^\n]*\n\s*([^\n]*)', tb)
-    own = [f for f in frames if "site-packages" not in f[0] and "/tplab/" not in f[0]]
+_FRAME = re.compile(r'^(\s*)File "([^"]+)", line (\d+)')
+
+
+def frames(tb: str) -> list[tuple[str, str, str]]:
+    """(file, line, source line or "") of each frame of a formatted traceback. A frame's
+    source line is the next line when it is indented deeper than its `File` line (and is
+    not a `^^^` marker); a frame whose source is not known has none, and the line after it
+    is the next frame or the exception itself."""
+    lines = tb.splitlines()
+    found = []
+    for i, text in enumerate(lines):
+        m = _FRAME.match(text)
+        if not m:
+            continue
+        code = lines[i + 1] if i + 1 < len(lines) else ""
+        deeper = len(code) - len(code.lstrip()) > len(m.group(1))
+        if not deeper or _FRAME.match(code) or not code.strip().strip("^~ "):
+            code = ""
+        found.append((m.group(2), m.group(3), code.strip()))
+    return found
+
+
+def answer_sources(args) -> list[tuple[str, int, int]]:
+    """(file, first line, last line) of the classes and functions among `args` (the
+    answer, sent to the ranks by value), where this process knows their source."""
+    found = []
+    for obj in args:
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue
+        try:
+            lines, start = inspect.getsourcelines(obj)
+            found.append((inspect.getsourcefile(obj) or "", start, start + len(lines) - 1))
+        except (OSError, TypeError):
+            continue
+    return found
+
+
+def _source_line(line: int, sources) -> str:
+    """The answer's source line `line`, when exactly one of the answer's sources holds it
+    (a rank knows code sent by value only by its line numbers)."""
+    hits = {linecache.getline(f, line).strip() for f, a, b in sources if a <= line <= b}
+    hits.discard("")
+    return hits.pop() if len(hits) == 1 else ""
+
+
+def _user_line(tb: str, sources=()) -> str:
+    """The innermost frame of the traceback outside torch and tplab: the learner's line.
+    A frame without its source (code that travelled by value) gets the line from the
+    answer's own source in this process, when it has one."""
+    own = [f for f in frames(tb) if "site-packages" not in f[0] and "/tplab/" not in f[0]]
     if not own:
         return ""
     path, line, code = own[-1]
+    if not code and path.startswith("<"):
+        code = _source_line(int(line), sources)
     where = "your cell" if path.startswith("<") or "ipykernel" in path else path
-    return f" at {where}, line {line}: {code.strip()}" if code else f" at {where}, line {line}"
+    return f" at {where}, line {line}: {code}" if code else f" at {where}, line {line}"
+
+
+@contextlib.contextmanager
+def time_bounded(lab, limit: float):
+    """Bound how long an answer may compute during one check (grad_check included): rank
+    processes get `cell_timeout=limit` on every call (the watchdog interrupts them, and
+    the lab stays usable); a Simulation runs in this process, where the learner's own
+    Python code is stopped between bytecodes instead (tplab/lab/time_limit.py). Yields,
+    in a Simulation, the limit (its `.reached` says it stopped the answer); else None."""
+    if isinstance(lab, Simulation):
+        with stop_after(limit) as watch:
+            yield watch
+        return
+    if not hasattr(lab, "cell_timeout"):  # a lab that cannot bound a cell
+        yield None
+        return
+    before = lab.cell_timeout
+    lab.cell_timeout = limit  # the check's own bound, whatever the lab's cells have
+    try:
+        yield None
+    finally:
+        lab.cell_timeout = before
+
+
+def too_long(name: str, limit: float, lab, err=None) -> Stop:
+    """The feedback for an answer stopped by its time limit."""
+    where = ""
+    if isinstance(err, CellTimeout):
+        where = f"\n{str(err).split(chr(10), 1)[-1]}"
+    kind = ("its Python code was stopped (the simulation runs in this process)"
+            if isinstance(lab, Simulation) else "the ranks were interrupted")
+    return fail(name, f"your answer was still computing after {limit:g} s, so it was stopped "
+                      f"({kind}): a loop that never ends? Every step of an exercise takes "
+                      f"well under a second; the lab is ready for the next try.{where}")
 
 
 def run_on_ranks(name: str, lab, fn, *args):
-    """lab.run(fn, *args) with a short timeout; whatever goes wrong becomes a `Stop`."""
+    """lab.run(fn, *args) with a short timeout for collectives (the answer's computing is
+    bounded by `time_bounded` around the whole check); whatever goes wrong becomes a
+    `Stop`, except the time limit, which `check` turns into feedback."""
     try:
         return lab.run(fn, *args, timeout=CHECK_TIMEOUT_S)
+    except CellTimeout:
+        raise
+    except TypeError as err:
+        if "cannot be sent to the ranks" not in str(err) or err.__cause__ is None:
+            raise
+        cause = err.__cause__
+        raise fail(name, f"your answer cannot be sent to the ranks ({type(cause).__name__}: "
+                         f"{cause}): define it in the notebook or an importable module, and "
+                         "keep things that cannot be copied to another process (locks, "
+                         "open files, connections) out of it") from None
     except CollectiveHang as err:
         raise fail(name, "your answer waits in a collective that not every rank reaches: "
                          "every rank must call the same collectives in the same order "
@@ -87,7 +187,8 @@ def run_on_ranks(name: str, lab, fn, *args):
     except RankError as err:
         groups: dict[str, list[int]] = {}
         for rank, tb in err.tracebacks.items():
-            groups.setdefault(_last_line(tb) + _user_line(tb), []).append(rank)
+            groups.setdefault(_last_line(tb) + _user_line(tb, answer_sources(args)),
+                              []).append(rank)
         parts = [f"on {format_rank_list(ranks)}: {text}" for text, ranks in groups.items()]
         raise fail(name, "your answer raised an exception " + "; ".join(parts)) from None
     except LabError as err:

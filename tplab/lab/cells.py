@@ -9,6 +9,7 @@ import cloudpickle
 
 from tplab.errors import LabError
 from tplab.lab import rank as rank_side
+from tplab.lab.displays import show_rank_displays
 from tplab.lab.names import payload_for_run
 from tplab.lab.results import RankResults
 from tplab.lab.validate import check_ranks, check_timeout
@@ -95,6 +96,7 @@ class Cells:
         finally:
             if generation == self._generation:  # not after a restart: those names are gone
                 self.names.learn({r: res.reply(r) for r in res.finished()})
+                show_rank_displays(ar, order, res.finished())  # what ranks display(...)ed
         by_rank = dict(zip(order, results, strict=True))
         return [by_rank[r] for r in targets]
 

@@ -24,7 +24,7 @@ from traitlets.config import Config
 from tplab import platforms
 from tplab.errors import LabError
 from tplab.lab import engines as other_engines
-from tplab.lab import network, processes
+from tplab.lab import joining, network, processes
 from tplab.lab import rank as rank_side
 from tplab.lab.cells import Cells
 from tplab.lab.entry import FIRST_ID_ENV, OWNER_ENV, STATE_DIR_ENV, owner_token
@@ -214,7 +214,7 @@ class Lab(Cells):
             wanted = [first_id + r for r in range(self.world_size)]
         else:  # other launchers pick their own ids: take the new ones
             wanted = None
-        deadline = time.monotonic() + self._start_limit_s()
+        wait = joining.StartWait(self._start_limit_s(), self._starting_pids)
         while True:
             ids = set(self._client.ids)
             if wanted is not None and ids.issuperset(wanted):
@@ -224,10 +224,10 @@ class Lab(Cells):
             if wanted is None and len(new) >= self.world_size:
                 self._engine_ids = new[:self.world_size]
                 break
-            if time.monotonic() > deadline:
+            if wait.expired():
                 raise LabError(
                     f"only {len(ids - before)} of {self.world_size} ranks started within "
-                    f"{self._start_limit_s():.0f} s; the engines' logs are in "
+                    f"{wait.elapsed:.0f} s; the engines' logs are in "
                     f"{self._state_dir}/profile/log")
             self._fail_if_a_rank_exited()
             time.sleep(0.01)
@@ -244,6 +244,7 @@ class Lab(Cells):
                 where = self._wait_for_init([self._client[self._engine_ids[0]].apply_async(
                     network.rank_address, controller)])[0]
                 self.master_addr, port = where["address"], where["port"]
+                self.master_port = port
             self._wait_for_init([self._client[eid].apply_async(
                 network.point_gloo_at, self.master_addr) for eid in self._engine_ids])
         ars = [
@@ -266,18 +267,25 @@ class Lab(Cells):
         self.watchdog.connect_store(self.master_addr, port)
 
     def _start_limit_s(self) -> float:
-        """How long ranks may take to register and join: 60 s, or more for many ranks on
-        few cores (each imports and connects while the others do)."""
-        return max(60.0, self.timeout, 8.0 * self.world_size / max(1, os.cpu_count() or 1))
+        """How long ranks may take to register and join: 8 s per rank per core, counting
+        the machine's other busy processes (a room of labs starting at once), at least
+        60 s or the lab's timeout; stretched while the ranks still use CPU (joining.py)."""
+        return joining.start_limit_s(self.world_size, self.timeout)
+
+    def _starting_pids(self) -> list[int]:
+        """The rank processes being started, in rank order (local engines only)."""
+        return list(self.processes.exit_codes()) if self.engines == "local" else []
 
     def _wait_for_init(self, ars: list) -> list[dict]:
-        deadline = time.monotonic() + self._start_limit_s()
+        wait = joining.StartWait(self._start_limit_s(), self._starting_pids)
         infos = []
         for r, ar in enumerate(ars):
             while not ar.ready():
                 self._fail_if_a_rank_exited()
-                if time.monotonic() > deadline:
-                    raise LabError(f"rank {r} did not join the process group in time")
+                if wait.expired():
+                    raise LabError(joining.join_report(
+                        r, self._starting_pids(), self._state_dir, self.backend,
+                        self.master_addr, self.master_port, wait.elapsed, self.world_size))
                 ar.wait(0.05)
             try:
                 infos.append(ar.get(0))

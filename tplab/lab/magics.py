@@ -2,7 +2,8 @@
 
 The magics are registered when tplab is imported in IPython, so `%%ranks` before any
 launch says how to start a lab instead of "Cell magic not found". They talk to the newest
-lab that is still running.
+lab that is still running. As in IPython, a cell that ends in `;` shows no value; what a
+rank `display(...)`s is shown after the cell, labelled by rank (tplab/lab/displays.py).
 """
 
 from __future__ import annotations
@@ -52,11 +53,30 @@ def _timeout(line: str) -> float | None:
                          f"got {text!r}") from None
 
 
+def quiet(cell: str) -> bool:
+    """True when the cell ends in `;`: as in IPython, its value is not shown (IPython's own
+    test, DisplayHook.semicolon_at_end_of_expression)."""
+    from IPython.core.displayhook import DisplayHook
+
+    try:
+        return DisplayHook.semicolon_at_end_of_expression(cell)
+    except Exception:  # noqa: BLE001 - code tokenize cannot read: the ranks will say why
+        return False
+
+
+def _run(lab, cell: str, **options) -> list:
+    """The cell on the ranks; a cell that ends in `;` ends in a statement there, so its
+    value is neither shown nor sent back (a value that cannot travel does not fail)."""
+    if quiet(cell):
+        cell = cell + "\npass"
+    return lab.execute(cell, **options)
+
+
 def ranks_magic(line: str, cell: str) -> None:
     """%%ranks [timeout]: run this cell on every rank of the newest running lab."""
     timeout = _timeout(line)
     lab = active_lab()
-    _show(lab.execute(cell, timeout=timeout), list(range(lab.world_size)))
+    _show(_run(lab, cell, timeout=timeout), list(range(lab.world_size)))
 
 
 def rank_magic(line: str, cell: str) -> None:
@@ -66,7 +86,7 @@ def rank_magic(line: str, cell: str) -> None:
         ranks = parse_rank_spec(line, lab.world_size)
     except ValueError as exc:
         raise MagicError(str(exc)) from None
-    _show(lab.execute(cell, ranks=ranks), ranks)
+    _show(_run(lab, cell, ranks=ranks), ranks)
 
 
 def register_magics(lab=None) -> None:

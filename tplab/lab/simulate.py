@@ -167,7 +167,8 @@ class Simulation:
             with _rank_aware_get_rank() as get_rank, LocalTensorMode(self.world_size):
                 fn = get_rank if fn is _GET_RANK else fn  # run(dist.get_rank) itself
                 return _settle(fn(*args, **kwargs))
-        except Exception as exc:  # as from rank processes: a RankError with every traceback
+        except (Exception, SystemExit) as exc:  # as from rank processes (sys.exit too): a
+            # RankError with every traceback; KeyboardInterrupt (the stop button) goes through
             tb = traceback.format_exc()
             name = type(exc).__name__
             raise RankError({r: tb for r in range(self.world_size)}, self.world_size,
