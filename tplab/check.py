@@ -247,12 +247,12 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
         raise LabError("grad_check: param_map is a dict {parallel name: reference name} or "
                        "{parallel name: (reference name, shard dim or None)}")
     model = build_model()
+    x = make_input()
     if isinstance(plan, dict):  # a PlanError here, before anything is sent to the ranks
         from tplab.plans import check_plan
 
-        check_plan(model, plan, tp)
+        check_plan(model, plan, tp, x)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    x = make_input()
     out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)
     results = lab.run(_parallel_step, build_model, state, plan, x, loss_fn, dp, average_dp)
     rows: list[dict] = []
