@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tplab.errors import LabError, RankError
+from tplab.lab import torch_log
 from tplab.transfer import LocalShard, describe_dtensor
 
 
@@ -163,12 +164,16 @@ class Simulation:
         from torch.distributed._local_tensor import LocalTensorMode
 
         self._ensure_process_group()
+        log = None
         try:
-            with _rank_aware_get_rank() as get_rank, LocalTensorMode(self.world_size):
+            with torch_log.routed_to_file() as log, _rank_aware_get_rank() as get_rank, \
+                    LocalTensorMode(self.world_size):
                 fn = get_rank if fn is _GET_RANK else fn  # run(dist.get_rank) itself
                 return _settle(fn(*args, **kwargs))
         except Exception as exc:  # as from rank processes: a RankError with every traceback
             tb = traceback.format_exc()
+            if log is not None and log.wrote:
+                tb += f"(torch's own log of this failure: {log.path})\n"
             name = type(exc).__name__
             raise RankError({r: tb for r in range(self.world_size)}, self.world_size,
                             {r: name for r in range(self.world_size)}) from exc
