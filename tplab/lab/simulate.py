@@ -41,7 +41,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tplab.errors import LabError, RankError
+from tplab.errors import LabError, PlanError, RankError, RankPlanError
 from tplab.lab import torch_log
 from tplab.transfer import LocalShard, describe_dtensor
 
@@ -175,8 +175,10 @@ class Simulation:
             if log is not None and log.wrote:
                 tb += f"(torch's own log of this failure: {log.path})\n"
             name = type(exc).__name__
-            raise RankError({r: tb for r in range(self.world_size)}, self.world_size,
-                            {r: name for r in range(self.world_size)}) from exc
+            # a PlanError stays one (as from rank processes: tplab/lab/watchdog.py)
+            kind = RankPlanError if isinstance(exc, PlanError) else RankError
+            raise kind({r: tb for r in range(self.world_size)}, self.world_size,
+                       {r: name for r in range(self.world_size)}) from exc
 
     def _per_rank(self, out, ranks=None) -> list:
         ranks = range(self.world_size) if ranks is None else ranks
