@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 
 import torch
 import torch.nn as nn
@@ -55,7 +56,7 @@ from torch.distributed.tensor.parallel import (
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from tplab import models, plans
+from tplab import plans
 from tplab.errors import PlanError
 from tplab.pytrees import map_tensors
 
@@ -394,9 +395,24 @@ class _Hooks:
         self.tracer, self.planned, self.edges = tracer, planned, edges
 
     def install(self, model: nn.Module) -> None:
+        """Each module of the (private) meta copy gets a class of its own whose __call__
+        runs pre, forward, post: no module hooks fire, neither the copy's (copied from the
+        model) nor global ones (CommDebugMode's module tracker, a user's)."""
         for path, module in model.named_modules():
-            module.register_forward_pre_hook(self.pre(path), with_kwargs=True)
-            module.register_forward_hook(self.post(path), with_kwargs=True)
+            cls = type(module)
+            module.__class__ = type(cls.__name__, (cls,), {"__call__": self.caller(path),
+                                                           "__module__": cls.__module__})
+
+    def caller(self, path):
+        pre, post = self.pre(path), self.post(path)
+
+        def call(module, *args, **kwargs):
+            got = pre(module, args, kwargs)
+            args, kwargs = got if got is not None else (args, kwargs)
+            out = module.forward(*args, **kwargs)
+            got = post(module, args, kwargs, out)
+            return out if got is None else got
+        return call
 
     def hand(self, t, path, style, read, after, local):
         """A tensor entering `path` through `style`'s input hook: check, then re-tag."""
@@ -547,15 +563,34 @@ def check_at_first_call(model: nn.Module, plan: dict) -> None:
 
 
 def _trace(meta: nn.Module, plan: dict, args: tuple, kwargs: dict) -> list[Edge] | None:
-    """One forward of the meta copy with hooks and the tracer; the edges seen."""
+    """One forward of the meta copy with the tracer, in a thread of its own: torch's mode
+    stacks (dispatch and function modes: LocalTensorMode, CommDebugMode, tplab.trace) and
+    grad mode are per thread, so nothing the caller has switched on sees this forward."""
+    args, kwargs = _on_meta(args), _on_meta(kwargs)
+    result: dict = {}
+
+    def work():
+        try:
+            result["edges"] = _trace_here(meta, plan, args, kwargs)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=work, name="tplab-plan-check")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["edges"]
+
+
+def _trace_here(meta, plan, args, kwargs) -> list[Edge] | None:
     planned = styles_by_module(meta, plan)
     edges: list[Edge] = []
     tracer = _Tracer({})
     _Hooks(tracer, planned, edges).install(meta)
-    args, kwargs = _on_meta(args), _on_meta(kwargs)
     for _, t in _tensors((args, kwargs)):
         tracer.tag(t, Flow(Replicate()))
-    with torch.no_grad(), models.rank_free_randomness():
+    with torch.no_grad():
         try:
             with tracer:
                 meta(*args, **kwargs)
