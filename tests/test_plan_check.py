@@ -191,6 +191,10 @@ def test_unknown_styles_are_skipped_never_guessed():
     # after a style this check does not know, nothing downstream is judged
     edges = check_layouts(models.MLP(CFG), {"w1": Custom(), "w2": ColwiseParallel()}, X)
     assert edges == [Edge(None, "w2", "unknown", None)]
+    # and inside it: a Rowwise that a custom style on its parent may well feed right
+    block = {"feed_forward": Custom(), "feed_forward.w2": RowwiseParallel()}
+    assert check_layouts(models.Block(CFG), block, X) == [
+        Edge(None, "feed_forward.w2", "unknown", None)]
 
 
 def test_a_model_that_cannot_run_on_meta_is_not_checked():

@@ -14,12 +14,15 @@ the meta device (no memory, no arithmetic), with the user's example input also o
 Each module's call records which planned module is called when, and a `TorchFunctionMode`
 (`tplab.layout_flow`) carries a small tag on every activation: the layout it would have on
 the ranks (a whole tensor, a local shard of dim d, a DTensor) and the module it came from,
-moved along through views, transposes, pointwise ops and attention. Why not torch.fx or torch.export: symbolic
-tracing fails on ordinary control flow (transformers' models), and export needs the model
-to be export-clean; a forward on meta runs any model that runs, and the tags follow the
-Python ops the model actually calls. Where the tag cannot be followed (an op whose effect
-on the sharded dim is unknown, a style this module does not know), it is dropped and
-nothing downstream is checked: never a guess, never a false alarm on a plan that chains.
+moved along through views, transposes, pointwise ops and attention. Why not torch.fx or
+torch.export: symbolic tracing fails on ordinary control flow (transformers' models), and
+export needs the model to be export-clean; a forward on meta runs any model that runs, and
+the tags follow the Python ops the model actually calls. Where the tag cannot be followed
+(an op whose effect on the sharded dim is unknown, a style this module does not know: in
+and below it), it is dropped and nothing downstream is checked: never a guess, never a
+false alarm on a plan that chains. The forward runs in a thread of its own, each module
+called through its own class, so that no mode (LocalTensorMode, CommDebugMode,
+`tplab.trace`) and no module hook of the caller sees it.
 
 What each style expects and produces is read from torch's own definitions
 (torch/distributed/tensor/parallel/style.py): ColwiseParallel / RowwiseParallel /
@@ -69,6 +72,8 @@ from tplab.pytrees import map_tensors
 
 KNOWN_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput,
                 PrepareModuleOutput, PrepareModuleInputOutput)
+
+
 @dataclasses.dataclass(frozen=True)
 class Edge:
     """One hand-over the check looked at: `producer` (a planned module, or None for the
@@ -103,10 +108,11 @@ def _inputs_of(style, module) -> tuple[list, dict]:
     if type(style) is PrepareModuleInputOutput:
         style = style.prepare_module_input
     if type(style) is PrepareModuleInput:
-        args = [(i, lay, want, style.use_local_output) for i, (lay, want) in enumerate(
+        # no desired layout: the input keeps the one it was read as
+        args = [(i, lay, want or lay, style.use_local_output) for i, (lay, want) in enumerate(
             zip(style.input_layouts or (), style.desired_input_layouts or (), strict=False))
             if lay is not None]
-        kws = {k: (lay, style.desired_input_kwarg_layouts.get(k), style.use_local_output)
+        kws = {k: (lay, style.desired_input_kwarg_layouts.get(k) or lay, style.use_local_output)
                for k, lay in (style.input_kwarg_layouts or {}).items() if lay is not None}
         return args, kws
     return [], {}
@@ -123,7 +129,7 @@ def _outputs_of(style) -> list | None:
     if type(style) is PrepareModuleInputOutput:
         style = style.prepare_module_output
     if type(style) is PrepareModuleOutput:
-        return [(lay, want, style.use_local_output) for lay, want in
+        return [(lay, want or lay, style.use_local_output) for lay, want in
                 zip(style.output_layouts, style.desired_output_layouts, strict=False)]
     return None
 
@@ -229,6 +235,14 @@ class _Hooks:
             return out if got is None else got
         return call
 
+    def untagged(self, obj):
+        """`obj` with its tensors replaced by aliases that carry no layout."""
+        def alias(t):
+            new = t.view_as(t)
+            self.tracer.tag(new, None)
+            return new
+        return map_tensors(alias, obj)
+
     def hand(self, t, path, style, read, after, local):
         """A tensor entering `path` through `style`'s input hook: check, then re-tag."""
         tr = self.tracer
@@ -256,10 +270,10 @@ class _Hooks:
             if not styles:
                 _needs_whole(self.tracer, path, module, args)
                 return None
+            if any(type(s) not in KNOWN_STYLES for s in styles):  # inside it, judge nothing
+                return self.untagged(args), self.untagged(kwargs)
             args = list(args)
             for style in styles:
-                if type(style) not in KNOWN_STYLES:
-                    continue
                 arg_rules, kw_rules = _inputs_of(style, module)
                 for i, read, after, local in arg_rules:
                     if i < len(args):
