@@ -163,7 +163,8 @@ def _hf(family, **extra):
     # the styles plans.from_hf may not translate yet (q_norm's replicated weight with an
     # all-reduced gradient: a replica, for layouts) are left out
     cfg.base_model_tp_plan = {k: v for k, v in cfg.base_model_tp_plan.items()
-                              if v in plans.HF_SUPPORTED}
+                              if v in ("colwise", "rowwise", "colwise_rep", "rowwise_rep",
+                                       "embedding_rowwise", "colwise_gather_output")}
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     return model, plans.from_hf(model), {"input_ids": torch.randint(64, (2, 8))}
 
@@ -208,6 +209,24 @@ def test_a_model_that_cannot_run_on_meta_is_not_checked():
             return self.w2(self.w1(x)) * scale
 
     assert check_layouts(Item(), {"w1": ColwiseParallel(), "w2": ColwiseParallel()}, X) is None
+
+
+class DeclaredColwise(ParallelStyle):
+    """A style of one's own that tells the check its layouts (as ColwiseParallel's)."""
+
+    def _apply(self, module, device_mesh):
+        return module
+
+    def layout_contract(self, module):
+        return [(0, Replicate(), Replicate(), False)], {}, [(None, Shard(-1), True)]
+
+
+def test_a_style_that_declares_its_layouts_is_checked():
+    raises(models.MLP(CFG), {"w1": DeclaredColwise(), "w2": ColwiseParallel()}, X,
+           "w1 (DeclaredColwise) hands w2 (ColwiseParallel)", "Shard(-1)")
+    assert check_layouts(models.MLP(CFG), {"w1": DeclaredColwise(), "w2": RowwiseParallel()},
+                         X) == [Edge(None, "w1", "Replicate()", "Replicate()"),
+                                Edge("w1", "w2", "Shard(-1)", "Shard(-1)")]
 
 
 # --- where it is called ---------------------------------------------------------------

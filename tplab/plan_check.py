@@ -86,6 +86,16 @@ class Edge:
     expected: str | None
 
 
+def known(style) -> bool:
+    """Whether this check knows what `style` reads and hands on: torch's six styles (their
+    exact classes: a subclass may change the hooks), or a style that says so itself (for
+    tplab's own styles) with `layout_contract(module) -> (inputs, kwarg_inputs, outputs)`:
+    inputs [(arg index, layout it reads a plain tensor as, layout after, plain after)],
+    kwarg_inputs {name: (read, after, plain after)}, outputs [(layout read or None, layout
+    handed on, plain)] per output, or None where it leaves the outputs alone."""
+    return type(style) in KNOWN_STYLES or callable(getattr(style, "layout_contract", None))
+
+
 def _one(layouts):
     return layouts[0] if isinstance(layouts, tuple) else layouts
 
@@ -96,6 +106,9 @@ def _one(layouts):
 def _inputs_of(style, module) -> tuple[list, dict]:
     """([(arg index, layout read, layout after, local after)], {kwarg: ...}) of a style's
     input hook; layouts None where the style leaves an input alone."""
+    if type(style) not in KNOWN_STYLES:
+        args, kwargs, _ = style.layout_contract(module)
+        return list(args), dict(kwargs)
     if type(style) in (ColwiseParallel, RowwiseParallel):
         if type(style) is RowwiseParallel:  # set by RowwiseParallel._apply, per module
             desired = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
@@ -118,9 +131,11 @@ def _inputs_of(style, module) -> tuple[list, dict]:
     return [], {}
 
 
-def _outputs_of(style) -> list | None:
+def _outputs_of(style, module) -> list | None:
     """[(layout read, layout handed on, local)] per output of a style's output hook; None
     where the style leaves the outputs alone."""
+    if type(style) not in KNOWN_STYLES:
+        return style.layout_contract(module)[2]
     if type(style) in (ColwiseParallel, RowwiseParallel):
         out = _one(style.output_layouts)
         return [(None, out, style.use_local_output)]
@@ -270,7 +285,7 @@ class _Hooks:
             if not styles:
                 _needs_whole(self.tracer, path, module, args)
                 return None
-            if any(type(s) not in KNOWN_STYLES for s in styles):  # inside it, judge nothing
+            if not all(map(known, styles)):  # inside it, judge nothing
                 return self.untagged(args), self.untagged(kwargs)
             args = list(args)
             for style in styles:
@@ -294,12 +309,12 @@ class _Hooks:
                     if (flow := tr.flow(t)) is not None:
                         tr.tag(t, dataclasses.replace(flow, via=path))
                 return None
-            if any(type(s) not in KNOWN_STYLES for s in styles):
+            if not all(map(known, styles)):
                 for _, t in _tensors(output):
                     tr.tag(t, None)  # a style not known here: nothing after it is checked
                 return None
             for style in styles:
-                rules = _outputs_of(style)
+                rules = _outputs_of(style, module)
                 if rules:
                     output = self.leave(output, path, style, rules)
             return output
