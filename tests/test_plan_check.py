@@ -258,6 +258,19 @@ def test_apply_plan_checks_at_the_first_call_on_the_ranks():
     assert sim.run(_apply_and_call, plans.mlp()) == [torch.Size([2, 4, 16])] * 2
 
 
+def _sp_block_fed_its_shards():
+    mesh = make_mesh(tp=2)
+    model = plans.apply_plan(models.Block(CFG), mesh, plans.block(True, standalone=False))
+    x = models.make_input(CFG)
+    n = x.shape[1] // 2  # this rank's piece of the sequence, as notebook 05 feeds it
+    return model(x.index_select(1, torch.arange(n) + mesh.get_local_rank("tp") * n)).shape
+
+
+def test_at_the_first_call_what_the_ranks_are_fed_is_not_assumed_whole():
+    sim = tplab.simulate(2)
+    assert sim.run(_sp_block_fed_its_shards) == [torch.Size([2, 2, 16])] * 2
+
+
 def _unchecked(model, mesh):  # parallelize_module directly: no tplab check on the way
     return parallelize_module(model, mesh["tp"], {"w1": ColwiseParallel(),
                                                   "w2": ColwiseParallel(input_layouts=Shard(0))})

@@ -394,19 +394,26 @@ def check_at_first_call(model: nn.Module, plan: dict) -> None:
     """Check the layouts when `model` is first called (for `apply_plan`, which has no
     example input): a pre-hook on the root, run before any style's hook, traces a meta
     copy taken now (whole shapes, before parallelize_module) with the call's own
-    arguments, raises a PlanError before the parallel forward starts, and removes itself."""
+    arguments, raises a PlanError before the parallel forward starts, and removes itself.
+    The call's inputs may be the rank's own shards, so their layout is not assumed: what
+    the planned modules hand on is checked (a Colwise into a Colwise), not what the model
+    is fed (`check_layouts` with the whole example input checks that too)."""
     if any(isinstance(p, DTensor) for p in model.parameters()):
         return
     meta = _meta_copy(model)
 
     def first_call(module, args, kwargs):
         handle.remove()
-        _trace(meta, plan, args, kwargs)
+        # what the ranks pass in may be their own shards (a sequence-parallel block fed
+        # local Shard(1) pieces): the inputs' layout is unknown, only what planned modules
+        # hand on is followed
+        _trace(meta, plan, args, kwargs, whole_inputs=False)
 
     handle = model.register_forward_pre_hook(first_call, prepend=True, with_kwargs=True)
 
 
-def _trace(meta: nn.Module, plan: dict, args: tuple, kwargs: dict) -> list[Edge] | None:
+def _trace(meta: nn.Module, plan: dict, args: tuple, kwargs: dict,
+           whole_inputs: bool = True) -> list[Edge] | None:
     """One forward of the meta copy with the tracer, in a thread of its own: torch's mode
     stacks (dispatch and function modes: LocalTensorMode, CommDebugMode, tplab.trace) and
     grad mode are per thread, so nothing the caller has switched on sees this forward."""
@@ -415,7 +422,7 @@ def _trace(meta: nn.Module, plan: dict, args: tuple, kwargs: dict) -> list[Edge]
 
     def work():
         try:
-            result["edges"] = _trace_here(meta, plan, args, kwargs)
+            result["edges"] = _trace_here(meta, plan, args, kwargs, whole_inputs)
         except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
             result["error"] = exc
 
@@ -427,13 +434,13 @@ def _trace(meta: nn.Module, plan: dict, args: tuple, kwargs: dict) -> list[Edge]
     return result["edges"]
 
 
-def _trace_here(meta, plan, args, kwargs) -> list[Edge] | None:
+def _trace_here(meta, plan, args, kwargs, whole_inputs: bool) -> list[Edge] | None:
     planned = styles_by_module(meta, plan)
     edges: list[Edge] = []
     tracer = Tracer({})
     _Hooks(tracer, planned, edges).install(meta)
-    for _, t in _tensors((args, kwargs)):
-        tracer.tag(t, Flow(Replicate()))
+    for _, t in _tensors((args, kwargs)) if whole_inputs else ():
+        tracer.tag(t, Flow(Replicate()))  # as grad_check sends it: whole to every rank
     with torch.no_grad():
         try:
             with tracer:
