@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import sys
+
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tplab import megatron, models
 
@@ -14,3 +17,37 @@ broken = functools.partial(megatron.parallelize, reduce_grad=False)
 
 def loss(out):
     return out.sum()
+
+
+# --- bad arguments (exit status 2) and failing user code (exit status 1) -----------------
+
+not_callable = 5
+plan_list = [ColwiseParallel(), RowwiseParallel()]
+plan_int = 4
+plan_strings = {"w1": "colwise", "w2": "rowwise"}  # transformers' words, not styles
+plan_int_key = {1: ColwiseParallel()}
+colwise_twice = {"w1": ColwiseParallel(), "w2": ColwiseParallel()}  # layouts do not chain
+
+
+def plan_three_args(model, mesh, extra):
+    return model
+
+
+def plan_factory_of_a_list():
+    return [ColwiseParallel()]
+
+
+def plan_exits(model, mesh):
+    sys.exit(0)
+
+
+def build_raises():
+    raise RuntimeError("no weights here")
+
+
+def loss_int(out):
+    return 3
+
+
+def loss_not_scalar(out):
+    return out.sum(-1)

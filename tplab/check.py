@@ -62,6 +62,21 @@ from tplab.transfer import LocalShard
 __all__ = ["GradCheckReport", "assemble", "compare", "grad_check", "tp_layout"]
 
 
+def call_loss(loss_fn, out, x) -> torch.Tensor:
+    """`loss_fn(out, x)` (or `loss_fn(out)`: by its signature), or the default loss; a
+    LabError naming loss_fn when it gives anything but a scalar tensor (backward needs one:
+    `torch.autograd.backward` of a non-scalar asks for grad_tensors)."""
+    loss = _call_loss(loss_fn, out, x)
+    name = getattr(loss_fn, "__name__", repr(loss_fn))
+    if not isinstance(loss, torch.Tensor):
+        raise LabError(f"loss_fn {name} returned {type(loss).__name__} {loss!r}; it must "
+                       "return a scalar tensor (such as out.sum())")
+    if loss.numel() != 1:
+        raise LabError(f"loss_fn {name} returned a tensor of shape {tuple(loss.shape)}; it "
+                       "must return a scalar (reduce it: .sum() or .mean())")
+    return loss
+
+
 def _call_loss(loss_fn, out, x):
     if loss_fn is None:
         parts = [t.pow(2).sum() for _, t in leaves(out) if t.is_floating_point()]
@@ -112,7 +127,7 @@ def _parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     x = _with_grad(x)
     out = call_model(model, x)  # may hold AsyncCollectiveTensors: .wait() would cut the graph
     with _loss_context(out):
-        loss = _call_loss(loss_fn, out, x)
+        loss = call_loss(loss_fn, out, x)
         loss.backward()
     params = tp_layout(model)
     outs = dict(leaves(out, "output"))
@@ -218,7 +233,7 @@ def _reference(model, x, loss_fn, dp):
     x_ref = _with_grad(x)
     if dp == 1:
         out = call_model(model, x_ref)
-        loss = _call_loss(loss_fn, out, x_ref)
+        loss = call_loss(loss_fn, out, x_ref)
         outs = dict(leaves(out, "output"))
     else:  # the mean of the dp replicas' losses, each on its slice of the batch
         for path, t in leaves(x, "input"):
@@ -228,7 +243,7 @@ def _reference(model, x, loss_fn, dp):
                                "replica")
         parts = [map_tensors(lambda t, d=d: t.chunk(dp)[d], x_ref) for d in range(dp)]
         results = [call_model(model, part) for part in parts]
-        loss = sum(_call_loss(loss_fn, o, p) for o, p in zip(results, parts, strict=True)) / dp
+        loss = sum(call_loss(loss_fn, o, p) for o, p in zip(results, parts, strict=True)) / dp
         per = [dict(leaves(o, "output")) for o in results]
         outs = {k: torch.cat([p[k] for p in per]) for k in per[0]}
     loss.backward()
@@ -247,12 +262,12 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
         raise LabError("grad_check: param_map is a dict {parallel name: reference name} or "
                        "{parallel name: (reference name, shard dim or None)}")
     model = build_model()
+    x = make_input()
     if isinstance(plan, dict):  # a PlanError here, before anything is sent to the ranks
         from tplab.plans import check_plan
 
-        check_plan(model, plan, tp)
+        check_plan(model, plan, tp, x)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    x = make_input()
     out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)
     results = lab.run(_parallel_step, build_model, state, plan, x, loss_fn, dp, average_dp)
     rows: list[dict] = []

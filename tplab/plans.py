@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tplab import plan_check
 from tplab.errors import PlanError
 from tplab.transfer import placement_name
 
@@ -144,9 +145,11 @@ def _shard_rule(style, module: nn.Module) -> list[tuple[str, int]]:
     return []
 
 
-def check_plan(model: nn.Module, plan: dict, tp: int) -> None:
+def check_plan(model: nn.Module, plan: dict, tp: int, example_input=None) -> None:
     """Raise PlanError if a key matches no module, a style does not fit its module, or a
-    sharded dimension (or the number of heads) is not divisible by the tp size."""
+    sharded dimension (or the number of heads) is not divisible by the tp size; given
+    `example_input` (what the model is called with), also if the layouts do not chain
+    from one planned module to the next (`tplab.plan_check.check_layouts`)."""
     if not isinstance(plan, dict):
         raise PlanError(f"a plan is a dict {{module path: ParallelStyle}}, got {type(plan)}")
     paths = [path for path, _ in model.named_modules() if path]
@@ -173,6 +176,8 @@ def check_plan(model: nn.Module, plan: dict, tp: int) -> None:
             if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear):
                 _check_heads(parent, path, module, tp, path.rpartition(".")[0] or
                              type(model).__name__, name)
+    if example_input is not None:
+        plan_check.check_layouts(model, plan, example_input)
 
 
 def _head_counts(parent: nn.Module) -> tuple[int | None, int | None]:
@@ -236,12 +241,16 @@ def check_vocab(vocab_size: int, tp: int, pad: bool = False, multiple: int = 128
     return padded
 
 
-def apply_plan(model: nn.Module, mesh, plan: dict) -> nn.Module:
-    """`parallelize_module(model, mesh["tp"], plan)` after `check_plan`; returns the model."""
+def apply_plan(model: nn.Module, mesh, plan: dict, example_input=None) -> nn.Module:
+    """`parallelize_module(model, mesh["tp"], plan)` after `check_plan`; returns the model.
+    The layouts are checked with `example_input` if given, else at the model's first call
+    (before the parallel forward runs)."""
     from tplab.mesh import tp_mesh
 
     mesh = tp_mesh(mesh)
-    check_plan(model, plan, mesh.size())
+    check_plan(model, plan, mesh.size(), example_input)
+    if example_input is None:
+        plan_check.check_at_first_call(model, plan)
     return parallelize_module(model, mesh, plan)
 
 

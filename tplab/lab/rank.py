@@ -27,7 +27,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from tplab.lab import collectives
+from tplab.lab import collectives, torch_log
 from tplab.lab.collectives import REPORT
 from tplab.transfer import to_wire, unsendable_part
 
@@ -167,6 +167,9 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     from tplab.lab.entry import output_paths
 
     state_dir = os.environ.get("TPLAB_STATE_DIR") or "/tmp"
+    # torch's log of a failed sharding propagation: the rank's own file, not the notebook
+    torch_log.route_to_file(output_paths(state_dir, os.getpid())[1][:-len(".err")]
+                            + ".torch.log")
     return {"pid": os.getpid(), "host": socket.gethostname(),
             "output": output_paths(state_dir, os.getpid())}
 

@@ -41,7 +41,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tplab.errors import LabError, RankError
+from tplab.errors import LabError, PlanError, RankError, RankPlanError
+from tplab.lab import torch_log
 from tplab.transfer import LocalShard, describe_dtensor
 
 
@@ -163,16 +164,22 @@ class Simulation:
         from torch.distributed._local_tensor import LocalTensorMode
 
         self._ensure_process_group()
+        log = None
         try:
-            with _rank_aware_get_rank() as get_rank, LocalTensorMode(self.world_size):
+            with torch_log.routed_to_file() as log, _rank_aware_get_rank() as get_rank, \
+                    LocalTensorMode(self.world_size):
                 fn = get_rank if fn is _GET_RANK else fn  # run(dist.get_rank) itself
                 return _settle(fn(*args, **kwargs))
         except (Exception, SystemExit) as exc:  # as from rank processes (sys.exit too): a
             # RankError with every traceback; KeyboardInterrupt (the stop button) goes through
             tb = traceback.format_exc()
+            if log is not None and log.wrote:
+                tb += f"(torch's own log of this failure: {log.path})\n"
             name = type(exc).__name__
-            raise RankError({r: tb for r in range(self.world_size)}, self.world_size,
-                            {r: name for r in range(self.world_size)}) from exc
+            # a PlanError stays one (as from rank processes: tplab/lab/watchdog.py)
+            kind = RankPlanError if isinstance(exc, PlanError) else RankError
+            raise kind({r: tb for r in range(self.world_size)}, self.world_size,
+                       {r: name for r in range(self.world_size)}) from exc
 
     def _per_rank(self, out, ranks=None) -> list:
         ranks = range(self.world_size) if ranks is None else ranks
