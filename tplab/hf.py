@@ -95,7 +95,36 @@ def apply_transformers_plan(model: nn.Module, mesh, overrides: dict | None = Non
     plan = transformers_plan(model, mesh.size(), overrides)
     model._tp_size = mesh.size()     # what maybe_distribute_model records for the model
     model._device_mesh = mesh
-    return apply_tensor_parallelism(model, mesh, plan)
+    tied = _untie(model, plan)
+    model = apply_tensor_parallelism(model, mesh, plan)
+    _retie(model, tied)
+    return model
+
+
+def _untie(model: nn.Module, plan: dict) -> list[tuple[str, str]]:
+    """from_pretrained shards a model before it ties its weights (lm_head to the embedding):
+    give each tied alias the plan names its own parameter, as it is then. Returns the
+    (alias, source) pairs to tie again after sharding."""
+    first = {id(p): n for n, p in model.named_parameters()}
+    tied = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first[id(p)] != name and name in plan:
+            owner, _, pname = name.rpartition(".")
+            model.get_submodule(owner)._parameters[pname] = nn.Parameter(
+                p.detach().clone(), requires_grad=p.requires_grad)
+            tied.append((name, first[id(p)]))
+    return tied
+
+
+def _retie(model: nn.Module, tied: list[tuple[str, str]]) -> None:
+    """Tie again (as from_pretrained's tie_weights does after loading) where both sides got
+    the same layout; else they stay two parameters (grad_check says so)."""
+    for alias, source in tied:
+        owner, _, pname = alias.rpartition(".")
+        a, b = model.get_parameter(alias), model.get_parameter(source)
+        if getattr(a, "placements", None) == getattr(b, "placements", None) and \
+                a.shape == b.shape:
+            model.get_submodule(owner)._parameters[pname] = b
 
 
 # --- translation into DTensor styles -----------------------------------------------------
