@@ -123,6 +123,7 @@ def check_family(lab, name: str, trace_layer: bool = True) -> dict:
     try:
         model = build(name)
         plan = dict(model.tp_plan)
+        logits_loss(model(**tokens(name)))  # the single-device model itself must run
     except Exception as e:
         return row | {"buildable": False, "reason": f"{type(e).__name__}: {e}".split("\n")[0]}
     row["styles"] = sorted(set(plan.values()))
