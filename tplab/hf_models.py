@@ -24,7 +24,7 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "shared_expert_intermediate_size": 16, "num_experts": 4, "num_local_experts": 4,
         "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
         "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-        "v_head_dim": 8, "first_k_dense_replace": 0, "sliding_window": 16,
+        "v_head_dim": 8, "first_k_dense_replace": 0, "sliding_window": 16, "rotary_dim": 4,
         "use_cache": False, "tie_word_embeddings": False}
 SEQ, BATCH = 8, 2
 DEFAULT_FAMILIES = ("llama", "qwen3", "gemma3_text", "mixtral", "qwen3_moe")
@@ -56,8 +56,9 @@ def tiny_config(name: str, **overrides):
         raise ValueError(f"name: {name!r} is not a transformers model type")
     defaults = CONFIG_MAPPING[name]()
     kwargs = {k: v for k, v in TINY.items() if hasattr(defaults, k)}
-    if hasattr(defaults, "qk_rope_head_dim"):  # MLA: the head dim is the RoPE part's
-        kwargs.pop("head_dim", None)
+    if hasattr(defaults, "qk_rope_head_dim"):  # MLA: the head dim is the RoPE part's,
+        kwargs.pop("head_dim", None)             # and every query head has its own KV head
+        kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # in the tiny vocabulary
         if isinstance(getattr(defaults, key, None), int):
             kwargs[key] = 0

@@ -4,8 +4,9 @@ transformers 5.x plans Qwen3, Gemma 3, Mixtral, Qwen3-MoE, DeepSeek and the rest
 styles that have no torch DTensor equivalent (transformers/distributed/tensor_parallel.py).
 Each is a small `torch.distributed.tensor.parallel.ParallelStyle` here (one method,
 `_apply(module, mesh)`, as torch's own), built from the same two conjugate operators the
-lessons teach (Shoeybi et al. 2019, section 3): f (identity forward, all-reduce backward)
-and g (all-reduce forward, identity backward).
+lessons teach (Shoeybi et al. 2019, section 3), as Functions that carry their reason
+(`ctx.tp_cause`): f (identity forward, all-reduce backward) and g (all-reduce forward,
+identity backward).
 
 - `ReplicatedGradAllReduce`: a replicated weight applied to head-sharded activations
   (Qwen3's q_norm/k_norm): each rank's gradient covers its own heads only, so it is summed
@@ -32,10 +33,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tplab.megatron import CopyToTP, ReduceFromTP
-
-REPLICATED_GRAD_RULE = ("replicated weight applied to head-sharded activations: each rank "
-                        "holds a partial gradient; summed over the TP group")
+from tplab.causes import REPLICATED_GRAD_RULE
 
 
 def packed_placement(dim: int, split_factor: int) -> Placement:
@@ -129,9 +127,9 @@ class ReplicatedGradAllReduce(TplabStyle):
         dist.all_reduce(param.grad, group=_group(self._mesh))
 
 
-class _PackedInput(torch.autograd.Function):
-    """f for a packed colwise layer: identity forward, all-reduce backward. Each rank's
-    input gradient only has the terms of its slices of the packed sub-matrices."""
+class _ExplainedCopy(torch.autograd.Function):
+    """f with the style's reason attached (`ctx.tp_cause`, shown by tplab.trace): identity
+    forward, all-reduce backward."""
 
     @staticmethod
     def forward(ctx, x, group, cause):
@@ -143,6 +141,28 @@ class _PackedInput(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None, None
+
+
+class _ExplainedReduce(torch.autograd.Function):
+    """g with the style's reason attached: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, cause):
+        ctx.tp_cause = cause
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def packed_rows(rows: int, split_factor: int, tp: int) -> str:
+    """Which rows of a packed weight each rank holds, in words."""
+    n = rows // split_factor
+    return (f"rank r holds rows r*{n // tp}:(r+1)*{n // tp} of each of the {split_factor} "
+            f"packed sub-matrices ({n} rows each)")
 
 
 class PackedColwise(TplabStyle):
@@ -160,10 +180,8 @@ class PackedColwise(TplabStyle):
         self.split_factor = split_factor
 
     def cause(self, rows: int, tp: int) -> str:
-        n = rows // self.split_factor
-        return (f"packed_colwise f: rank r holds rows r*{n // tp}:(r+1)*{n // tp} of each of "
-                f"the {self.split_factor} packed sub-matrices ({n} rows each); the replicated "
-                "input's gradient is the sum of the ranks' terms")
+        return (f"packed_colwise f: {packed_rows(rows, self.split_factor, tp)}; the "
+                "replicated input's gradient is the sum of the ranks' terms")
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
@@ -182,7 +200,7 @@ class PackedColwise(TplabStyle):
             x = args[0]
             if isinstance(x, DTensor):
                 x = x.redistribute(placements=[Replicate()]).to_local()
-            return (_PackedInput.apply(x, group, cause), *args[1:])
+            return (_ExplainedCopy.apply(x, group, cause), *args[1:])
 
         module.register_forward_pre_hook(pre)
         LocalParams()._apply(module, device_mesh)
@@ -208,23 +226,36 @@ class MoEExperts(TplabStyle):
     hidden dim's terms). Parameters may be sharded by `ShardParameters` first (see
     `Styles`). transformers' `moe_tp_experts`."""
 
+    def causes(self, module: nn.Module, tp: int) -> tuple[str, str]:
+        """(f's reason, g's reason) for `module`'s experts at tp ranks."""
+        packed = getattr(module, "gate_up_proj", None)
+        held = ""
+        if isinstance(packed, torch.Tensor) and packed.ndim == 3:
+            held = f" ({packed_rows(packed.shape[1], 2, tp)} of gate_up, for every expert)"
+        return (f"moe_tp_experts f: every rank runs every routed token through its slice of "
+                f"every expert{held}, so the tokens' and routing weights' gradients are "
+                "partial: summed over the TP group",
+                "moe_tp_experts g: each rank's expert output is a partial sum over its slice "
+                "of the experts' hidden dim: summed over the TP group")
+
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         group = _group(device_mesh)
+        f_cause, g_cause = self.causes(module, device_mesh.size())
 
         def pre(mod, args, kwargs):
             hidden, *rest = args
             if isinstance(hidden, DTensor):
                 hidden = hidden.to_local()
-            hidden = CopyToTP.apply(hidden, group)
+            hidden = _ExplainedCopy.apply(hidden, group, f_cause)
             if len(rest) >= 2 and rest[1].requires_grad:  # top_k_index, top_k_weights
-                rest[1] = CopyToTP.apply(rest[1], group)
+                rest[1] = _ExplainedCopy.apply(rest[1], group, f_cause)
             elif "top_k_weights" in kwargs:
-                kwargs = {**kwargs, "top_k_weights": CopyToTP.apply(kwargs["top_k_weights"],
-                                                                     group)}
+                kwargs = {**kwargs, "top_k_weights": _ExplainedCopy.apply(kwargs["top_k_weights"],
+                                                                     group, f_cause)}
             return (hidden, *rest), kwargs
 
         def post(mod, args, output):
-            return None if output is None else ReduceFromTP.apply(output, group)
+            return None if output is None else _ExplainedReduce.apply(output, group, g_cause)
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
         LocalParams()._apply(module, device_mesh)
@@ -242,7 +273,9 @@ class AllReduceOutput(TplabStyle):
         def post(mod, args, output):
             if isinstance(output, DTensor):
                 output = output.to_local()
-            return None if output is None else ReduceFromTP.apply(output, group)
+            return None if output is None else _ExplainedReduce.apply(
+                output, group, "all_reduce g: each rank's output is a partial sum (fed by "
+                               "its shard of the columns): summed over the TP group")
 
         module.register_forward_hook(post)
         return module
@@ -266,7 +299,11 @@ class MlaKvAProj(TplabStyle):
 
         def post(mod, args, output):
             kept, k_rope = output.split([output.shape[-1] - rope, rope], dim=-1)
-            return torch.cat([kept, CopyToTP.apply(k_rope, group)], dim=-1)
+            k_rope = _ExplainedCopy.apply(
+                k_rope, group, "mla_kv_a_proj f: the RoPE key skips the column-parallel "
+                               "kv_b_proj and feeds every rank's heads: its gradient is "
+                               "partial, summed over the TP group")
+            return torch.cat([kept, k_rope], dim=-1)
 
         module.register_forward_hook(post)
         return module
