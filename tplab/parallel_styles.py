@@ -78,8 +78,13 @@ class ShardParameters(TplabStyle):
                                  f"parameters: {', '.join(module._parameters) or 'none'}")
             if isinstance(placement, Shard) and placement.dim < 0:
                 placement = Shard(placement.dim + p.ndim)
-            dt = distribute_tensor(p.detach(), device_mesh, [placement],
-                                   src_data_rank=self.src_data_rank)
+            whole = p.detach().clone()
+            if self.src_data_rank is not None:  # rank src's copy is the truth: send it
+                dist.broadcast(whole, group_src=self.src_data_rank,
+                               group=device_mesh.get_group())
+            # each rank then cuts its own piece (DTensor's scatter of a _StridedShard gives
+            # every rank the first piece under tplab.simulate, torch 2.13)
+            dt = distribute_tensor(whole, device_mesh, [placement], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
         return module
 
