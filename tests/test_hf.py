@@ -254,3 +254,57 @@ def test_from_hf_checks_come_in_order_and_prefix_is_normalised():
     for bad in ("model..", "mo del", 3):
         with pytest.raises(tplab.PlanError, match="prefix"):
             hf.from_hf(mha, prefix=bad)
+
+
+def _moe_causes(build_model, way):
+    import torch.distributed as dist
+
+    from tplab.mesh import make_mesh
+    from tplab.plans import apply_plan
+    from tplab.tracing import trace
+
+    model = build_model()
+    mesh = make_mesh(tp=dist.get_world_size())
+    if way == "own":
+        hf.apply_transformers_plan(model, mesh)
+    else:
+        apply_plan(model, mesh, hf.from_hf(model))
+    with trace() as t:
+        hf_models.logits_loss(model(**hf_models.tokens("qwen3_moe"))).backward()
+    return [(r["phase"], r["module"], r["cause"]) for r in t.records]
+
+
+@pytest.mark.parametrize("way", ["own", "from_hf"])
+def test_causes_name_the_style_and_its_rule(way):
+    from tplab.causes import REPLICATED_GRAD_RULE
+
+    records = tplab.simulate(2).run(_moe_causes, functools.partial(hf_models.build,
+                                                                   "qwen3_moe"), way)[0]
+    norms = [c for p, m, c in records if m.endswith(("q_norm", "k_norm"))]
+    assert len(norms) == 2 and all(REPLICATED_GRAD_RULE in c for c in norms)
+    assert all(c.startswith("replicated_with_grad_allreduce") for c in norms)
+    experts = [(p, c) for p, m, c in records if m.endswith("experts")]
+    assert [p for p, _ in experts] == ["forward", "backward", "backward"]
+    assert experts[0][1].startswith(("g (transformers'", "moe_tp_experts g"))
+    assert all(c.startswith(("f (transformers'", "moe_tp_experts f")) for _, c in experts[1:])
+    if way == "from_hf":  # which rows of the packed weight each rank holds
+        assert "rows r*8:(r+1)*8 of each of the 2 packed sub-matrices" in experts[1][1]
+
+
+def test_a_packed_weight_split_as_one_block_is_wrong_and_packed_is_right(sim):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from tplab import models, parallel_styles
+
+    cfg = models.Config(dim=16, hidden_dim=4 * sim.world_size)
+    build = functools.partial(models.PackedFeedForward, cfg)
+    make_x = functools.partial(models.make_input, cfg)
+    naive = tplab.grad_check(sim, build, {"gate_up_proj": ColwiseParallel(),
+                                          "down_proj": RowwiseParallel()}, make_x)
+    assert "output" in {r["name"] for r in naive.failures}
+    packed = tplab.grad_check(sim, build, {"gate_up_proj": parallel_styles.PackedColwise(),
+                                           "down_proj": RowwiseParallel()}, make_x)
+    assert packed.ok, str(packed)
+    assert packed.pairs["gate_up_proj.weight"] == "_StridedShard(dim=0, split_factor=2)"
+    with pytest.raises(ValueError, match="split_factor"):
+        parallel_styles.PackedColwise(0)

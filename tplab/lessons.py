@@ -12,7 +12,8 @@ from tplab.errors import LabError
 # notebook -> the world sizes the test suite runs it at (papermill at 4, the browser at 2)
 SIZES: dict[str, tuple[int, ...]] = {
     "00": (1, 2, 3, 4, 8), "01": (2, 4), "02": (2, 4), "03": (2, 4), "04": (2, 4),
-    "05": (2, 4), "06": (2, 4, 6, 8), "07": (2, 4), "08": (2, 4), "09": (2, 4), "10": (2, 4), "11": (2, 4),
+    "05": (2, 4), "06": (2, 4, 6, 8), "07": (2, 4), "08": (2, 4), "09": (2, 4), "10": (2, 4),
+    "11": (2, 4),
 }
 
 
