@@ -3,10 +3,14 @@ tiny (random weights, nothing downloaded) and checked at world 2 both ways.
 
     scripts/env.sh python scripts/models_table.py            # every family (about 10 min)
     scripts/env.sh python scripts/models_table.py llama qwen3  # some, printed, file untouched
+
+Rows are kept in .tplab-state/models_table.jsonl as they come, so that a run that stops
+(a machine shared by a workshop) resumes where it stopped; delete the file to start over.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -16,7 +20,9 @@ import transformers
 import tplab
 from tplab import hf_models
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "MODELS.md"
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "MODELS.md"
+ROWS = ROOT / ".tplab-state" / "models_table.jsonl"
 
 
 def _cell(text: str) -> str:
@@ -60,14 +66,25 @@ def main(names: list[str]) -> None:
     transformers.logging.set_verbosity_error()
     start = time.time()
     sim = tplab.simulate(2)
-    rows = []
-    for name in names or hf_models.decoder_families():
+    if names:
+        for name in names:
+            print(hf_models.check_family(sim, name), flush=True)
+        return
+    ROWS.parent.mkdir(exist_ok=True)
+    done = {}
+    if ROWS.exists():
+        done = {r["family"]: r for r in map(json.loads, ROWS.read_text().splitlines())}
+    for name in hf_models.decoder_families():
+        if name in done:
+            continue
         row = hf_models.check_family(sim, name)
         print(row, flush=True)
-        rows.append(row)
-    if not names:
-        OUT.write_text(render(rows, time.time() - start))
-        print(f"wrote {OUT}")
+        with ROWS.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        done[name] = row
+    rows = [done[n] for n in hf_models.decoder_families()]
+    OUT.write_text(render(rows, time.time() - start))
+    print(f"wrote {OUT}")
 
 
 if __name__ == "__main__":

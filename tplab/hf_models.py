@@ -75,6 +75,18 @@ def build(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return model.float()
 
 
+MAX_PARAMS = 20_000_000  # a tiny model; beyond this the config ignored the tiny sizes
+
+
+def meta_size(name: str, **overrides) -> int:
+    """Parameters of `name`'s tiny model, counted on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(name, **overrides))
+    return sum(p.numel() for p in model.parameters())
+
+
 def tokens(name: str) -> dict:
     """A batch of in-range token ids for `name`'s tiny config."""
     vocab = tiny_config(name).vocab_size
@@ -122,6 +134,10 @@ def check_family(lab, name: str, trace_layer: bool = True) -> dict:
 
     row = {"family": name, "buildable": True, "reason": ""}
     try:
+        size = meta_size(name)
+        if size > MAX_PARAMS:
+            return row | {"buildable": False, "reason": f"{size / 1e6:.0f}M parameters at the "
+                          "tiny sizes (a nested sub-config keeps its full default sizes)"}
         model = build(name)
         plan = dict(model.tp_plan)
         logits_loss(model(**tokens(name)))  # the single-device model itself must run
