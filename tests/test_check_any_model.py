@@ -279,16 +279,16 @@ def test_a_transformers_llama_under_its_own_published_plan(tp_lab):  # noqa: F81
     assert "output.logits" in {r["name"] for r in report.rows}
 
 
-def test_from_hf_refuses_the_styles_it_cannot_translate():
+def test_from_hf_translates_the_published_styles():
     pytest.importorskip("transformers")
     from transformers import LlamaConfig
 
     cfg = LlamaConfig()
     assert set(plans.from_hf(cfg, prefix="model.")) == {
         f"model.{k}" for k in cfg.base_model_tp_plan}
-    cfg.base_model_tp_plan = {"layers.*.mlp.experts": "moe_tp_experts"}
-    with pytest.raises(tplab.PlanError, match="'moe_tp_experts' has no DTensor equivalent.*"
-                                              "supported: colwise"):
+    cfg.base_model_tp_plan = {"layers.*.mlp.experts": "ep_dispatch_experts"}
+    with pytest.raises(tplab.PlanError, match="'ep_dispatch_experts' is an expert-parallel "
+                                              "style.*apply_transformers_plan"):
         plans.from_hf(cfg)
 
 

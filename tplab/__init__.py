@@ -28,6 +28,8 @@ _LAZY = {
     "megatron": None,
     "models": None,
     "plans": None,
+    "hf": None,
+    "parallel_styles": None,
     "cost": None,
     "viz": None,
     "widgets": None,

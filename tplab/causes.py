@@ -31,6 +31,10 @@ _STYLE_HOOKS = {"_prepare_input_fn": "input", "_prepare_output_fn": "output",
                 "_prepare_output_redistribute_fn": "output"}
 _MAX_DEPTH = 60
 
+# the rule behind a replicated weight's gradient all-reduce (Qwen3's q_norm/k_norm): f's rule
+# (dL/dx = sum over ranks of each rank's term) in its weight form
+REPLICATED_GRAD_RULE = ("replicated weight applied to head-sharded activations: each rank "
+                        "holds a partial gradient; summed over the TP group")
 # (op) -> the op of the conjugate collective in the other pass ("" = the identity)
 CONJUGATE_OPS = {"all_reduce": "", "all_gather": "reduce_scatter",
                  "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
@@ -97,6 +101,8 @@ def find_cause(skip: int = 1) -> tuple[str, object | None]:
                 return f"{redistribution} ({owner} {_STYLE_HOOKS[name]})", node
             elif node is None:
                 node = _function_node(frame)
+        elif (declared := _declared_cause(frame)) is not None:
+            return declared, _function_node(frame) or node
         elif frame.f_globals.get("__name__") == "tplab.megatron":
             own = _function_node(frame)
             qual = _qualname(frame, own).split(".")[0]
@@ -114,6 +120,43 @@ def find_cause(skip: int = 1) -> tuple[str, object | None]:
                 return f"{_qualname(frame, own)}: {line}", own
         frame = frame.f_back
     return redistribution or line or "", node
+
+
+def _declared_cause(frame) -> str | None:
+    """The cause a style or Function declares for its collectives: a `tp_cause` string on
+    the frame's `self` (a tplab.parallel_styles style) or `ctx` (its autograd Functions), or
+    the rule of the transformers style or Function whose code this is (`TRANSFORMERS_RULES`)."""
+    module = frame.f_globals.get("__name__", "")
+    if module.startswith("transformers.distributed"):
+        owner = frame.f_globals.get(_qualname(frame, None).split(".")[0])
+        return transformers_rules().get(owner) if isinstance(owner, type) else None
+    if not module.startswith("tplab.parallel_styles"):
+        return None
+    for name in ("self", "ctx"):
+        cause = getattr(frame.f_locals.get(name), "tp_cause", None)
+        if isinstance(cause, str):
+            return cause
+    return None
+
+
+def transformers_rules() -> dict[type, str]:
+    """{transformers style or Function class: the rule its collective follows}, for the ones
+    whose collectives run outside DTensor (so no placements say why); {} without
+    transformers."""
+    tp = sys.modules.get("transformers.distributed.tensor_parallel")
+    utils = sys.modules.get("transformers.distributed.parallel_utils")
+    if tp is None or utils is None:
+        return {}
+    rules = {getattr(tp, "ReplicatedWithGradAllReduce", None):
+             f"replicated_with_grad_allreduce (transformers): {REPLICATED_GRAD_RULE}",
+             getattr(utils, "_AllReduceBackward", None):
+             "f (transformers' _AllReduceBackward): identity forward, all-reduce backward: a "
+             "replicated input (tokens, routing weights, MLA's RoPE key) feeding every rank's "
+             "shards gets one partial gradient per rank",
+             getattr(utils, "_AllReduceForward", None):
+             "g (transformers' _AllReduceForward): each rank's output is a partial sum (its "
+             "slice of every expert); all-reduce forward, identity backward"}
+    return {k: v for k, v in rules.items() if k is not None}
 
 
 def conjugate(rec: dict) -> str:

@@ -54,9 +54,9 @@ import inspect
 import torch
 
 from tplab.errors import LabError
-from tplab.pairing import gather, pair, tp_layout
+from tplab.pairing import gather, gather_indexed, pair, tp_layout
 from tplab.pytrees import call_model, leaves, map_tensors
-from tplab.report import GradCheckReport, compare, unpaired
+from tplab.report import GradCheckReport, compare, unpaired, unreadable
 from tplab.transfer import LocalShard
 
 __all__ = ["GradCheckReport", "assemble", "compare", "grad_check", "tp_layout"]
@@ -316,11 +316,19 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
         if not p.requires_grad:
             frozen.append(name)
             continue
-        wholes, spreads = [], []
+        wholes, spreads, why = [], [], None
         for q in got:
-            values = [r["params"][q["ranks"]]["value"] for r in results]
+            infos = [r["params"][q["ranks"]] for r in results]
+            values = [info["value"] for info in infos]
+            why = why or next((i["unreadable"] for i in infos if i.get("unreadable")), None)
+            if why:
+                break
             if q["placement"] == "mesh":
                 full, spread = assemble(values)
+            elif infos[0].get("index") is not None:  # a DTensor: placed as DTensor places it
+                full, spread = gather_indexed(values, [i.get("index") for i in infos],
+                                              tuple(p.shape), (q["placement"] or "")
+                                              .startswith("Partial"), tp)
             else:
                 dim = _dim(q["placement"])
                 if q["placement"].startswith("Shard") and values[0] is not None:
@@ -332,6 +340,10 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
                                       q["padded"], p.shape[dim] if p.ndim else 0)
             wholes.append(full)
             spreads.append(spread)
+        if why:  # never "wrong": tplab cannot read where each rank's elements lie
+            rows.append(unreadable(name, f"the layout on the ranks cannot be read ({why}); "
+                                         "not checked"))
+            continue
         tied = [a for a, b in aliases.items() if b == name]
         label = "; ".join(q["placement"] if q["ranks"] == name else
                           f"{q['ranks']} {q['placement']} ({q['how']})" for q in got)

@@ -105,6 +105,22 @@ class FeedForward(_Built):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class PackedFeedForward(_Built):
+    """SwiGLU with gate and up packed in one linear, as Phi-3 and transformers' MoE experts
+    store them: gate_up(x) = [gate(x), up(x)] on the last dim, then down(silu(gate) * up).
+    Splitting gate_up like one matrix (Shard(0)) gives rank 0 gate's rows and rank 1 up's
+    at tp 2; `parallel_styles.PackedColwise` gives each rank a slice of each."""
+
+    def build(self, cfg: Config) -> None:
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (b, s, d) @ (d, 2h) -> (b, s, 2h) -> gate, up: (b, s, h) each -> (b, s, d)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 class Attention(_Built):
     """Causal multi-head self-attention with separate q, k, v and output projections.
 

@@ -11,12 +11,16 @@ lies across the tp ranks: what `grad_check` needs to compare gradients of any TP
   (`torch.chunk` in rank order): the reference's shape means a replica; one dimension
   divided by the tp size means Shard(that dim); one whose pieces add up to a little more
   than the reference's (a vocabulary padded to a multiple of tp) is Shard with padding.
-- `gather(values, placement, tp)` (notebook side) puts the ranks' locals back together.
+- `gather(values, placement, tp)` (notebook side) puts the ranks' locals back together;
+  `gather_indexed` does it for a DTensor from the global indices each rank holds, as DTensor
+  itself places them (`distribute_tensor` of an index tensor: `_StridedShard`, uneven shards,
+  any placement torch defines), never by guessing a concatenation.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import re
 
 import torch
@@ -33,8 +37,10 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
 
     "value" is the local gradient (`of="grad"`) or the local parameter (`of="param"`),
     "placement" its layout on the tp dim as a string ("Shard(0)", "Replicate()",
-    "Partial(sum)") or None when nothing says. A DTensor on a mesh of more than one dim
-    (FSDP2 over dp x tp) is kept whole, with placement "mesh" (the notebook places it).
+    "Partial(sum)", "_StridedShard(dim=1, split_factor=2)") or None when nothing says. A
+    DTensor on a mesh of more than one dim (FSDP2 over dp x tp) is kept whole, with placement
+    "mesh" (the notebook places it). A DTensor on the tp dim also gets "index": the flat
+    global index of each local element (`global_index`), or "unreadable": why not.
     """
     from torch.distributed.tensor import DTensor
 
@@ -54,11 +60,15 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
             if isinstance(p, DTensor):
                 global_shape = tuple(p.shape)
                 placement = p.placements[-1]
+            index = unreadable = None
             if isinstance(value, DTensor):
                 if value.device_mesh.ndim > 1:
                     placement = "mesh"
                 else:
+                    index, unreadable = global_index(value)
                     placement, value = value.placements[-1], value.to_local()
+            elif isinstance(p, DTensor) and p.device_mesh.ndim == 1:
+                index, unreadable = global_index(p)
             local = p.to_local() if isinstance(p, DTensor) else p
             if placement is not None and not isinstance(placement, str):
                 if placement.is_shard() and placement.dim < 0:
@@ -66,8 +76,32 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
                 placement = placement_name(placement)
             out[f"{path}.{name}" if path else name] = {
                 "value": value, "placement": placement, "shape": tuple(local.shape),
-                "global_shape": global_shape, "requires_grad": p.requires_grad}
+                "global_shape": global_shape, "requires_grad": p.requires_grad,
+                "index": index, "unreadable": unreadable}
     return out
+
+
+def global_index(dt) -> tuple[torch.Tensor | None, str | None]:
+    """Rank side: (the flat global index of each element of `dt`'s local tensor, None), or
+    (None, why) when torch cannot place it. DTensor itself places the indices
+    (`distribute_tensor(arange, mesh, placements, src_data_rank=None)`: every rank cuts its
+    own piece, no communication), so `_StridedShard` (transformers' packed weights: each rank
+    holds its slice of every packed sub-matrix) and uneven shards come out as DTensor defines
+    them. A Partial placement holds the whole index (its values are summed, not placed)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    placements = [Replicate() if p.is_partial() else p for p in dt.placements]
+    try:
+        whole = torch.arange(math.prod(dt.shape), device=dt.device_mesh.device_type)
+        local = distribute_tensor(whole.reshape(dt.shape), dt.device_mesh, placements,
+                                  src_data_rank=None).to_local()
+    except Exception as e:  # a placement torch cannot place without its own runtime
+        return None, f"{', '.join(map(repr, dt.placements))}: {type(e).__name__}: {e}"
+    if tuple(local.shape) != tuple(dt.to_local().shape):
+        return None, (f"{', '.join(map(repr, dt.placements))}: DTensor places a "
+                      f"{tuple(local.shape)} piece here, the rank holds "
+                      f"{tuple(dt.to_local().shape)}")
+    return local.cpu(), None
 
 
 # --- notebook side -----------------------------------------------------------------------
@@ -235,3 +269,37 @@ def gather(values: list, placement: str, tp: int, padded: int = 0, ref_len: int 
             float("inf")
         spread = max(spread or 0.0, diff)
     return wholes[0], spread
+
+
+def gather_indexed(values: list, indexes: list, global_shape: tuple, partial: bool,
+                   tp: int):
+    """(whole tensor, spread) of a DTensor from every rank's local piece and the global
+    indices it holds (`global_index`; rank r = dp replica r // tp). Partial pieces are summed
+    within a tp group; elements more than one rank holds (replicas) give the spread: the
+    largest difference between copies that should be equal. None, None if a piece is
+    missing."""
+    if any(v is None for v in values) or any(i is None for i in indexes):
+        return None, None
+    numel = math.prod(global_shape)
+    dtype = values[0].dtype
+    wholes = []
+    for d in range(0, len(values), tp):
+        flat = torch.zeros(numel, dtype=dtype)
+        seen = torch.zeros(numel, dtype=torch.bool)
+        spread = None
+        for v, i in zip(values[d:d + tp], indexes[d:d + tp], strict=True):
+            v, i = v.detach().reshape(-1).to(dtype), i.reshape(-1)
+            if partial:
+                flat.index_add_(0, i, v)
+                continue
+            again = seen[i]
+            if bool(again.any()):
+                diff = float((flat[i[again]] - v[again]).abs().max())
+                spread = max(spread or 0.0, diff)
+            flat[i[~again]] = v[~again]
+            seen[i] = True
+        wholes.append((flat.reshape(global_shape), spread))
+    full, spread = wholes[0]
+    for other, s in wholes[1:]:
+        spread = max(spread or 0.0, s or 0.0, float((other - full).abs().max()))
+    return full, spread

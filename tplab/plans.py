@@ -345,89 +345,13 @@ def describe_plan(model: nn.Module, plan: dict) -> PlanTable:
     return rows
 
 
-# --- Hugging Face transformers' published plans ------------------------------------------
+# --- Hugging Face transformers' published plans: tplab.hf ------------------------------
 
-def _hf_styles() -> dict:
-    """transformers' tp_plan strings (transformers/distributed/tensor_parallel.py) that
-    have a torch DTensor style of the same layouts."""
-    return {
-        "colwise": ColwiseParallel(),
-        "rowwise": RowwiseParallel(),
-        "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
-        "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
-        "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
-        "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
-        "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
-        "embedding_colwise": ColwiseParallel(input_layouts=Replicate(),
-                                             output_layouts=Replicate()),
-        "sequence_parallel": SequenceParallel(use_local_output=True),
-        "replicate": None,  # every rank keeps the whole parameter: nothing to plan
-    }
+def __getattr__(name: str):
+    """`plans.from_hf` and `plans.HF_SUPPORTED` live in tplab.hf (imported on first use:
+    tplab.hf imports this module)."""
+    if name in ("from_hf", "HF_SUPPORTED"):
+        from tplab import hf
 
-
-HF_SUPPORTED = tuple(sorted(["colwise", "rowwise", "colwise_rep", "colwise_gather_output",
-                             "rowwise_rep", "rowwise_split_input", "embedding_rowwise",
-                             "embedding_colwise", "sequence_parallel", "replicate"]))
-
-
-def from_hf(config_or_model, prefix: str | None = None, *, tp: int | None = None,
-            pad_vocab: bool = False) -> dict:
-    """A DTensor plan from a transformers config's `base_model_tp_plan` (the plan the
-    model's authors publish), its wildcards kept ("model.layers.*.self_attn.q_proj").
-
-    Given a config, keys are prefixed with `prefix` ("" by default: for the base model, such
-    as `LlamaModel`; "model." for `LlamaForCausalLM`). Given a model, the prefix is its
-    `base_model_prefix` when the base model sits under it, and the model class's own
-    `_tp_plan` (Llama's lm_head: "colwise_gather_output") is added. Supported strings:
-    `HF_SUPPORTED`; "replicate" adds nothing. Any other (packed, MoE, local_* styles)
-    raises a PlanError that names it and its module.
-
-    With `tp=N` the config's sizes are checked against N first: a PlanError names the
-    key/value heads (`num_key_value_heads`, e.g. 8 in Llama 3) or the query heads that N
-    does not divide, and the vocabulary (`check_vocab`: padded with a warning when
-    `pad_vocab=True`, refused with the sizes otherwise).
-    """
-    config = getattr(config_or_model, "config", config_or_model)
-    extra: dict = {}
-    if config is not config_or_model:  # a model
-        model = config_or_model
-        base = getattr(model, "base_model_prefix", "")
-        if prefix is None:
-            prefix = f"{base}." if base and hasattr(model, base) else ""
-        extra = dict(getattr(type(model), "_tp_plan", None) or {})
-    prefix = prefix or ""
-    if tp is not None:
-        _check_config(config, tp, pad_vocab)
-    published = getattr(config, "base_model_tp_plan", None)
-    if not published:
-        raise PlanError(f"{type(config).__name__} publishes no base_model_tp_plan")
-    styles = _hf_styles()
-    plan = {}
-    for key, name in [*((prefix + k, v) for k, v in published.items()), *extra.items()]:
-        if name not in styles:
-            raise PlanError(f"{key}: transformers' tp_plan style {name!r} has no DTensor "
-                            f"equivalent in tplab.plans.from_hf; supported: "
-                            f"{', '.join(HF_SUPPORTED)}")
-        if styles[name] is not None:
-            plan[key] = styles[name]
-    return plan
-
-
-def _check_config(config, tp: int, pad_vocab: bool) -> None:
-    """A transformers config's head counts and vocabulary against tp ranks."""
-    if not isinstance(tp, int) or tp < 1:
-        raise PlanError(f"tp must be a positive int, got {tp!r}")
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    name = type(config).__name__
-    if kv is not None and kv % tp:
-        raise PlanError(f"{name}: num_key_value_heads = {kv} (key/value heads) is not "
-                        f"divisible by tp = {tp}; the {heads} query heads are not the limit, "
-                        f"the KV heads are: past {kv} ranks each rank needs a copy of its "
-                        "group's KV heads (duplicated KV heads)")
-    if heads is not None and heads % tp:
-        raise PlanError(f"{name}: num_attention_heads = {heads} (query heads) is not "
-                        f"divisible by tp = {tp}")
-    vocab = getattr(config, "vocab_size", None)
-    if vocab:
-        check_vocab(vocab, tp, pad=pad_vocab)
+        return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

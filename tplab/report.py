@@ -3,8 +3,9 @@
 `compare(name, kind, value, reference)` makes a row (also what the Explorer uses);
 `GradCheckReport` holds the rows, says ok or FAILED, and prints as a table (text and HTML).
 A row: {name, kind, max_abs, max_rel, ok, note, pair}. Kinds: "output", "input_grad",
-"param_grad", "replica_spread", and "unpaired" (a parameter that could not be paired: not
-checked, never "wrong"; the note says how to pair it with `param_map`).
+"param_grad", "replica_spread", "unpaired" (a parameter that could not be paired: not
+checked, never "wrong"; the note says how to pair it with `param_map`) and "unreadable" (a
+parameter whose layout on the ranks tplab cannot read: not checked, never "wrong").
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 WORDS = {"output": "{name} wrong", "input_grad": "{name} gradient wrong",
          "param_grad": "gradient of {name} wrong",
          "replica_spread": "{name} differs across ranks",
-         "unpaired": "{name} unpaired (not checked)"}
+         "unpaired": "{name} unpaired (not checked)",
+         "unreadable": "{name}: layout on the ranks unreadable (not checked)"}
 
 
 def _ratio(value: torch.Tensor, ref: torch.Tensor) -> str:
@@ -60,6 +62,11 @@ def unpaired(name: str, note: str) -> dict:
             "ok": False, "note": note, "pair": ""}
 
 
+def unreadable(name: str, note: str) -> dict:
+    return {"name": name, "kind": "unreadable", "max_abs": math.nan, "max_rel": math.nan,
+            "ok": False, "note": note, "pair": ""}
+
+
 @dataclass
 class GradCheckReport:
     """Rows of {name, kind, max_abs, max_rel, ok, note, pair}; `.ok` when every row is
@@ -94,20 +101,22 @@ class GradCheckReport:
 
     @property
     def max_abs(self) -> float:
-        return max((r["max_abs"] for r in self.rows if r["kind"] != "unpaired"), default=0.0)
+        return max((r["max_abs"] for r in self.rows
+                    if r["kind"] not in ("unpaired", "unreadable")), default=0.0)
 
     def summary(self) -> str:
         shape = self.mesh_shape or {}
         on = f" (dp={shape['dp']} x tp={shape['tp']})" if shape.get("dp", 1) > 1 else ""
         head = (f"grad_check on {self.world_size} ranks{on} "
                 f"(atol {self.atol:g}, rtol {self.rtol:g})")
-        checked = [r for r in self.rows if r["kind"] != "unpaired"]
+        checked = [r for r in self.rows if r["kind"] not in ("unpaired", "unreadable")]
         if self.ok:
             return f"{head}: ok, {len(checked)} tensors, max abs error {self.max_abs:.2e}"
         parts = []
         for r in self.failures:
             what = WORDS.get(r["kind"], "{name}").format(name=r["name"])
-            detail = "" if r["kind"] == "unpaired" else f"max abs {r['max_abs']:.2e}"
+            detail = "" if r["kind"] in ("unpaired", "unreadable") else \
+                f"max abs {r['max_abs']:.2e}"
             detail += (", " if detail and r["note"] else "") + (r["note"] or "")
             parts.append(f"{what} ({detail})" if detail else what)
         return f"{head}: FAILED: " + "; ".join(parts)
@@ -122,8 +131,9 @@ class GradCheckReport:
                    + ["max abs", "max rel", "verdict"] + (["note"] if notes else []))
         cells = []
         for r in self.rows:
-            verdict = "UNPAIRED" if r["kind"] == "unpaired" else "ok" if r["ok"] else "WRONG"
-            nums = (["-", "-"] if r["kind"] == "unpaired" else
+            verdict = ("UNPAIRED" if r["kind"] == "unpaired" else "UNREADABLE"
+                       if r["kind"] == "unreadable" else "ok" if r["ok"] else "WRONG")
+            nums = (["-", "-"] if r["kind"] in ("unpaired", "unreadable") else
                     [f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}"])
             cells.append([r["name"], r["kind"]] + ([r.get("pair", "")] if pairs else [])
                          + nums + [verdict] + ([r["note"]] if notes else []))

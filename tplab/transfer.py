@@ -89,6 +89,8 @@ def placement_name(p) -> str:
         return "Replicate()"
     if isinstance(p, Partial):
         return f"Partial({p.reduce_op})"
+    if hasattr(p, "split_factor"):  # torch's _StridedShard: packed weights, FSDP2 x TP
+        return f"_StridedShard(dim={p.dim}, split_factor={p.split_factor})"
     return repr(p)
 
 

@@ -10,7 +10,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from tplab.exercises import checks, steps
+from tplab.exercises import checks, qk_norm, steps
 from tplab.exercises.feedback import fail, fmt_counts
 
 
@@ -247,5 +247,7 @@ EXERCISES = [
               "lists every saved tensor; notebook 10 derives them."),
              _predict_memory, "10", needs_lab=False),
 ]
+EXERCISES.append(Exercise("qk_norm_grad", qk_norm.TITLE, qk_norm.TASK, qk_norm.HINTS,
+                          qk_norm.check_qk_norm_grad, "11"))
 
 BY_NAME = {e.name: e for e in EXERCISES}

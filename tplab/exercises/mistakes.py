@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from tplab.exercises import qk_norm_step
 from tplab.exercises import solutions as ok
 
 
@@ -250,4 +251,6 @@ MISTAKES = {
     "cost_prediction": [("the tensor's bytes", {"bytes": 4096 * 8192 * 2, "seconds": 1e-4},
                          "bytes")],
     "block_memory": [("TP without SP", {"activation_bytes": _no_sp_bytes()}, "without SP")],
+    "qk_norm_grad": [("the gradient left as it is", qk_norm_step.leave_it, "only its own heads"),
+                     ("the gradient averaged", qk_norm_step.average_it, "an average")],
 }

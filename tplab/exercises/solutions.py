@@ -20,6 +20,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from tplab.exercises.qk_norm_step import solution as qk_norm_solution
+
 
 class F_(torch.autograd.Function):
     """f (Megatron `_CopyToModelParallelRegion`): identity forward, all-reduce backward."""
@@ -196,5 +198,5 @@ SOLUTIONS = {
     "f": F_, "g": G, "column_parallel": ColumnParallel, "row_parallel": RowParallel,
     "sp_pair": SP_PAIR, "mlp_plan": MLP_PLAN, "block_sp_plan": BLOCK_SP_PLAN,
     "fix_plan": FIXED_PLAN, "block_counts": block_counts, "cost_prediction": cost_prediction,
-    "block_memory": block_memory,
+    "block_memory": block_memory, "qk_norm_grad": qk_norm_solution,
 }
