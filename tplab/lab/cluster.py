@@ -155,7 +155,7 @@ class LabProcesses:
         if self.cluster is not None:
             self.cluster.engines.clear()
             self.cluster.controller = None
-        self.files.detach_all()
+        self.files.close()
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
     # --- what the watchdog sees ----------------------------------------------------------

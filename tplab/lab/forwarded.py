@@ -159,5 +159,12 @@ class ForwardedOutput:
             self._reset()
 
     def close(self) -> None:
+        """Stop listening (the lab is shut down)."""
+        self.detach_all()
         if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+            except OSError:
+                pass
             self._sock.close()
+            self._sock = None

@@ -75,6 +75,9 @@ class RankFiles:
     def ended(self) -> list[int]:
         return []  # local ranks: their exit codes say it
 
+    def close(self) -> None:
+        self.detach_all()
+
     def has(self, rank: int) -> bool:
         return bool(self._files.get(rank))
 
