@@ -12,6 +12,13 @@ Prints medians and ratios:
 - the time to report a definite mismatch (`if rank == 0: dist.all_reduce(x)`), against the
   60 s timeout that was the only way to notice it before. Goal: 2 s or less.
 - a trivial `lab.run` round trip against raw `apply_sync` on the same engines. Goal: 1.15x.
+
+    python benchmarks/interactive.py --engines [--world-size 4] [--repeats 3]
+
+prints instead the output lag per engine kind, against local ranks in the same run: mpi
+(mpiexec on this machine), ssh (two network-namespace hosts, as tests/test_engines.py
+makes them) and Slurm (one node); ranks there forward their output (tplab/lab/forward.py).
+Goal: within 2x of local and under 100 ms. A kind not available here is skipped, saying why.
 """
 
 from __future__ import annotations
@@ -111,12 +118,43 @@ def printer_plain(start: float, lines: int, every: float):
         print(f"rank {me} step {i}", flush=True)
 
 
+def engines_lag(n: int, repeats: int) -> None:
+    """Output lag per engine kind against local ranks, medians of `repeats` cells."""
+    from launch import engine_kinds
+
+    kinds, why_not, to_stop = engine_kinds(n, slurm=True)
+    rows = {}
+    try:
+        for kind, options in kinds.items():
+            with tplab.launch(n, **options) as lab:
+                lab_lag(lab, False)  # a first cell warms the path
+                rows[kind] = (statistics.median(lab_lag(lab, False) for _ in range(repeats)),
+                              statistics.median(lab_lag(lab, True) for _ in range(repeats)))
+    finally:
+        for thing in to_stop:
+            thing.stop()
+    local = rows["local"]
+    print(f"world size {n}, {repeats} repeats, medians: output lag (lines alike, grouped; "
+          "lines per rank)")
+    for kind, (same, differ) in rows.items():
+        print(f"  {kind:26} {same * 1e3:6.1f} ms ({same / local[0]:.2f}x local), "
+              f"{differ * 1e3:6.1f} ms ({differ / local[1]:.2f}x local)  "
+              "(goal <= 2x local, < 100 ms)")
+    for kind, why in why_not.items():
+        print(f"  {kind:26} skipped: {why}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", action="store_true",
+                        help="output lag per engine kind (mpi, ssh, slurm) against local")
     args = parser.parse_args()
     n, k = args.world_size, args.repeats
+    if args.engines:
+        engines_lag(n, k)
+        return
     print(f"world size {n}, {k} repeats, medians")
     base = ipyparallel_lag(n)
     with tplab.launch(n) as lab:

@@ -112,13 +112,15 @@ def launch_seconds(n: int, **options) -> float:
         return time.perf_counter() - started
 
 
-def engines_comparison(n: int, repeats: int) -> None:
-    """Launch time through mpi and ssh against local engines, medians of `repeats`."""
+def engine_kinds(n: int, slurm: bool = False) -> tuple[dict, dict, list]:
+    """name -> tplab.launch keywords of each engine kind available here (local, mpi on
+    this machine, ssh over two namespace hosts, Slurm on one node when asked); why each
+    other kind is not; and what to stop afterwards (the hosts, the Slurm cluster)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-    from hosts import Hosts, skip_reason
+    from hosts import Hosts, Slurm, skip_reason
 
-    kinds = {"local": {}}
-    why_not = {}
+    kinds: dict[str, dict] = {"local": {}}
+    why_not, to_stop = {}, []
     if not shutil.which("mpiexec"):
         why_not["mpi"] = "mpiexec not found (apt-get install openmpi-bin)"
     else:
@@ -131,12 +133,12 @@ def engines_comparison(n: int, repeats: int) -> None:
                 "config": {"MPILauncher": {"mpi_args": ["--oversubscribe"]}}}}
         except ImportError:
             why_not["mpi"] = 'mpi4py missing: pip install "tplab[mpi]"'
-    hosts = None
     reason = skip_reason("ip", "sshd", "ssh", "ssh-keygen")
     if reason:
         why_not["ssh"] = reason
     else:
         hosts = Hosts(2).start()
+        to_stop.append(hosts)
         hosts.start_sshd()
         per_host = {a: (n + 1) // 2 for a in hosts.addresses}
         kinds["ssh (2 namespace hosts)"] = {"engines": "ssh", "ip": hosts.controller,
@@ -144,14 +146,29 @@ def engines_comparison(n: int, repeats: int) -> None:
             "SSHEngineSetLauncher": {"engines": per_host},
             "SSHLauncher": {"ssh_cmd": ["ssh", "-F", hosts.ssh_config],
                             "scp_cmd": ["scp", "-F", hosts.ssh_config]}}}}
+    if slurm:
+        reason = skip_reason("slurmctld", "slurmd", "munged", "sbatch")
+        if reason:
+            why_not["slurm"] = reason
+        else:
+            cluster = Slurm(cpus=max(4, n)).start()
+            to_stop.append(cluster)
+            os.environ.update(cluster.env)
+            kinds["slurm (one node)"] = {"engines": "slurm"}
+    return kinds, why_not, to_stop
+
+
+def engines_comparison(n: int, repeats: int) -> None:
+    """Launch time through mpi and ssh against local engines, medians of `repeats`."""
+    kinds, why_not, to_stop = engine_kinds(n)
     try:
         times: dict[str, list[float]] = {k: [] for k in kinds}
         for _ in range(repeats):  # interleaved, so every launcher sees the same load
             for kind, options in kinds.items():
                 times[kind].append(launch_seconds(n, **options))
     finally:
-        if hosts is not None:
-            hosts.stop()
+        for thing in to_stop:
+            thing.stop()
     local = statistics.median(times["local"])
     print(f"world size {n}, {repeats} repeats, medians: launch to the first all-reduce")
     for kind, seconds in times.items():

@@ -8,7 +8,7 @@ Notebooks run at world_size 2 (papermill's parameters cell, injected into the co
 serves), except 01 at 4, where the Explorer's TP degree has a choice (2 or 4), and in the
 simulated mode where they have one (00 starts processes): the browser run checks what a
 learner sees, and keeps within the suite's time; papermill (test_notebooks.py) runs every
-notebook in each of its modes at 4.
+notebook in each of its modes at world 2, and at its other sizes in the extended run.
 """
 
 from __future__ import annotations

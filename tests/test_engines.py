@@ -309,3 +309,161 @@ def test_slurm_runs_four_ranks_and_cancels_its_job(slurm, monkeypatch):
         time.sleep(0.2)
     assert slurm.jobs() == [], "shutdown() cancels the job"
     assert wait_gone(pids, 10) == []
+
+
+# --- live output from ranks elsewhere (tplab/lab/forward.py) -------------------------------
+
+
+class Arrivals:
+    """A stdout/stderr that notes when each line arrives (seconds since `start`)."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+        self.lines: list[tuple[float, str]] = []
+        self.partial = ""
+
+    def write(self, text: str) -> int:
+        now = time.monotonic() - self.start
+        *lines, self.partial = (self.partial + text).split("\n")
+        self.lines += [(now, line) for line in lines]
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def ticks(start: float):
+    """Line i at wall time start + 0.6 i on every rank (a cell reaches ranks on other hosts
+    at moments tens of ms apart: more than the grouping window, WINDOW_S)."""
+    import time
+
+    for i in range(3):
+        time.sleep(max(0.0, start + 0.6 * i - time.time()))
+        print(f"tick {i}", flush=True)
+
+
+def then_hang():
+    import torch
+    import torch.distributed as dist
+
+    print(f"rank {dist.get_rank()} before the hang", flush=True)
+    x = torch.ones(1)
+    if dist.get_rank() == 0:
+        dist.all_reduce(x)  # the others broadcast: these can never match
+    else:
+        dist.broadcast(x, src=1)
+
+
+def then_sleep():
+    import time
+
+    print("working", flush=True)
+    time.sleep(60)
+
+
+def last_words():
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        print("last words", flush=True)
+        os._exit(3)
+    return 0
+
+
+def shown(fn, *args, error=None, **kwargs) -> Arrivals:
+    """What the notebook's stdout gets while lab.run(fn) runs (raising `error`, if given)."""
+    out, old = Arrivals(), sys.stdout
+    sys.stdout = out
+    try:
+        if error is None:
+            fn(*args, **kwargs)
+        else:
+            with pytest.raises(error):
+                fn(*args, **kwargs)
+    finally:
+        sys.stdout = old
+    out.ended = time.monotonic() - out.start
+    return out
+
+
+def ranks_that_said(out: Arrivals, said: str) -> set[int]:
+    """The ranks whose labelled lines (`[ranks 0-3] x`, `[ranks 1,3] x`, `[rank 2] x`) say
+    `said`: a cell reaches ranks on other hosts tens of ms apart, so lines printed at its
+    start may come grouped in parts, as local ranks' would with such a lag."""
+    found: set[int] = set()
+    for _, line in out.lines:
+        label, _, text = line.partition("] ")
+        if text != said:
+            continue
+        for span in label.split(" ", 1)[1].split(","):
+            first, _, last = span.partition("-")
+            found.update(range(int(first), int(last or first) + 1))
+    return found
+
+
+def check_live(lab) -> None:
+    """Output of ranks elsewhere arrives while the cell runs, grouped and labelled as local
+    ranks' output; and none is lost on a hang, an interrupt or a crash."""
+    import _thread
+    import threading
+
+    n = lab.world_size
+    label = f"[ranks 0-{n - 1}]" if n > 2 else "[ranks 0,1]"
+    out = shown(lab.run, ticks, time.time() + 0.5)
+    got = {line: t for t, line in out.lines}
+    assert [line for _, line in out.lines] == [f"{label} tick {i}" for i in range(3)], out.lines
+    assert got[f"{label} tick 0"] < out.ended - 1.0, (got, out.ended)  # live, not at the end
+    assert got[f"{label} tick 1"] - got[f"{label} tick 0"] > 0.4, got
+
+    out = shown(lab.run, then_hang, error=tplab.CollectiveHang)
+    assert all(f"[rank {r}] rank {r} before the hang" in out.text() for r in range(n)), out.lines
+    out = shown(lab.run, then_sleep, cell_timeout=2, error=tplab.CellTimeout)
+    assert ranks_that_said(out, "working") == set(range(n)), out.lines
+
+    timer = threading.Timer(2.0, _thread.interrupt_main)  # the stop button
+    timer.start()
+    out = shown(lab.run, then_sleep, error=KeyboardInterrupt)
+    assert ranks_that_said(out, "working") == set(range(n)), out.lines
+    assert lab.run(lambda: 1) == [1] * n  # the lab goes on
+
+    with pytest.raises(tplab.RankDied) as died:
+        lab.run(last_words)
+    text = str(died.value)
+    assert "rank 1 exited" in text, text
+    assert "last words" in text.split("last output of rank 1 ---", 1)[1], text
+    assert lab.run(lambda: 2) == [2] * n  # restarted
+
+
+def test_mpi_ranks_on_two_hosts_stream_live(hosts, monkeypatch):
+    need("mpiexec")
+    pytest.importorskip("mpi4py", reason='engines="mpi" needs mpi4py: pip install "tplab[mpi]"')
+    for k, v in ROOT_MPI.items():
+        monkeypatch.setenv(k, v)
+    with tplab.launch(4, engines="mpi", ip=hosts.controller,
+                      cluster_options=mpi_options(hosts)) as lab:
+        assert {r["from"] for r in lab.run(sum_of_ranks_and_where)} == set(hosts.addresses)
+        check_live(lab)
+
+
+def test_ssh_ranks_on_two_hosts_stream_live(hosts, monkeypatch):
+    with tplab.launch(2, engines="ssh", ip=hosts.controller, cluster_options={"config": {
+            "SSHEngineSetLauncher": {"engines": {a: 1 for a in hosts.addresses}},
+            "SSHLauncher": {"ssh_cmd": ["ssh", "-F", hosts.ssh_config],
+                            "scp_cmd": ["scp", "-F", hosts.ssh_config]}}}) as lab:
+        assert {r["from"] for r in lab.run(sum_of_ranks_and_where)} == set(hosts.addresses)
+        check_live(lab)
+
+
+def test_slurm_ranks_stream_live(slurm, monkeypatch):
+    for k, v in slurm.env.items():
+        monkeypatch.setenv(k, v)
+    with tplab.launch(2, engines="slurm") as lab:
+        env = dict(os.environ)
+        check_live(lab)
+        os.environ.clear()
+        os.environ.update(env)

@@ -96,3 +96,26 @@ def test_rank_side_imports_no_notebook_side():
             "'tplab.exercises.checks', 'tplab.exercises.catalog', 'tplab.exercises.feedback'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_instructions_render_as_markdown():
+    """The class signature is code, and __init__ is not turned bold by Markdown: outside
+    backticks no dunder and no call is left, in the tasks and in the workbooks' cells."""
+    import json
+    import pathlib
+    import re
+
+    text = str(exercises.task("column_parallel"))
+    assert "`class Answer(nn.Module)`: `__init__(self, linear, mesh)`" in text, text
+    prose = re.compile(r"__\w+__|\b\w+\([^()]*\)")
+    for name in exercises.names():
+        outside = str(exercises.task(name)).split("`")[::2]
+        assert not any(prose.search(part) for part in outside), (name, outside)
+    books = pathlib.Path(__file__).parent.parent / "notebooks" / "exercises"
+    for path in sorted(books.glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if cell["cell_type"] == "markdown" and source.startswith("## "):
+                assert "**" not in source.splitlines()[0], (path.name, source)
+                outside = source.split("`")[::2]
+                assert not any(prose.search(p) for p in outside), (path.name, source)

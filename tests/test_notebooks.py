@@ -1,7 +1,10 @@
-"""Every notebook in notebooks/ runs top to bottom with papermill, in each mode it supports.
+"""Every notebook in notebooks/ runs top to bottom with papermill, in each mode it supports,
+at every world size it claims (tplab.lessons.SIZES).
 
 A notebook's claims are asserted in its own cells, so a run that ends without error has
-checked the lesson, not only that the cells ran.
+checked the lesson, not only that the cells ran. The default run has world 2, the laptop
+case, in every mode; every other claimed size is `extended` (make test-extended), which
+keeps the default run within its 15 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import time
 import papermill
 import pytest
 import report
+
+from tplab.lessons import SIZES
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 _times: dict[str, float] = {}
@@ -30,18 +35,32 @@ def modes(path: pathlib.Path) -> list[str]:
     return ["processes"]
 
 
-CASES = [pytest.param(p, m, id=f"{p.stem}-{m}") for p in NOTEBOOKS for m in modes(p)]
+DEFAULT_SIZE = 2  # the laptop case: in the default run, in every mode
 
 
-@pytest.mark.parametrize(("path", "mode"), CASES)
-def test_notebook_runs(path, mode, tmp_path):
+def sizes(path: pathlib.Path) -> tuple[int, ...]:
+    return SIZES[path.stem[:2]]
+
+
+CASES = [pytest.param(p, m, n, id=f"{p.stem}-{m}-{n}",
+                      marks=() if n == DEFAULT_SIZE else pytest.mark.extended)
+         for p in NOTEBOOKS for m in modes(p) for n in sizes(p)]
+
+
+def test_every_notebook_claims_sizes_and_runs_at_2():
+    assert {p.stem[:2] for p in NOTEBOOKS} == set(SIZES)
+    assert all(DEFAULT_SIZE in sizes(p) for p in NOTEBOOKS)
+
+
+@pytest.mark.parametrize(("path", "mode", "world_size"), CASES)
+def test_notebook_runs(path, mode, world_size, tmp_path):
     started = time.perf_counter()
     papermill.execute_notebook(
         str(path), str(tmp_path / path.name), cwd=str(path.parent),
-        parameters={"world_size": 4, "mode": mode}, kernel_name="python3",
+        parameters={"world_size": world_size, "mode": mode}, kernel_name="python3",
         progress_bar=False, execution_timeout=600,
     )
-    _times[f"{path.stem} [{mode}]"] = time.perf_counter() - started
+    _times[f"{path.stem} [{mode}, world {world_size}]"] = time.perf_counter() - started
 
 
 def test_notebooks_are_saved_without_outputs():

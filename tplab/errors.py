@@ -58,7 +58,8 @@ class CollectiveHang(LabError):
     """Ranks waited in collectives that could not complete; the message says which rank
     waits where, and why. `restarted` is False when the stuck ranks were freed without a
     restart (names survive, but the cell's results are not valid); `results` has the
-    values of the ranks that finished."""
+    values of the ranks that finished; `recovery_s` the seconds the recovery took (the
+    restart, or completing the missed collectives)."""
 
     def __init__(self, message: str, where: dict[int, dict] | None = None,
                  recovered: bool = False, recovery_s: float | None = None,

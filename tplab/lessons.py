@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from tplab.errors import LabError
 
-# notebook -> the world sizes the test suite runs it at (papermill at 4, the browser at 2)
+# notebook -> the world sizes it runs at; tests/test_notebooks.py runs each at every one
+# (world 2 in the default run, the others extended), the browser test at 2 simulated
 SIZES: dict[str, tuple[int, ...]] = {
     "00": (1, 2, 3, 4, 8), "01": (2, 4), "02": (2, 4), "03": (2, 4), "04": (2, 4),
     "05": (2, 4), "06": (2, 4, 6, 8), "07": (2, 4), "08": (2, 4), "09": (2, 4), "10": (2, 4),

@@ -9,7 +9,6 @@ as a `LocalShard`: this rank's block plus where it sits in the global tensor.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import types
 from dataclasses import dataclass, field
@@ -112,44 +111,6 @@ def describe_dtensor(dt, rank: int, local: torch.Tensor | None = None) -> LocalS
         requires_grad=dt.requires_grad,
         offsets=tuple(int(o) for o in offsets),
     )
-
-
-def pack(obj, rank: int):
-    """Rank side, simulation: replace tensors (at any depth of lists, tuples, dicts,
-    namedtuples and dataclasses) by CPU tensors and DTensors by `LocalShard`s."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        return describe_dtensor(obj, rank)
-    if isinstance(obj, torch.Tensor):
-        return _plain(obj)
-    return _map(obj, lambda o: pack(o, rank))
-
-
-def _map(obj, fn):
-    if isinstance(obj, list):
-        return [fn(o) for o in obj]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(fn(o) for o in obj))
-    if isinstance(obj, tuple):
-        return tuple(fn(o) for o in obj)
-    if isinstance(obj, dict):
-        out = copy.copy(obj)
-        for k, v in obj.items():
-            out[k] = fn(v)
-        return out
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        out = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(out, f.name, fn(getattr(obj, f.name)))
-        return out
-    return obj
-
-
-def unpack(obj):
-    """Notebook side: results arrive unpacked already (see `to_wire`); kept for callers
-    that pack by hand."""
-    return obj
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 
 # Only rank-side modules at import time: the ranks import this package to reach `steps`,
 # `solutions` and `mistakes`, and must not import the notebook side (catalog, checks,
@@ -70,10 +71,23 @@ class Text(str):
         return str(self)
 
 
+# Code inside prose: a class statement, a call such as forward(x) or mesh.get_group(), or a
+# dunder name; Markdown would otherwise make __init__ bold and drop its underscores.
+_CODE = re.compile(r"class \w+\([^()]*\)|[A-Za-z_][\w.]*\([^()]*\)|__\w+__")
+
+
+def as_markdown(text: str) -> str:
+    """Prose with its code in backticks (parts already in backticks are left alone)."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):  # the even parts are outside backticks
+        parts[i] = _CODE.sub(lambda m: f"`{m.group(0)}`", parts[i])
+    return "`".join(parts)
+
+
 def task(name: str) -> Text:
     """What exercise `name` asks for."""
     e = _get(name)
-    return Text(f"**{e.title}** (`{e.name}`, notebook {e.notebook})\n\n{e.task}")
+    return Text(f"**{e.title}** (`{e.name}`, notebook {e.notebook})\n\n{as_markdown(e.task)}")
 
 
 def hint(name: str, level: int = 1) -> Text:
@@ -86,7 +100,8 @@ def hint(name: str, level: int = 1) -> Text:
         raise ValueError(f"hint level is 1, 2 or {len(e.hints)}; got {level!r}")
     text = e.hints[min(level, len(e.hints)) - 1]
     more = "" if level >= len(e.hints) else f" (more: exercises.hint({name!r}, {level + 1}))"
-    return Text(f"Hint {min(level, len(e.hints))} of {len(e.hints)} for `{name}`: {text}{more}")
+    return Text(f"Hint {min(level, len(e.hints))} of {len(e.hints)} for `{name}`: "
+                f"{as_markdown(text)}{more}")
 
 
 class Solution(Text):

@@ -1,6 +1,16 @@
-"""Grouping per-rank output: a line printed by every rank is shown once as [ranks 0-3]."""
+"""Grouping per-rank output: a line printed by every rank is shown once as [ranks 0-3].
+Imports nothing: both sides use it (rank.py strips colours from tracebacks too)."""
 
 from __future__ import annotations
+
+import re
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colour codes (IPython's tracebacks)
+
+
+def strip_ansi(text: str) -> str:
+    """text without terminal colour codes."""
+    return ANSI.sub("", text)
 
 
 def format_rank_list(ranks) -> str:

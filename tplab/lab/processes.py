@@ -1,5 +1,6 @@
-"""The processes a lab owns: ipyparallel launchers that remember how a rank ended,
-and ending process trees by pid and process group (never by name)."""
+"""Local rank processes: ipyparallel launchers that remember how a rank ended, the fork
+server, and ending process trees by pid and process group (never by name). The lab's one
+owner of its processes is tplab/lab/cluster.py; local ranks' kind is engines/local.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import threading
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Any, Integer
-
-from tplab.lab.streams import RankFiles
 
 
 class RankLauncher(LocalEngineLauncher):
@@ -217,57 +216,3 @@ def log_tail(log_dir: str, pid: int, lines: int = 12) -> str:
         except OSError:
             continue
     return "\n".join(found[-lines:])
-
-
-class RankProcesses:
-    """The rank processes of a lab, as the watchdog sees them: their pids in rank order,
-    which of them ended and how, and what they wrote (their output files)."""
-
-    def __init__(self):
-        self.pids: list[int] = []
-        self.local = True  # False: ranks on other hosts, whose pids mean nothing here
-        self.signal_remote = None  # (ranks, signal) -> None, through ipyparallel's nannies
-        self.files = RankFiles()
-        self.engine_sets: list = []  # ipyparallel engine set launchers of the current ranks
-
-    def reset(self, engine_sets: list) -> None:
-        self.pids = []
-        self.files.detach_all()
-        self.engine_sets = engine_sets
-
-    def exit_codes(self) -> dict[int, int | None]:
-        """pid -> exit code (None while running) of every rank process started."""
-        codes: dict[int, int | None] = {}
-        for engine_set in self.engine_sets:
-            if hasattr(engine_set, "exit_codes"):
-                codes.update(engine_set.exit_codes())
-        return codes
-
-    def dead(self) -> dict[int, str]:
-        """rank -> how it ended, for every rank process that is gone (-1: not a rank yet)."""
-        out = {}
-        for pid, code in self.exit_codes().items():
-            if code is not None:
-                out[self.pids.index(pid) if pid in self.pids else -1] = how_it_ended(code)
-        return out
-
-    def interrupt(self, ranks: list[int]) -> None:
-        """SIGINT to these ranks: by pid here; through ipyparallel for ranks elsewhere."""
-        if not self.local:
-            if self.signal_remote is not None and ranks:
-                try:
-                    self.signal_remote(ranks, signal.SIGINT)
-                except Exception:  # noqa: BLE001 - an engine without a nanny: nothing to do
-                    pass
-            return
-        for r in ranks:
-            try:
-                os.kill(self.pids[r], signal.SIGINT)
-            except (OSError, IndexError):
-                pass
-
-    def read_output(self) -> list[tuple[int, str, str]]:
-        return self.files.read()
-
-    def log_tail(self, rank: int, lines: int = 15) -> str:
-        return self.files.tail(rank, lines)

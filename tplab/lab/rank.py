@@ -19,7 +19,6 @@ import faulthandler
 import linecache
 import os
 import pickle
-import re
 import socket
 import sys
 import threading
@@ -27,14 +26,13 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from tplab.lab import collectives, torch_log
+from tplab.lab import collectives, forward, torch_log
 from tplab.lab.collectives import REPORT
+from tplab.lab.output import strip_ansi
 from tplab.transfer import to_wire, unsendable_part
 
 NAMESPACE_PID = "tplab:rank-namespace"  # the persistent id of the rank's globals (names.py)
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _HERE = (__file__, collectives.__file__)
 
 
@@ -55,8 +53,9 @@ class Reply:
     value: object
     names: list[str] | None = None
     shadowed: dict[str, str] = field(default_factory=dict)
-    stdout: str = ""  # only for ranks whose output files the notebook cannot read
-    stderr: str = ""
+    # Ranks elsewhere: (offset, bytes) of what fds 1 and 2 got during the cell, so that the
+    # notebook has it all even when the forwarder (forward.py) is a little behind.
+    output: tuple | None = None
 
 
 class Missing:
@@ -73,6 +72,7 @@ class _Names:
 NAMES = _Names()
 
 
+_FORWARDER: list = []  # this rank's output forwarder process, once started
 _NAMESPACE: list[dict] = []  # the engine's namespace, looked up once (IPython's is slow)
 
 
@@ -106,16 +106,19 @@ def _no_breakpoint(*args, **kwargs) -> None:
 
 
 def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master_port: int,
-              threads: int, local_rank: int | None, timeout_s: float = 120.0,
-              forward_output: bool = False) -> dict:
+              threads: int, local_rank: int | tuple[str, ...], timeout_s: float = 120.0,
+              output_to: dict | None = None) -> dict:
     """Join the process group as `rank` and fill the rank's namespace. Returns the pid,
     host and output files of this rank.
 
     local_rank (the GPU index on this machine) is given for local engines; engines that
-    another launcher started read it from their launcher's environment.
+    another launcher started get the names of their launcher's variables that hold it
+    (the engine kind's `local_rank`: SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK...). output_to
+    (host, port, key, generation), for ranks whose files the notebook cannot read: where
+    this rank's forwarder (forward.py) sends its output.
     """
-    if local_rank is None:
-        local_rank = int(next((os.environ[v] for v in _LOCAL_RANK_VARS if v in os.environ), 0))
+    if not isinstance(local_rank, int):
+        local_rank = int(next((os.environ[v] for v in local_rank if v in os.environ), 0))
     if backend == "auto":
         import torch
 
@@ -158,7 +161,7 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     collectives.note_collectives()
     REPORT.rank, REPORT.store = rank, store
     REPORT.library_parts = ("<frozen", "threading.py", *collectives.package_dirs())
-    NAMES.forward_output = forward_output
+    NAMES.forward_output = output_to is not None
     faulthandler.enable(file=sys.__stderr__, all_threads=False)  # fd 2: the rank's err file
     sys.breakpointhook = _no_breakpoint
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, tplab=tplab)
@@ -167,11 +170,13 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     from tplab.lab.entry import output_paths
 
     state_dir = os.environ.get("TPLAB_STATE_DIR") or "/tmp"
+    paths = output_paths(state_dir, os.getpid())
     # torch's log of a failed sharding propagation: the rank's own file, not the notebook
-    torch_log.route_to_file(output_paths(state_dir, os.getpid())[1][:-len(".err")]
-                            + ".torch.log")
-    return {"pid": os.getpid(), "host": socket.gethostname(),
-            "output": output_paths(state_dir, os.getpid())}
+    torch_log.route_to_file(paths[1][:-len(".err")] + ".torch.log")
+    if output_to is not None and not _FORWARDER:
+        _FORWARDER.append(forward.start(rank, output_to["generation"], output_to["host"],
+                                        output_to["port"], output_to["key"], *paths))
+    return {"pid": os.getpid(), "host": socket.gethostname(), "output": paths}
 
 
 # --- a cell ------------------------------------------------------------------------------
@@ -196,7 +201,7 @@ def _failure(exc: BaseException) -> RankFailure:
             text = "".join(traceback.format_exception(type(exc), exc, tb))
         except Exception:  # noqa: BLE001
             text = "".join(traceback.format_tb(tb)) + f"{type(exc).__name__}: {_safe_str(exc)}\n"
-    return RankFailure(type(exc).__name__, _safe_str(exc), _ANSI.sub("", text))
+    return RankFailure(type(exc).__name__, _safe_str(exc), strip_ansi(text))
 
 
 def _rank_names(ns: dict) -> list[str]:
@@ -208,9 +213,9 @@ def _offsets() -> tuple[int, int]:
     return (os.fstat(1).st_size, os.fstat(2).st_size) if NAMES.forward_output else (0, 0)
 
 
-def _read_from(fd: int, offset: int) -> str:
+def _read_from(fd: int, offset: int) -> tuple[int, bytes]:
     size = os.fstat(fd).st_size
-    return os.pread(fd, size - offset, offset).decode("utf-8", "replace") if size > offset else ""
+    return offset, (os.pread(fd, size - offset, offset) if size > offset else b"")
 
 
 def _run_cell(cell: int, body) -> tuple:
@@ -241,7 +246,7 @@ def _run_cell(cell: int, body) -> tuple:
     if REPORT.reported_cell == cell or collectives.collectives_so_far() != issued:
         collectives.report_now()
     if NAMES.forward_output:
-        reply.stdout, reply.stderr = _read_from(1, offsets[0]), _read_from(2, offsets[1])
+        reply.output = (_read_from(1, offsets[0]), _read_from(2, offsets[1]))
     try:
         return to_wire(reply, REPORT.rank)
     except Exception:  # noqa: BLE001 - the result cannot travel: say where and why

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from ipyparallel import error as ipp_error
 
 from tplab.lab import rank as rank_side
+from tplab.lab.output import strip_ansi
 from tplab.transfer import from_wire, is_wire
 
 
@@ -46,7 +49,5 @@ def engine_died(value) -> bool:
 
 
 def strip_engine_id(error) -> str:
-    import re
-
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    text = strip_ansi(str(error))
     return re.sub(r"^\[\d+:apply\]:?\s*", "", text)

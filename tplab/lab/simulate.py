@@ -36,7 +36,10 @@ Limits (say them in a lesson that uses it):
 from __future__ import annotations
 
 import contextlib
+import importlib
+import time
 import traceback
+import types
 
 import torch
 import torch.distributed as dist
@@ -62,6 +65,8 @@ class Simulation:
         self.world_size = check_world_size(world_size)
         self.pids: list[int] = []
         self._namespace: dict = {}
+        self._only_on: dict[str, dict[int, object]] = {}  # names pushed to some ranks only
+        self._closed = False
         self._ensure_process_group()
 
     def __repr__(self) -> str:
@@ -73,18 +78,36 @@ class Simulation:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    @property
+    def closed(self) -> bool:
+        """True once shut down (a simulation can still run: nothing was started)."""
+        return self._closed
+
     def shutdown(self) -> None:
         """Nothing to stop: no processes were started."""
+        self._closed = True
 
-    def restart(self) -> None:
+    def restart(self) -> float:
+        """Forget every name defined on the ranks (as fresh rank processes would)."""
+        started = time.monotonic()
         self._namespace.clear()
+        self._only_on.clear()
+        return time.monotonic() - started
+
+    def reload(self, module: types.ModuleType) -> types.ModuleType:
+        """Reload an edited module (the ranks are this process: importlib.reload)."""
+        if not isinstance(module, types.ModuleType):
+            raise TypeError(f"sim.reload needs a module (import it first), got {module!r}")
+        return importlib.reload(module)
 
     # --- the .run contract ---------------------------------------------------------------
 
-    def run(self, fn, *args, timeout: float | None = None, ranks=None, **kwargs) -> list:
+    def run(self, fn, *args, timeout: float | None = None, ranks=None,
+            cell_timeout: float | None = None, **kwargs) -> list:
         """fn(*args, **kwargs) on every rank -> [result on rank 0, ..., rank n-1].
 
-        `timeout` is accepted for parity and ignored (nothing here can hang). `ranks` selects
+        `timeout` and `cell_timeout` are checked and accepted for parity (tplab's keywords,
+        never fn's), and ignored: nothing here waits on another process. `ranks` selects
         which ranks' results come back; fn still runs once for all of them.
         """
         from tplab.lab.validate import check_ranks, check_timeout
@@ -92,10 +115,12 @@ class Simulation:
         if not callable(fn):
             raise TypeError(f"sim.run needs a function as its first argument, got {fn!r}")
         check_timeout(timeout, "timeout")
+        check_timeout(cell_timeout, "cell_timeout")
         ranks = check_ranks(ranks, self.world_size)
         return self._per_rank(self._call(fn, args, kwargs), ranks)
 
-    def execute(self, code: str, timeout: float | None = None, ranks=None) -> list:
+    def execute(self, code: str, timeout: float | None = None, ranks=None,
+                cell_timeout: float | None = None) -> list:
         """Run a cell's code on every rank (what `%%ranks` calls) in a namespace kept between
         cells, holding torch, dist, tplab, world_size and rank (a per-rank SymInt);
         item r is the value of the cell's last expression on rank r."""
@@ -115,21 +140,49 @@ class Simulation:
                             self._namespace)
             return None
 
-        return self.run(cell, ranks=ranks)
+        return self.run(cell, timeout=timeout, ranks=ranks, cell_timeout=cell_timeout)
 
     def push(self, mapping: dict, ranks=None) -> None:
-        if not isinstance(mapping, dict):
-            raise TypeError(f"sim.push needs a dict of name -> value, got {type(mapping).__name__}")
-        if not self._namespace:
-            self._fill_namespace()
-        self._namespace.update(mapping)
-
-    def pull(self, name: str, ranks=None) -> list:
+        """Set names on every rank (or `ranks`). A name that only some ranks have is not
+        visible to code, which runs on every rank at once here; `pull` has it per rank."""
         from tplab.lab.validate import check_ranks
 
+        if not isinstance(mapping, dict):
+            raise TypeError(f"sim.push needs a dict of name -> value, got {type(mapping).__name__}")
+        bad = [k for k in mapping if not isinstance(k, str) or not k.isidentifier()]
+        if bad:
+            raise ValueError(f"sim.push needs names (identifiers) as keys, got {bad[0]!r}")
+        targets = check_ranks(ranks, self.world_size)
+        if not self._namespace:
+            self._fill_namespace()
+        for name, value in mapping.items():
+            held = self._only_on.pop(name, None)
+            if held is None:
+                held = dict.fromkeys(range(self.world_size), self._namespace[name]) \
+                    if name in self._namespace else {}
+            held.update(dict.fromkeys(targets, value))
+            values = list(held.values())
+            if len(held) == self.world_size and all(v is values[0] for v in values):
+                self._namespace[name] = values[0]  # every rank has the same: code sees it
+            else:
+                self._namespace.pop(name, None)
+                self._only_on[name] = held
+
+    def pull(self, name: str, ranks=None) -> list:
+        from tplab.lab.output import format_rank_list
+        from tplab.lab.validate import check_ranks
+
+        if not isinstance(name, str):
+            raise TypeError(f"sim.pull needs a name (a string), got {type(name).__name__}")
         ranks = check_ranks(ranks, self.world_size)
+        if name in self._only_on:
+            held = self._only_on[name]
+            missing = [r for r in ranks if r not in held]
+            if missing:
+                raise LabError(f"name {name!r} is not defined on {format_rank_list(missing)}")
+            return [held[r] for r in ranks]
         if name not in self._namespace:
-            raise LabError(f"name {name!r} is not defined on ranks 0-{self.world_size - 1}")
+            raise LabError(f"name {name!r} is not defined on {format_rank_list(ranks)}")
         return self._per_rank(self._namespace[name], ranks)
 
     def _fill_namespace(self) -> None:

@@ -66,6 +66,18 @@ class RankFiles:
         for rank in list(self._files):
             self.detach(rank)
 
+    def catch_up(self, replies: dict) -> None:
+        """Nothing to catch up: the files are read here (ForwardedOutput has to)."""
+
+    def settle(self, ranks, timeout: float) -> None:
+        """Nothing to wait for: a file outlives its rank."""
+
+    def ended(self) -> list[int]:
+        return []  # local ranks: their exit codes say it
+
+    def close(self) -> None:
+        self.detach_all()
+
     def has(self, rank: int) -> bool:
         return bool(self._files.get(rank))
 

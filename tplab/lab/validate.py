@@ -15,8 +15,6 @@ BACKENDS = ("auto", "gloo", "nccl")
 # its nanny; with about 30% headroom:
 RANK_MEMORY_GIB = {"forked": 0.2, "started": 0.35}
 MAX_LOCAL_RANKS = 64
-LAUNCH_KEYWORDS = ("world_size", "backend", "engines", "timeout", "cell_timeout", "ip",
-                   "threads_per_rank", "fork", "master_addr", "cluster_options")
 
 
 def _gpu_count() -> int:
@@ -41,16 +39,17 @@ def closest(name: str, valid) -> str:
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
-def split_cluster_options(options: dict) -> dict:
+def split_cluster_options(options: dict, keywords=()) -> dict:
     """Keywords that are not tplab's: ipyparallel.Cluster traits pass, others are refused
-    with the closest valid name (a typo such as timout= must not pass silently)."""
+    with the closest valid name among `keywords` (tplab's own) and the traits (a typo such
+    as timout= must not pass silently)."""
     import ipyparallel as ipp
 
     traits = set(ipp.Cluster.class_trait_names())
     for name in options:
         if name not in traits:
             raise TypeError(f"tplab.launch() got an unknown keyword {name!r}"
-                            f"{closest(name, [*LAUNCH_KEYWORDS, *sorted(traits)])} "
+                            f"{closest(name, [*keywords, *sorted(traits)])} "
                             "(options for ipyparallel.Cluster go in cluster_options={...})")
     return dict(options)
 

@@ -10,7 +10,9 @@ is, collectives.py) are read every 0.1 s. The rules (docs/DESIGN.md, "Cells"):
   finished the cell (or was not asked to run it) without calling, or the waiting ranks'
   collectives cannot complete. In the first case the finished peers complete it with
   placeholder zeros (collectives.complete_pending), so no restart is needed and names
-  survive; otherwise `restart` (one place, below) starts fresh ranks and says what was lost.
+  survive; otherwise `restart` (below) has the lab start fresh ranks and says what was
+  lost. Every restart, here, `lab.restart()` and the next cell after a restart that did
+  not finish, is the lab's one `_restart_ranks` (tplab/lab/launch.py).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Watchdog:
         self.processes, self.send, self._restart, self.rank_names = (
             processes, send, restart, rank_names)
         self._store = None
+        self.last_restart_s: float | None = None
 
     # --- the rendezvous store, where ranks report where they are ------------------------
 
@@ -86,12 +89,13 @@ class Watchdog:
         return diagnose.views(self.where(), cell, res.ranks, res.finished(), self.world_size,
                               time.time())
 
-    # --- the one place that restarts ranks --------------------------------------------
+    # --- recovering by a restart ------------------------------------------------------
 
     def restart(self, why: str) -> str:
-        """Start fresh ranks; the sentence that says so, and which names were lost."""
+        """Start fresh ranks; the sentence that says so, and which names were lost.
+        `last_restart_s` is how long it took."""
         lost = self.rank_names()
-        took = self._restart()
+        took = self.last_restart_s = self._restart()
         names = f" Names lost: {', '.join(lost)}." if lost else ""
         return (f"The lab restarted its {self.world_size} ranks in {took:.1f} s ({why}) and is "
                 f"ready again; names defined on the ranks are gone, so rerun the cells that "
@@ -113,6 +117,7 @@ class Watchdog:
                 raise
         finally:
             status.clear()
+            self.processes.catch_up({r: res.reply(r) for r in res.finished()})
             self._pump(live, final=True)
         return self._collect(res, cell, state)
 
@@ -172,6 +177,7 @@ class Watchdog:
             state.first_debt = (diagnose.owed_words(views, debts, self.world_size),
                                 diagnose.table(views, self.world_size))
             state.first_where = {r: v.report for r, v in views.items()}
+        freeing = time.monotonic()
         calls = self._replays(views, debts)
         if calls is None or len(state.freed) >= FREE_ROUNDS:
             why = ("the stuck ranks could not be freed" if calls is None
@@ -204,6 +210,7 @@ class Watchdog:
                 self._hang(res, cell, views, live, "completing the missed collectives failed: "
                            f"{failure.ename}: {failure.evalue}")
         state.freed.append(sorted(by_peer))
+        state.freeing_s += time.monotonic() - freeing
         return True
 
     @staticmethod
@@ -254,6 +261,7 @@ class Watchdog:
         return {r: res.value(r) for r in res.finished()}
 
     def _rank_died(self, dead: dict[int, str], res: RankResults, live: LiveOutput):
+        self.processes.settle(dead)  # ranks elsewhere: their last lines are on their way
         self._pump(live, final=True)
         lines = [f"rank {r} {how}" if r >= 0 else f"a rank {how}" for r, how in dead.items()]
         detail = "".join(f"\n--- last output of rank {r} ---\n{self.processes.log_tail(r)}"
@@ -271,7 +279,8 @@ class Watchdog:
             text = f"the ranks waited in collectives for {timeout:g} s.\n{text}"
         sentence = self.restart(why)
         raise CollectiveHang(f"{text}\n{sentence}", where={r: v.report for r, v in views.items()},
-                             recovered=True, restarted=True, results=results)
+                             recovered=True, recovery_s=self.last_restart_s, restarted=True,
+                             results=results)
 
     def _cell_timeout(self, res, cell, views, live, status, state, limit: float):
         text = diagnose.table(views, self.world_size)
@@ -315,18 +324,12 @@ class Watchdog:
 
     def _collect(self, res: RankResults, cell: int, state) -> list:
         results = {r: res.value(r) for r in res.ranks}
-        replies = {r: res.reply(r) for r in res.ranks}
         for r, value in results.items():
             if engine_died(value):
                 self._rank_died(self._wait_for_exit_codes(), res, LiveOutput([]))
             if isinstance(value, Exception):  # an ipyparallel error outside user code
                 raise LabError(f"the lab could not run the cell on rank {r}: "
                                f"{strip_engine_id(value)}")
-        for r, reply in replies.items():
-            if isinstance(reply, rank_side.Reply) and (reply.stdout or reply.stderr):
-                live = LiveOutput([r])
-                live.feed([(r, "stdout", reply.stdout), (r, "stderr", reply.stderr)])
-                live.flush(final=True)
         failures = {r: v for r, v in results.items() if isinstance(v, rank_side.RankFailure)}
         freed = _freed_note(state)
         if failures:
@@ -342,6 +345,7 @@ class Watchdog:
             owed, table = state.first_debt
             raise CollectiveHang(f"{owed}\n{table}\n{freed}", where=state.first_where,
                                  recovered=True, restarted=False,
+                                 recovery_s=state.freeing_s,
                                  results={r: results[r] for r in res.ranks})
         return [results[r] for r in res.ranks]
 
@@ -353,6 +357,7 @@ class _CellState:
         self.freed: list[list[int]] = []
         self.first_debt = ("", "")
         self.first_where: dict[int, dict] = {}
+        self.freeing_s = 0.0  # seconds spent completing collectives for stuck ranks
 
 
 def _signature(views) -> tuple:

@@ -1,0 +1,213 @@
+"""The one owner of a lab's processes: `LabProcesses`.
+
+It holds everything the lab started and knows of it: the ipyparallel cluster (controller
+and engine sets), the engine kind (tplab/lab/engines/) that says how ranks start and stop,
+the local pids the lab may kill, the ranks' pids and engine ids in rank order, and where
+their output comes from (files read here for local ranks, forwarded output for ranks
+elsewhere). The Watchdog sees the ranks through it (`dead`, `interrupt`, `read_output`,
+`log_tail`, `catch_up`, `settle`); `close` is the lab's finalizer (it needs no Lab).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import time
+
+import ipyparallel as ipp
+
+from tplab.errors import LabError
+from tplab.lab import processes
+from tplab.lab.engines import EngineWatch
+from tplab.lab.forwarded import ForwardedOutput
+from tplab.lab.streams import RankFiles
+
+
+class LabProcesses:
+    """Every process of one lab (see the module docstring)."""
+
+    def __init__(self, kind, state_dir: str):
+        self.kind, self.state_dir = kind, state_dir
+        self.cluster = self.client = None
+        self.roots: list[int] = []  # local processes to end: controller, launchers, fork server
+        self.extra_roots: list[int] = []
+        self.engine_sets: list = []  # ipyparallel engine set launchers of the current ranks
+        self.engine_ids: list[int] = []  # ipyparallel engine id of each rank, in rank order
+        self.pids: list[int] = []  # each rank's pid (on its own host), in rank order
+        self.hosts: list[str] = []  # each rank's host name
+        self.files = RankFiles() if kind.ranks_are_local else ForwardedOutput()
+        self.watch: EngineWatch | None = None  # while ranks start, for other launchers
+
+    @property
+    def local(self) -> bool:
+        """True when rank pids are processes of this machine."""
+        return self.kind.ranks_are_local
+
+    # --- starting ------------------------------------------------------------------------
+
+    def start_controller(self, options: dict, env: dict, timeout: float) -> None:
+        self.extra_roots = self.kind.prepare(env, self.state_dir)
+        self.cluster = ipp.Cluster(**options)
+        self.cluster.start_controller_sync()
+        self._remember_roots()
+        self.kind.ready(timeout)
+
+    def start_engines(self, n: int, first_id: int, env: dict, wait) -> list[int]:
+        """Start n engines; returns their engine ids, in rank order, once all registered
+        (`wait`, a joining.StartWait, says when to give up)."""
+        before = set(self.client.ids) if self.client is not None else set()
+        try:
+            set_id = self.cluster.start_engines_sync(n, **self.kind.start_options(first_id, env))
+        except Exception as exc:
+            raise self.kind.start_error(exc, self.state_dir) from None
+        self.engine_sets = [self.cluster.engines[set_id]]
+        self._remember_roots()
+        if not self.kind.ranks_are_local:
+            self.watch = EngineWatch(self.kind, self.engine_sets, self.state_dir)
+        if self.client is None:
+            self.client = self.cluster.connect_client_sync()
+        wanted = self.kind.engine_ids(first_id, n)
+        while True:
+            ids = set(self.client.ids)
+            if wanted is not None and ids.issuperset(wanted):
+                self.engine_ids = wanted
+                break
+            new = sorted(ids - before)
+            if wanted is None and len(new) >= n:
+                self.engine_ids = new[:n]
+                break
+            if wait.expired():
+                raise LabError(
+                    f"only {len(ids - before)} of {n} ranks started within {wait.elapsed:.0f} s; "
+                    f"the engines' logs are in {self.state_dir}/profile/log")
+            self.fail_if_a_rank_exited()
+            time.sleep(0.01)
+        return self.engine_ids
+
+    def joined(self, infos: list[dict]) -> None:
+        """The ranks joined the process group: their pids, hosts and output."""
+        self.pids = [info["pid"] for info in infos]
+        self.hosts = [info["host"] for info in infos]
+        if self.kind.ranks_are_local:
+            for r, info in enumerate(infos):
+                self.files.attach(r, *info["output"])
+        self.watch = None  # started: what engines log from now on is the user's
+
+    def fail_if_a_rank_exited(self) -> None:
+        failed = self.watch.check() if self.watch is not None else None
+        if failed:
+            raise LabError(f"the engines ({self.kind.launcher!r}) failed to start: {failed}")
+        dead = self.dead()
+        if dead:
+            pid = next(p for p, c in self.exit_codes().items() if c is not None)
+            log = self.state_dir + "/profile/log"
+            tail = processes.log_tail(log, pid)
+            raise LabError(f"a rank process exited while starting ({next(iter(dead.values()))})"
+                           f"; its last lines:\n{tail}\n(logs: {log}, {self.state_dir}/output)")
+
+    def _remember_roots(self) -> None:
+        roots = []
+        controller = self.cluster.controller if self.cluster else None
+        if controller is not None and getattr(controller, "pid", -1) > 0:
+            roots.append(controller.pid)
+        for engine_set in self.engine_sets:
+            roots += self.kind.local_pids(engine_set)  # never a pid on another host
+        self.roots = roots
+
+    def controller_pid(self) -> int:
+        controller = self.cluster.controller if self.cluster is not None else None
+        return getattr(controller, "pid", -1) if controller is not None else -1
+
+    def all_pids(self) -> list[int]:
+        """Every local process of the lab still running, with its descendants."""
+        ranks = self.pids if self.kind.ranks_are_local else []
+        return processes.tree(self.roots + self.extra_roots + ranks)
+
+    def contact(self, ip: str) -> str:
+        """The address of this machine that ranks elsewhere reach (the controller's)."""
+        return ip if ip not in ("0.0.0.0", "*", "") else socket.gethostname()
+
+    # --- stopping ------------------------------------------------------------------------
+
+    def stop_ranks(self) -> None:
+        """End every rank process (the controller stays)."""
+        self.kind.stop(self.engine_sets)  # ssh engines, batch jobs
+        old = [pid for pid in self.roots if pid != self.controller_pid()]
+        ranks = self.pids if self.kind.ranks_are_local else []  # pids elsewhere mean nothing
+        processes.kill_trees(old + ranks, timeout=0)  # they die on their own
+        for set_id in list(self.cluster.engines):
+            self.cluster.engines.pop(set_id)
+        self.engine_sets, self.pids = [], []
+        self.files.detach_all()
+        self._remember_roots()
+
+    def close(self) -> None:
+        """End everything and remove the state folder (the lab's finalizer)."""
+        if self.client is not None:
+            try:
+                self.client.close(linger=0)
+            except Exception:  # noqa: BLE001 - closing: nothing more to do about it
+                pass
+        self.kind.stop(self.engine_sets)
+        processes.kill_trees(self.roots + self.extra_roots)
+        if self.cluster is not None:
+            self.cluster.engines.clear()
+            self.cluster.controller = None
+        self.files.close()
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    # --- what the watchdog sees ----------------------------------------------------------
+
+    def exit_codes(self) -> dict[int, int | None]:
+        """pid -> exit code (None while running) of every local rank process started."""
+        codes: dict[int, int | None] = {}
+        for engine_set in self.engine_sets:
+            if hasattr(engine_set, "exit_codes"):
+                codes.update(engine_set.exit_codes())
+        return codes
+
+    def dead(self) -> dict[int, str]:
+        """rank -> how it ended, for every rank process that is gone (-1: not a rank yet)."""
+        out = {}
+        for pid, code in self.exit_codes().items():
+            if code is not None:
+                out[self.pids.index(pid) if pid in self.pids else -1] = \
+                    processes.how_it_ended(code)
+        if not self.kind.ranks_are_local:
+            for r in self.files.ended():
+                out[r] = f"exited on {self.hosts[r] if r < len(self.hosts) else 'its host'}"
+        return out
+
+    def interrupt(self, ranks: list[int], sig: int = signal.SIGINT) -> None:
+        """A signal to these ranks: by pid here; through ipyparallel (the engines' nannies)
+        for ranks elsewhere, whose pids mean nothing here."""
+        if not ranks:
+            return
+        if not self.kind.ranks_are_local:
+            try:
+                self.client.send_signal(sig, targets=[self.engine_ids[r] for r in ranks],
+                                        block=False)
+            except Exception:  # noqa: BLE001 - an engine without a nanny: nothing to do
+                pass
+            return
+        for r in ranks:
+            try:
+                os.kill(self.pids[r], sig)
+            except (OSError, IndexError):
+                pass
+
+    def read_output(self) -> list[tuple[int, str, str]]:
+        return self.files.read()
+
+    def catch_up(self, replies: dict) -> None:
+        """Output a finished rank's reply carries that was not forwarded yet."""
+        self.files.catch_up(replies)
+
+    def settle(self, ranks, timeout: float = 2.0) -> None:
+        """Wait (a little) until the output of ranks that ended has all arrived."""
+        self.files.settle(ranks, timeout)
+
+    def log_tail(self, rank: int, lines: int = 15) -> str:
+        return self.files.tail(rank, lines)
