@@ -59,10 +59,12 @@ from tplab.pytrees import call_model, leaves, map_tensors
 from tplab.report import GradCheckReport, compare, unpaired
 from tplab.transfer import LocalShard
 
-__all__ = ["GradCheckReport", "assemble", "compare", "grad_check", "tp_layout"]
+__all__ = ["GradCheckReport", "assemble", "call_loss", "compare", "grad_check", "loss_context",
+           "mesh_shape", "replica_slice", "tp_layout"]
 
 
-def _call_loss(loss_fn, out, x):
+def call_loss(loss_fn, out, x):
+    """loss_fn(out, x) or loss_fn(out); None: 0.5 * sum(leaf**2) over the floating leaves."""
     if loss_fn is None:
         parts = [t.pow(2).sum() for _, t in leaves(out) if t.is_floating_point()]
         if not parts:
@@ -78,7 +80,8 @@ def _call_loss(loss_fn, out, x):
     return loss_fn(out, x) if two else loss_fn(out)
 
 
-def _loss_context(out):
+def loss_context(out):
+    """`loss_parallel()` when an output is a DTensor sharded on its last dim, else nothing."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -108,11 +111,11 @@ def _parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     model.load_state_dict(state)
     model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
     if dp > 1:
-        x = map_tensors(lambda t: _replica_slice(t, mesh), x)
+        x = map_tensors(lambda t: replica_slice(t, mesh), x)
     x = _with_grad(x)
     out = call_model(model, x)  # may hold AsyncCollectiveTensors: .wait() would cut the graph
-    with _loss_context(out):
-        loss = _call_loss(loss_fn, out, x)
+    with loss_context(out):
+        loss = call_loss(loss_fn, out, x)
         loss.backward()
     params = tp_layout(model)
     outs = dict(leaves(out, "output"))
@@ -122,7 +125,7 @@ def _parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     return _on_whole_mesh(mesh, outs, loss, grads, params, average_dp)
 
 
-def _replica_slice(x, mesh):
+def replica_slice(x, mesh):
     """Rank side: dp replica d's slice d of the batch (dim 0). index_select with a tensor
     index, not chunk: in tplab.simulate the dp coordinate holds every rank's value."""
     dp = mesh["dp"].size()
@@ -198,7 +201,7 @@ def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
     return full, spread
 
 
-def _mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
+def mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
     """(dp, tp) from what was given: neither -> (1, world); one -> the other from world."""
     for name, size in (("dp", dp), ("tp", tp)):
         if size is not None and (not isinstance(size, int) or size < 1 or world % size):
@@ -218,7 +221,7 @@ def _reference(model, x, loss_fn, dp):
     x_ref = _with_grad(x)
     if dp == 1:
         out = call_model(model, x_ref)
-        loss = _call_loss(loss_fn, out, x_ref)
+        loss = call_loss(loss_fn, out, x_ref)
         outs = dict(leaves(out, "output"))
     else:  # the mean of the dp replicas' losses, each on its slice of the batch
         for path, t in leaves(x, "input"):
@@ -228,7 +231,7 @@ def _reference(model, x, loss_fn, dp):
                                "replica")
         parts = [map_tensors(lambda t, d=d: t.chunk(dp)[d], x_ref) for d in range(dp)]
         results = [call_model(model, part) for part in parts]
-        loss = sum(_call_loss(loss_fn, o, p) for o, p in zip(results, parts, strict=True)) / dp
+        loss = sum(call_loss(loss_fn, o, p) for o, p in zip(results, parts, strict=True)) / dp
         per = [dict(leaves(o, "output")) for o in results]
         outs = {k: torch.cat([p[k] for p in per]) for k in per[0]}
     loss.backward()
@@ -242,7 +245,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
     Simulation) with identical weights and input; compare every output, input gradient
     and parameter gradient. `dp`/`tp` check data x tensor parallelism on a 2-D mesh;
     `param_map` pairs parameters by hand. See the module docstring."""
-    dp, tp = _mesh_shape(lab.world_size, dp, tp)
+    dp, tp = mesh_shape(lab.world_size, dp, tp)
     if param_map is not None and not isinstance(param_map, dict):
         raise LabError("grad_check: param_map is a dict {parallel name: reference name} or "
                        "{parallel name: (reference name, shard dim or None)}")
