@@ -25,7 +25,21 @@ from tplab.megatron import tp_group
 from tplab.pairing import tp_layout
 
 
-def grad_norm(model: torch.nn.Module, mesh, norm_type: float = 2.0) -> torch.Tensor:
+def find_mesh(model: torch.nn.Module):
+    """The mesh a parallel model was split over: a DTensor parameter's, or a hand-written
+    layer's `mesh` attribute (tplab.megatron's); None for a model on one device."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return p.device_mesh
+    for m in model.modules():
+        if getattr(m, "tp_placements", None) and getattr(m, "mesh", None) is not None:
+            return m.mesh
+    return None
+
+
+def grad_norm(model: torch.nn.Module, mesh=None, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of the WHOLE model's gradient, the same on every tp rank: the sharded
     gradients' squared norms all-reduced over the tp group, the replicated ones counted once.
 
@@ -36,7 +50,7 @@ def grad_norm(model: torch.nn.Module, mesh, norm_type: float = 2.0) -> torch.Ten
     if norm_type != 2.0:
         raise ValueError(f"grad_norm: only the 2-norm is implemented (Megatron's default), "
                          f"got norm_type={norm_type!r}")
-    group, _, _ = tp_group(mesh)
+    mesh = find_mesh(model) if mesh is None else mesh
     sharded = torch.zeros((), dtype=torch.float32)
     replicated = torch.zeros((), dtype=torch.float32)
     for info in tp_layout(model, of="grad").values():
@@ -51,17 +65,18 @@ def grad_norm(model: torch.nn.Module, mesh, norm_type: float = 2.0) -> torch.Ten
             sharded = sharded + square
         else:
             replicated = replicated + square
-    sharded = sharded.clone()
-    dist.all_reduce(sharded, group=group)
+    if mesh is not None:
+        sharded = sharded.clone()
+        dist.all_reduce(sharded, group=tp_group(mesh)[0])
     return (sharded + replicated).sqrt()
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float, mesh,
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, mesh=None,
                    norm_type: float = 2.0) -> torch.Tensor:
     """Megatron-LM's TP-aware clipping: scale every gradient of `model` by
     min(1, max_norm / (total norm + 1e-6)), with the total norm of `grad_norm` (the whole
-    model's, the same on every rank). Returns the total norm, as torch's
-    `clip_grad_norm_` does. See the module doc for why `clip_grad_norm_` is wrong here."""
+    model's, the same on every rank; `mesh=None`: the model's own). Returns the total
+    norm, as torch's `clip_grad_norm_` does. See the module doc for why `clip_grad_norm_` is wrong here."""
     if not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"clip_grad_norm: max_norm must be a positive number, got {max_norm!r}")
     from torch.distributed.tensor import DTensor
