@@ -13,7 +13,11 @@ all-reduce and counts each replicated parameter once (on tp rank 0 only,
 DTensor plans need none of this: a DTensor gradient knows its placements, so
 `torch.nn.utils.clip_grad_norm_` computes its norm as a DTensor op, which reduces the
 sharded pieces over the mesh and takes a Replicate() gradient once; the total norm comes
-out the same on every rank.
+out the same on every rank. That holds when every parameter is a DTensor (a sequence-
+parallel plan makes the norms DTensors too; torchtitan's FSDP2 makes every one); a plan
+that leaves some parameters plain (a norm outside a plain TP plan) makes torch's
+clip_grad_norm_ fail on "mixed torch.Tensor and DTensor". `clip_grad_norm` below takes
+both kinds.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ the tests hand to `tplab.train_check` (each runs unchanged on one device and on 
 - `decay_matrices`: AdamW with weight decay on matrices only (by `ndim`, which a shard
   keeps); `decay_by_size`: the same chosen by `numel()`, which a plain shard divides by
   tp, so the ranks decay fewer weights than one device does.
+- `sgd`: SGD with momentum, under which a clipping factor shows at once.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def lm_step(model, optimizer, tokens, max_norm: float | None = 0.5, clip=clip_gr
 def per_rank_clipped_step(max_norm: float = 0.5):
     """`lm_step` with the per-rank clipping bug."""
     return functools.partial(lm_step, max_norm=max_norm, clip=per_rank_clip)
+
+
+def sgd(params, lr: float = 0.1, momentum: float = 0.9):
+    """SGD with momentum: an update proportional to the gradient, so a clipping factor shows
+    in every weight (Adam divides it out: m / sqrt(v) does not change when every gradient
+    is scaled alike, so per-rank clipping hides under Adam until the factors vary)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
 def decay_matrices(params, lr: float = 1e-3, weight_decay: float = 0.1):
