@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from tplab.exercises import clipping
 from tplab.exercises import solutions as ok
 
 
@@ -250,4 +251,6 @@ MISTAKES = {
     "cost_prediction": [("the tensor's bytes", {"bytes": 4096 * 8192 * 2, "seconds": 1e-4},
                          "bytes")],
     "block_memory": [("TP without SP", {"activation_bytes": _no_sp_bytes()}, "without SP")],
+    "clip_grad": [("torch's clip_grad_norm_", clipping.clip_per_rank, "its own norm"),
+                  ("replicas counted per rank", clipping.clip_counts_replicas, "counted once")],
 }

@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
+
+from tplab.exercises import clipping
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -195,5 +197,5 @@ SOLUTIONS = {
     "f": F_, "g": G, "column_parallel": ColumnParallel, "row_parallel": RowParallel,
     "sp_pair": SP_PAIR, "mlp_plan": MLP_PLAN, "block_sp_plan": BLOCK_SP_PLAN,
     "fix_plan": FIXED_PLAN, "block_counts": block_counts, "cost_prediction": cost_prediction,
-    "block_memory": block_memory,
+    "block_memory": block_memory, "clip_grad": clipping.clip_tp,
 }
