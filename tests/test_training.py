@@ -191,3 +191,40 @@ def test_world_4_tp_sp_and_2d(labs, sp):
     bug = _train(lab4, plan=hand, n=10, dp=2, step=steps.per_rank_clipped_step(0.5),
                  make_optimizer=steps.sgd)
     assert bug.first_bad_step == 1
+
+
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "tplab", "check", *args],
+                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_cli_train_refuses_step_without_train_and_a_bad_count():
+    bad = _cli("train_targets:build", "tplab.megatron:parallelize", "train_targets:make_batch",
+               "--world-size", "2", "--step", "train_targets:step")
+    assert bad.returncode == 2 and "--train" in bad.stderr
+    bad = _cli("train_targets:build", "tplab.megatron:parallelize", "train_targets:make_batch",
+               "--world-size", "2", "--train", "0")
+    assert bad.returncode == 2 and "--train STEPS must be >= 1" in bad.stderr
+
+
+@pytest.mark.extended
+def test_cli_train_passes_a_correct_run():
+    ok = _cli("train_targets:build", "tplab.megatron:parallelize", "train_targets:make_batch",
+              "--world-size", "2", "--simulated", "--train", "2", "--step",
+              "train_targets:step")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "train_check passed: 2 steps on 2 ranks" in ok.stdout
+
+
+@pytest.mark.extended
+def test_cli_train_fails_a_missing_f_with_exit_1():
+    bad = _cli("train_targets:build", "train_targets:missing_f", "train_targets:make_batch",
+               "--world-size", "2", "--simulated", "--train", "2", "--step",
+               "train_targets:step")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "FAILED at step 1" in bad.stdout and "replicated parameter" in bad.stdout

@@ -7,6 +7,11 @@ path, here and on the ranks). `build` and `make_input` take no arguments (as in
 (`tplab.plans:mlp`), or a `(model, mesh) -> model` function. `--loss MOD:fn` is the
 loss_fn. `--simulated` runs the ranks in this process (`tplab.simulate`).
 
+`--train STEPS` checks a training run instead (`tplab.train_check`): the third name is then
+`make_batch(i)` (one of no arguments gives the same batch every step), `--step MOD:fn` the
+training step `step(model, optimizer, batch) -> loss` (default: forward, `--loss`,
+backward, AdamW step).
+
 Prints the report. Exit status: 0 when the check passes, 1 when it fails (a PlanError
 included), 2 on bad arguments (a name that does not resolve, a bad world size).
 """
@@ -14,6 +19,7 @@ included), 2 on bad arguments (a name that does not resolve, a bad world size).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import os
@@ -54,6 +60,22 @@ def _plan(obj):
     return obj() if not required else obj  # a plan factory, or (model, mesh) -> model
 
 
+def batches(make):
+    """make_batch(i) from a function of the step, or of nothing (the same batch each step)."""
+    try:
+        takes_step = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                         for p in inspect.signature(make).parameters.values())
+    except (TypeError, ValueError):
+        takes_step = True
+    if takes_step:
+        return make
+    return functools.partial(_same_batch, make)
+
+
+def _same_batch(make, i):
+    return make()
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tplab check",
@@ -67,7 +89,17 @@ def main(argv: list[str]) -> int:
                         help="simulated ranks in this process (tplab.simulate)")
     parser.add_argument("--atol", type=float, default=1e-5)
     parser.add_argument("--rtol", type=float, default=1e-4)
+    parser.add_argument("--train", type=int, metavar="STEPS",
+                        help="train_check STEPS training steps instead of one grad_check")
+    parser.add_argument("--step", help="MOD:NAME of step(model, optimizer, batch) -> loss "
+                                       "(with --train)")
     args = parser.parse_args(argv)  # exits 2 on a malformed command line
+    if args.train is not None and args.train < 1:
+        print("error: --train STEPS must be >= 1", file=sys.stderr)
+        return 2
+    if args.step and args.train is None:
+        print("error: --step is for a training run: give --train STEPS too", file=sys.stderr)
+        return 2
     if args.world_size < 1:
         print("error: --world-size must be >= 1", file=sys.stderr)
         return 2
@@ -79,6 +111,7 @@ def main(argv: list[str]) -> int:
         build, make_input = resolve(args.build), resolve(args.make_input)
         plan = _plan(resolve(args.plan))
         loss = resolve(args.loss) if args.loss else None
+        step = resolve(args.step) if args.step else None
     except BadArgument as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -87,8 +120,12 @@ def main(argv: list[str]) -> int:
     lab = (tplab.simulate(args.world_size) if args.simulated
            else tplab.launch(args.world_size))
     try:
-        report = tplab.grad_check(lab, build, plan, make_input, loss, atol=args.atol,
-                                  rtol=args.rtol)
+        if args.train is not None:
+            report = tplab.train_check(lab, build, plan, batches(make_input), args.train,
+                                       step=step, loss_fn=None if step else loss, live=False)
+        else:
+            report = tplab.grad_check(lab, build, plan, make_input, loss, atol=args.atol,
+                                      rtol=args.rtol)
     except tplab.PlanError as exc:
         print(f"PlanError: {exc}")
         return 1
