@@ -228,3 +228,34 @@ def test_cli_train_fails_a_missing_f_with_exit_1():
                "train_targets:step")
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "FAILED at step 1" in bad.stdout and "replicated parameter" in bad.stdout
+
+
+def test_the_live_view_takes_the_ranks_lines_out_of_the_output_and_redraws():
+    import io
+
+    from tplab.lab.streams import LiveOutput
+    from tplab.training.live import LiveTraining
+    from tplab.training.ranks import LIVE_PREFIX, LIVE_SUFFIX
+
+    band = {"param": [1e-5] * 5}
+    view = LiveTraining(2, torch.tensor([3.0, 2.5, 2.0, 1.5]), band, widget=False)
+    out = io.StringIO()
+    live = LiveOutput([0, 1], stdout=out, stderr=io.StringIO(), live=False)
+    with view.listening():
+        for step in (1, 2):
+            live.feed([(r, "stdout", f'{LIVE_PREFIX}{{"rank": {r}, "step": {step}, "loss": '
+                                     f'{3.0 - step / 10}, "diff": 1e-7}}{LIVE_SUFFIX}\nhello\n')
+                       for r in (0, 1)])
+            view.redraw()
+        live.flush(final=True)
+    assert view.seen == 2 and view.rows[1]["losses"] == [2.8, 2.8]
+    assert view.updates >= 2
+    assert list(view.figure.data[1].y) == [2.9, 2.8]  # rank 0's curve, two steps so far
+    assert list(view.figure.data[0].y) == [3.0, 2.5, 2.0, 1.5]  # the reference, drawn whole
+    assert "tplab-train" not in out.getvalue() and "[ranks 0,1] hello" in out.getvalue()
+    # outside train_check the lines are ordinary output again
+    shown = io.StringIO()
+    plain = LiveOutput([0], stdout=shown, stderr=io.StringIO(), live=False)
+    plain.feed([(0, "stdout", f"{LIVE_PREFIX}x{LIVE_SUFFIX}\n")])
+    plain.flush(final=True)
+    assert "tplab-train" in shown.getvalue()

@@ -109,7 +109,7 @@ def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
     return split(ref, size, rank, dim)
 
 
-def _emit(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> None:
+def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> None:
     """One line per step for the notebook's live figure (see tplab/training/live.py)."""
     record = {"rank": rank, "step": step, "loss": float(loss),
               "diff": max((float(d) for d in diffs.values()), default=0.0)}
@@ -174,7 +174,7 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
         losses.append(plain_loss(user_step(model, optimizer, batch)))
         diffs.append(measure())
         if live:
-            _emit(i + 1, losses[-1], diffs[-1], rank)
+            emit_live(i + 1, losses[-1], diffs[-1], rank)
     names = [p["ranks"] for p in kept]
     return {"pairs": kept, "lone_ranks": lone_ranks, "lone_ref": lone_ref, "problems": problems,
             "layout": {n: described[n] for n in names},

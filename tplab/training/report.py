@@ -136,10 +136,10 @@ def training_figure(rows: list[dict], world_size: int, bad: int | None = None,
         fig.data[n + 1].update(x=steps, y=[max(r["param_diff"], floor) for r in rows])
         fig.data[n + 2].update(x=steps, y=[_finite(r.get("replica_spread"), floor)
                                            for r in rows])
-        fig.layout.shapes = ()
-        if bad is not None:
-            fig.add_vline(x=bad, line={"color": BAD_COLOR, "dash": "dash"},
-                          annotation_text=f"first bad step {bad}")
+    fig.layout.shapes, fig.layout.annotations = (), fig.layout.annotations[:2]  # the titles
+    if bad is not None:  # (add_vline does not work inside batch_update)
+        fig.add_vline(x=bad, line={"color": BAD_COLOR, "dash": "dash"}, row=1, col=2,
+                      annotation_text=f"first bad step {bad}")
     return fig
 
 
