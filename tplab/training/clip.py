@@ -54,16 +54,25 @@ def grad_norm(model: torch.nn.Module, mesh=None, norm_type: float = 2.0) -> torc
     if norm_type != 2.0:
         raise ValueError(f"grad_norm: only the 2-norm is implemented (Megatron's default), "
                          f"got norm_type={norm_type!r}")
+    from torch.distributed.tensor import DTensor
+
     mesh = find_mesh(model) if mesh is None else mesh
     sharded = torch.zeros((), dtype=torch.float32)
     replicated = torch.zeros((), dtype=torch.float32)
-    for info in tp_layout(model, of="grad").values():
+    whole = torch.zeros((), dtype=torch.float32)  # DTensor gradients, already reduced
+    for name, info in tp_layout(model, of="grad").items():
         g = info["value"]
         if g is None:
             continue
         if info["placement"] == "mesh":
             raise ValueError("grad_norm: a parameter is a DTensor on a 2-D mesh (FSDP2): use "
                              "torch.nn.utils.clip_grad_norm_, which reduces it itself")
+        grad = model.get_parameter(name).grad
+        if isinstance(grad, DTensor):
+            # a DTensor op: Shard pieces summed over the mesh, a Partial(sum) gradient reduced
+            # before it is squared, a Replicate one taken once
+            whole = whole + grad.detach().float().pow(2).sum().full_tensor()
+            continue
         square = g.detach().float().pow(2).sum()
         if (info["placement"] or "Replicate()").startswith("Shard"):
             sharded = sharded + square
@@ -72,7 +81,7 @@ def grad_norm(model: torch.nn.Module, mesh=None, norm_type: float = 2.0) -> torc
     if mesh is not None:
         sharded = sharded.clone()
         dist.all_reduce(sharded, group=tp_group(mesh)[0])
-    return (sharded + replicated).sqrt()
+    return (sharded + replicated + whole).sqrt()
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, mesh=None,
