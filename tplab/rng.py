@@ -70,6 +70,11 @@ class RNGTracker:
             if tp is not None:
                 raise ValueError("tp= is for one device (mesh=None); the mesh gives the ranks'")
             _, self.size, self.rank = tp_group(mesh)
+        # data parallel (a 2-D mesh): replica d holds slice d of the batch, and draws the
+        # same slice of the whole batch's masks
+        self.dp, self.dp_rank = 1, 0
+        if mesh is not None and "dp" in (getattr(mesh, "mesh_dim_names", None) or ()):
+            self.dp, self.dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
         self.seed, self.offset = seed, offset
         self.sequence_parallel = bool(sequence_parallel)
         self.replicated = torch.Generator().manual_seed(seed)
@@ -78,12 +83,19 @@ class RNGTracker:
 
     def rand(self, shape, region: str = "replicated", dim: int = -1) -> torch.Tensor:
         """Uniform [0, 1) numbers of `shape` (this rank's local shape) from the stream of
-        `region`. `dim`: the dim a TP region shards (used by one device emulating tp>1)."""
-        from tplab.models import rank_free_randomness
-
+        `region`. `dim`: the dim a TP region shards (used by one device emulating tp>1).
+        On a (dp, tp) mesh dim 0 is this replica's slice of the batch."""
         if region not in REGIONS:
             raise ValueError(f"region must be one of {REGIONS}, not {region!r}")
         shape = tuple(shape)
+        if self.dp > 1 and shape:
+            whole = self._rand((shape[0] * self.dp, *shape[1:]), region, dim)
+            return _mine(whole, self.dp, self.dp_rank, 0)
+        return self._rand(shape, region, dim)
+
+    def _rand(self, shape: tuple, region: str, dim: int) -> torch.Tensor:
+        from tplab.models import rank_free_randomness
+
         with rank_free_randomness():
             if region == "replicated" and not self.sequence_parallel:
                 return torch.rand(shape, generator=self.replicated)
@@ -150,15 +162,20 @@ class Dropout(nn.Module):
         return f"p={self.p}, region={self.region!r}"
 
 
-def use_tracker(model: nn.Module, mesh, seed: int = 1234, *,
+def use_tracker(model: nn.Module, mesh, seed: int | None = 1234, *,
                 sequence_parallel: bool = False) -> nn.Module:
     """Give every `Dropout` of `model` the ranks' tracker for `mesh` (Megatron-LM's
-    `model_parallel_cuda_manual_seed(seed)`); `sequence_parallel=True` when the residual
-    stream is sequence-sharded (see the module doc). Returns the model."""
-    tracker = RNGTracker(mesh, seed, sequence_parallel=sequence_parallel)
+    `model_parallel_cuda_manual_seed(seed)`); `seed=None` keeps each Dropout's own seed
+    (the one the single-device model was built with). `sequence_parallel=True` when the
+    residual stream is sequence-sharded (see the module doc). Returns the model."""
+    made: dict[int, RNGTracker] = {}
     for m in model.modules():
         if isinstance(m, Dropout):
-            m.tracker = tracker
+            old = m.tracker
+            if id(old) not in made:
+                made[id(old)] = RNGTracker(mesh, old.seed if seed is None else seed,
+                                           old.offset, sequence_parallel=sequence_parallel)
+            m.tracker = made[id(old)]
     return model
 
 
@@ -186,12 +203,14 @@ def is_sequence_parallel(plan) -> bool:
     return bool((getattr(plan, "keywords", None) or {}).get("sequence_parallel", False))
 
 
-def parallelize(model: nn.Module, mesh, plan=None, seed: int = 1234,
+def parallelize(model: nn.Module, mesh, plan=None, seed: int | None = None,
                 sequence_parallel: bool | None = None) -> nn.Module:
     """A `(model, mesh) -> model` plan for grad_check: `plan` (a dict for
     `tplab.apply_plan`, or a callable such as `tplab.megatron.parallelize`), then
     `use_tracker`. Use it as `functools.partial(rng.parallelize, plan=..., seed=...)`.
-    `sequence_parallel` defaults to what the plan says (`is_sequence_parallel`)."""
+    `seed=None` keeps the seeds the model's Dropouts were built with (so that the ranks
+    draw what one device draws); `sequence_parallel` defaults to what the plan says
+    (`is_sequence_parallel`)."""
     sp = is_sequence_parallel(plan) if sequence_parallel is None else sequence_parallel
     if plan is not None:
         if isinstance(plan, dict):
