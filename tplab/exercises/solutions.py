@@ -12,8 +12,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
-
-from tplab.exercises import clipping
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -21,6 +19,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+from tplab.exercises import clipping
 
 
 class F_(torch.autograd.Function):

@@ -89,7 +89,8 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, mesh=None,
     """Megatron-LM's TP-aware clipping: scale every gradient of `model` by
     min(1, max_norm / (total norm + 1e-6)), with the total norm of `grad_norm` (the whole
     model's, the same on every rank; `mesh=None`: the model's own). Returns the total
-    norm, as torch's `clip_grad_norm_` does. See the module doc for why `clip_grad_norm_` is wrong here."""
+    norm, as torch's `clip_grad_norm_` does. The module doc says why `clip_grad_norm_` is
+    wrong here."""
     if not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"clip_grad_norm: max_norm must be a positive number, got {max_norm!r}")
     from torch.distributed.tensor import DTensor
