@@ -131,7 +131,12 @@ class _Progress:
 def _handled(rank: int, line: str) -> bool:
     for marker, handler in list(LINE_HANDLERS.items()):
         if marker in line:
-            handler(rank, line)
+            try:
+                handler(rank, line)
+            except Exception as exc:  # a view's failure must never stop the cell's watch
+                LINE_HANDLERS.pop(marker, None)
+                print(f"[tplab] live view stopped: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
             return True
     return False
 
