@@ -99,7 +99,7 @@ def live_cost(n: int, world: int, step_s: float = 0.010) -> None:
         for r, line in enumerate(lines):
             view.take(r, line)
         if view.updates != before:
-            view.figure._repr_mimebundle_()  # what the Output widget is sent
+            json.dumps(view.bundle())  # what the Output widget sends to the page
         spent += time.process_time() - t
         time.sleep(step_s)
     book_s = spent / n

@@ -252,8 +252,9 @@ def test_the_live_view_takes_the_ranks_lines_out_of_the_output_and_redraws():
         live.flush(final=True)
     assert view.seen == 2 and view.rows[1]["losses"] == [2.8, 2.8]
     assert view.updates >= 2
-    assert list(view.figure.data[1].y) == [2.9, 2.8]  # rank 0's curve, two steps so far
-    assert list(view.figure.data[0].y) == [3.0, 2.5, 2.0, 1.5]  # the reference, drawn whole
+    drawn = view.bundle()["application/vnd.plotly.v1+json"]["data"]
+    assert list(drawn[1]["y"]) == [2.9, 2.8]  # rank 0's curve, two steps so far
+    assert list(drawn[0]["y"]) == [3.0, 2.5, 2.0, 1.5]  # the reference, drawn whole
     assert "tplab-train" not in out.getvalue() and "[ranks 0,1] hello" in out.getvalue()
     # outside train_check the lines are ordinary output again
     shown = io.StringIO()

@@ -45,6 +45,7 @@ class LiveTraining:
         self.updates = 0  # figure redraws (a test counts them)
         self.figure = training_figure(self._drawn(), world_size)
         self._drawn_at = -math.inf
+        self._bundle = None
         self.output = None
         if streams.in_kernel() if widget is None else widget:
             import ipywidgets as w
@@ -79,19 +80,37 @@ class LiveTraining:
             self.redraw(now)
 
     def redraw(self, now: float | None = None) -> None:
+        """Refill the figure's data from the rows so far. The figure's JSON is written
+        directly (plotly's validation of every list, redone at each redraw, cost about
+        0.3 s a redraw here: benchmarks/train_check.py)."""
         self._drawn_at = time.monotonic() if now is None else now
-        shown = [r for r in self.rows[:max(self.seen, 1)]]
-        ref = self.rows
-        training_figure(shown, self.world_size, fig=self.figure)
-        self.figure.data[0].update(x=[r["step"] for r in ref], y=[r["ref_loss"] for r in ref])
+        shown = self.rows[:max(self.seen, 1)]
+        steps = [r["step"] for r in shown]
+        data = self.bundle()["application/vnd.plotly.v1+json"]["data"]
+        data[0]["x"], data[0]["y"] = [r["step"] for r in self.rows], \
+            [r["ref_loss"] for r in self.rows]
+        for k in range(self.world_size):
+            data[1 + k]["x"], data[1 + k]["y"] = steps, [r["losses"][k] for r in shown]
+        n = 1 + self.world_size
+        data[n]["x"], data[n]["y"] = steps, [r["param_band"] for r in shown]
+        data[n + 1]["x"], data[n + 1]["y"] = steps, [max(r["param_diff"], 1e-12)
+                                                     for r in shown]
         self.updates += 1
         self._show()
+
+    def bundle(self) -> dict:
+        """The figure as the mime bundle the Output widget shows (kept between redraws)."""
+        if self._bundle is None:
+            figure = json.loads(self.figure.to_json())  # plain lists and dicts
+            self._bundle = {"text/plain": "<training figure>",
+                            "application/vnd.plotly.v1+json": {**figure, "config": {}}}
+        return self._bundle
 
     def _show(self) -> None:
         if self.output is None:
             return
-        data = {"text/plain": "<training figure>", **self.figure._repr_mimebundle_()}
-        self.output.outputs = ({"output_type": "display_data", "data": data, "metadata": {}},)
+        self.output.outputs = ({"output_type": "display_data", "data": self.bundle(),
+                                "metadata": {}},)
 
     @contextlib.contextmanager
     def listening(self):
@@ -104,9 +123,9 @@ class LiveTraining:
 
     def finish(self, report) -> None:
         """The exact rows of the report, in place of the live ones."""
-        report.figure()  # the same figure, refilled from the report's rows
         training_figure(report.rows, self.world_size, report.first_bad_step, report.detail,
                         fig=self.figure)
+        self._bundle = None  # the exact figure, validated once
         self.seen = len(self.rows)
         self.updates += 1
         self._show()
