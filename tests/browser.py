@@ -117,9 +117,10 @@ def _click_run_all(page) -> None:
     page.click("li.lm-Menu-item:has-text('Run All Cells')")
 
 
-def run_all(page, timeout_s: float) -> list[str]:
+def run_all(page, timeout_s: float, watch=None) -> list[str]:
     """Run > Run All Cells; wait until every cell ran, or execution stopped at an error.
-    A click the page swallowed (a dialog, a kernel still connecting) is made again."""
+    A click the page swallowed (a dialog, a kernel still connecting) is made again.
+    `watch()`, if given, is called at every look (every 250 ms) while the cells run."""
     _click_run_all(page)
     clicked = time.monotonic()
     deadline, started, stopped_since = clicked + timeout_s, False, None
@@ -127,6 +128,8 @@ def run_all(page, timeout_s: float) -> list[str]:
         if page.locator(".jp-Dialog .jp-mod-accept").count():  # "Select Kernel"
             page.click(".jp-Dialog .jp-mod-accept")
         prompts = page.evaluate(PROMPTS)
+        if watch is not None:
+            watch()
         busy = any("*" in p for p in prompts)
         started = started or busy or all(p[1:-2].isdigit() for p in prompts)
         if not started and time.monotonic() - clicked > 8:

@@ -95,7 +95,8 @@ def _plotly_outputs(nb: dict) -> int:
 def test_run_all(path, served, page, request):
     started = time.perf_counter()
     browser.open_notebook(page, served, path.name)
-    prompts = browser.run_all(page, timeout_s=240)
+    live = TrainingFigureWatch(page) if path.stem.startswith("12") else None
+    prompts = browser.run_all(page, timeout_s=240, watch=live.look if live else None)
     nb = browser.save(page, served.root / path.name)
     assert not _errors(nb), _errors(nb)
     assert all(p[1:-2].isdigit() for p in prompts), f"cells that never ran: {prompts}"
@@ -105,12 +106,39 @@ def test_run_all(path, served, page, request):
     assert not bad, f"plotly figures that did not render: {bad}"
     assert not page.locator("text=Error displaying widget").count()
     _times[path.stem] = time.perf_counter() - started
+    if live is not None:
+        live.check()
     if path.stem.startswith("01"):
         explore(page)
     if path.stem.startswith("08"):
         explore_cost(page)
     if path.stem.startswith(("01", "08")):
         _times[path.stem + " (and its widget's controls)"] = time.perf_counter() - started
+
+
+# --- notebook 12: train_check's figure, drawn while the ranks train -----------------------
+
+class TrainingFigureWatch:
+    """Counts the steps drawn in the first figure of notebook 12 (the live view of its first
+    train_check) at every look while the cells run: it must grow step by step, not appear
+    whole at the end."""
+
+    JS = """() => { const e = document.querySelector(
+        '.jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot');
+        if (!e || !e.data || e.data.length < 2) return -1;
+        return (e.data[1].y || []).filter(v => v !== null).length; }"""
+
+    def __init__(self, page):
+        self.page, self.seen = page, []
+
+    def look(self) -> None:
+        self.seen.append(self.page.evaluate(self.JS))
+
+    def check(self) -> None:
+        final = max(self.seen)
+        partial = sorted({n for n in self.seen if 0 < n < final})
+        assert final > 0, "the training figure was never drawn"
+        assert len(partial) >= 2, f"the figure did not grow while the ranks trained: {self.seen}"
 
 
 # --- notebook 01: the Explorer ------------------------------------------------------------

@@ -57,3 +57,33 @@ def test_tp_regions_draw_a_different_mask_on_each_rank(sim):
     assert torch.equal(masks[0]["replicated"], one.rand((64,)))
     with pytest.raises(ValueError, match="region"):
         rng.Dropout(0.1, "inside")
+
+
+@pytest.mark.parametrize("path", ["dtensor", "megatron"])
+def test_replicated_dropout_under_sequence_parallelism_matches_one_device(sim, path):
+    # each rank keeps its sequence shard of the one-device mask (not a whole mask of its own)
+    from tplab import megatron
+
+    sp = (plans.block(sequence_parallel=True) if path == "dtensor"
+          else functools.partial(megatron.parallelize, sequence_parallel=True))
+    build = functools.partial(models.DropoutBlock, CFG, 0.1, "replicated", 0)
+    plan = functools.partial(rng.parallelize, plan=sp, seed=0)
+    report = tplab.grad_check(sim, build, plan, functools.partial(models.make_input, CFG))
+    assert report.ok, str(report)
+    # without the tracker knowing the stream is sequence-sharded, the masks repeat per shard
+    wrong = functools.partial(rng.parallelize, plan=sp, seed=0, sequence_parallel=False)
+    assert not tplab.grad_check(sim, build, wrong,
+                                functools.partial(models.make_input, CFG)).ok
+
+
+def test_one_device_draws_tp_masks_as_the_ranks_do(sim):
+    def masks():
+        return rng.RNGTracker(tplab.make_mesh(), 5).rand((3, 4), "tp")
+
+    ranks = sim.run(masks)
+    one = rng.RNGTracker(None, 5, tp=2).rand((3, 8), "tp", dim=-1)
+    assert torch.equal(torch.cat(ranks, -1), one)
+    with pytest.raises(ValueError, match="tp=2"):
+        rng.RNGTracker(None, 5, tp=2).rand((3, 7), "tp")
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        rng.RNGTracker(None, 5, sequence_parallel=True)

@@ -24,6 +24,8 @@ _LAZY = {
     "describe_plan": "tplab.plans",
     "trace": "tplab.tracing",  # the module is tracing.py, so tplab.trace stays the function
     "memory": "tplab.footprint",  # likewise: tplab.memory is the function
+    "train_check": "tplab.training",
+    "TrainReport": "tplab.training",
     "tracing": None,
     "megatron": None,
     "models": None,
@@ -35,6 +37,7 @@ _LAZY = {
     "widgets": None,
     "exercises": None,
     "platforms": None,
+    "training": None,
 }
 
 __all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",

@@ -59,7 +59,8 @@ from tplab.pytrees import call_model, leaves, map_tensors
 from tplab.report import GradCheckReport, compare, unpaired, unreadable
 from tplab.transfer import LocalShard
 
-__all__ = ["GradCheckReport", "assemble", "compare", "grad_check", "tp_layout"]
+__all__ = ["GradCheckReport", "assemble", "call_loss", "compare", "grad_check", "loss_context",
+           "mesh_shape", "replica_slice", "tp_layout"]
 
 
 def call_loss(loss_fn, out, x) -> torch.Tensor:
@@ -93,7 +94,8 @@ def _call_loss(loss_fn, out, x):
     return loss_fn(out, x) if two else loss_fn(out)
 
 
-def _loss_context(out):
+def loss_context(out):
+    """`loss_parallel()` when an output is a DTensor sharded on its last dim, else nothing."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -123,10 +125,10 @@ def _parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     model.load_state_dict(state)
     model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
     if dp > 1:
-        x = map_tensors(lambda t: _replica_slice(t, mesh), x)
+        x = map_tensors(lambda t: replica_slice(t, mesh), x)
     x = _with_grad(x)
     out = call_model(model, x)  # may hold AsyncCollectiveTensors: .wait() would cut the graph
-    with _loss_context(out):
+    with loss_context(out):
         loss = call_loss(loss_fn, out, x)
         loss.backward()
     params = tp_layout(model)
@@ -137,7 +139,7 @@ def _parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     return _on_whole_mesh(mesh, outs, loss, grads, params, average_dp)
 
 
-def _replica_slice(x, mesh):
+def replica_slice(x, mesh):
     """Rank side: dp replica d's slice d of the batch (dim 0). index_select with a tensor
     index, not chunk: in tplab.simulate the dp coordinate holds every rank's value."""
     dp = mesh["dp"].size()
@@ -213,7 +215,7 @@ def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
     return full, spread
 
 
-def _mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
+def mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
     """(dp, tp) from what was given: neither -> (1, world); one -> the other from world."""
     for name, size in (("dp", dp), ("tp", tp)):
         if size is not None and (not isinstance(size, int) or size < 1 or world % size):
@@ -257,7 +259,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
     Simulation) with identical weights and input; compare every output, input gradient
     and parameter gradient. `dp`/`tp` check data x tensor parallelism on a 2-D mesh;
     `param_map` pairs parameters by hand. See the module docstring."""
-    dp, tp = _mesh_shape(lab.world_size, dp, tp)
+    dp, tp = mesh_shape(lab.world_size, dp, tp)
     if param_map is not None and not isinstance(param_map, dict):
         raise LabError("grad_check: param_map is a dict {parallel name: reference name} or "
                        "{parallel name: (reference name, shard dim or None)}")

@@ -21,12 +21,18 @@ Prints the report. Exit status:
 Where each step lives: `parser()` (the flags), `validate()` (every argument check),
 `preflight()` (the user's code once on one device and the static plan check, before any
 rank starts), `run()` (the lab and grad_check). A new flag gets a line in each that needs it.
+
+`--train STEPS` checks a training run instead (`tplab.train_check`): the third name is then
+`make_batch(i)` (one of no arguments gives the same batch every step), `--step MOD:fn` the
+training step `step(model, optimizer, batch) -> loss` (default: forward, `--loss`,
+backward, AdamW step).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import inspect
 import math
@@ -60,6 +66,8 @@ class Targets:
     atol: float
     rtol: float
     show_traceback: bool
+    train: int | None = None  # --train STEPS: train_check instead of grad_check
+    step: object = None  # --step MOD:fn, the user's training step
 
 
 def parser() -> argparse.ArgumentParser:
@@ -77,6 +85,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--traceback", action="store_true", dest="show_traceback",
                    help="print the whole traceback of a failure, not only its line")
+    p.add_argument("--train", type=int, metavar="STEPS",
+                   help="train_check STEPS training steps instead of one grad_check")
+    p.add_argument("--step", help="MOD:NAME of step(model, optimizer, batch) -> loss "
+                                  "(with --train)")
     return p
 
 
@@ -182,20 +194,50 @@ def _check_plan(obj, spec: str):
     return obj
 
 
+def batches(make):
+    """make_batch(i) from a function of the step, or of nothing (the same batch each step)."""
+    try:
+        takes_step = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                         for p in inspect.signature(make).parameters.values())
+    except (TypeError, ValueError):
+        takes_step = True
+    if takes_step:
+        return make
+    return functools.partial(_same_batch, make)
+
+
+def _same_batch(make, i):
+    return make()
+
+
 def validate(args: argparse.Namespace) -> Targets:
     """Every argument, checked before anything starts: BadArgument (exit 2) names it."""
     _check_world_size(args.world_size, args.simulated)
+    if args.train is not None and args.train < 1:
+        raise BadArgument(f"--train STEPS must be >= 1, got {args.train}")
+    if args.step and args.train is None:
+        raise BadArgument("--step is for a training run: give --train STEPS too")
     atol, rtol = _check_tolerance(args.atol, "--atol"), _check_tolerance(args.rtol, "--rtol")
     build = resolve(args.build, "build")
     _callable(build, "build", args.build, "no arguments that returns the model")
-    make_input = resolve(args.make_input, "make_input")
-    _callable(make_input, "make_input", args.make_input, "no arguments that returns the input")
+    if args.train is None:
+        make_input = resolve(args.make_input, "make_input")
+        _callable(make_input, "make_input", args.make_input,
+                  "no arguments that returns the input")
+    else:  # the third name is make_batch(i), or a function of nothing
+        make_input = resolve(args.make_input, "make_batch")
+        _callable(make_input, "make_batch", args.make_input,
+                  "the step i (or of nothing) that returns the batch")
+        make_input = batches(make_input)
+    step = resolve(args.step, "--step") if args.step else None
+    if step is not None:
+        _callable(step, "--step", args.step, "(model, optimizer, batch) that returns the loss")
     loss = resolve(args.loss, "--loss") if args.loss else None
     if loss is not None:
         _callable(loss, "--loss", args.loss, "(output[, input]) that returns a scalar")
     plan = _check_plan(resolve(args.plan, "plan"), args.plan)
     return Targets(build, plan, make_input, loss, args.world_size, args.simulated, atol, rtol,
-                   args.show_traceback)
+                   args.show_traceback, args.train, step)
 
 
 # --- the user's code, then the lab --------------------------------------------------------
@@ -230,22 +272,28 @@ def preflight(t: Targets) -> None:
     from tplab.pytrees import call_model
 
     model = _user("build()", t.build)
-    x = _user("make_input()", t.make_input)
+    x = (_user("make_input()", t.make_input) if t.train is None
+         else _user("make_batch(0)", t.make_input, 0))
     if isinstance(t.plan, dict):
         check_plan(model, t.plan, t.world_size, x)  # a PlanError: exit 1, its one line
     out = _user("the model's forward on one device", call_model, model, x)
-    if t.loss is not None:
+    if t.loss is not None and t.step is None:
         _user("--loss", call_loss, t.loss, out, x)
 
 
 def run(t: Targets) -> int:
-    """The lab and grad_check: 0 when it passes, 1 when it fails."""
+    """The lab and grad_check (or train_check): 0 when it passes, 1 when it fails."""
     import tplab
 
     lab = tplab.simulate(t.world_size) if t.simulated else tplab.launch(t.world_size)
     try:
-        report = _user("grad_check", tplab.grad_check, lab, t.build, t.plan, t.make_input,
-                       t.loss, t.atol, t.rtol)
+        if t.train is not None:
+            report = _user("train_check", functools.partial(
+                tplab.train_check, step=t.step, loss_fn=None if t.step else t.loss, live=False),
+                lab, t.build, t.plan, t.make_input, t.train)
+        else:
+            report = _user("grad_check", tplab.grad_check, lab, t.build, t.plan, t.make_input,
+                           t.loss, t.atol, t.rtol)
     finally:
         lab.shutdown()
     print(report)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from tplab.exercises import checks, qk_norm, steps
 from tplab.exercises.feedback import fail, fmt_counts
+from tplab.exercises.training_check import check_clip
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,20 @@ EXERCISES = [
               "tplab.cost.lab_models.lab_memory('block', cfg, 4, sequence_parallel=True) "
               "lists every saved tensor; notebook 10 derives them."),
              _predict_memory, "10", needs_lab=False),
+    Exercise("clip_grad", "Clip gradients under tensor parallelism",
+             "A function clip(model, max_norm) -> total norm for a model split by "
+             "tplab.megatron.parallelize, whose parameters are plain local shards (each "
+             "layer's tp_placements says which): scale every gradient by min(1, max_norm / "
+             "norm), with the norm of the WHOLE model's gradient. Checked with "
+             "tplab.train_check over clipped SGD steps.",
+             ("torch.nn.utils.clip_grad_norm_ sees only this rank's pieces. Is its norm the "
+              "whole model's?",
+              "Square norms add up: sum the sharded gradients' squares over the tp group "
+              "(dist.all_reduce). The replicated ones are the same on every rank: how often "
+              "may they count?",
+              "square = sum of g.pow(2).sum() over the Shard gradients; all_reduce(square, "
+              "group); add the replicated squares once; total = sqrt; multiply every grad "
+              "by clamp(max_norm / (total + 1e-6), max=1)."), check_clip, "12"),
 ]
 EXERCISES.append(Exercise("qk_norm_grad", qk_norm.TITLE, qk_norm.TASK, qk_norm.HINTS,
                           qk_norm.check_qk_norm_grad, "11"))

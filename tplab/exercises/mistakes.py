@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tplab.exercises import qk_norm_step
+from tplab.exercises import clipping, qk_norm_step
 from tplab.exercises import solutions as ok
 
 
@@ -253,4 +253,6 @@ MISTAKES = {
     "block_memory": [("TP without SP", {"activation_bytes": _no_sp_bytes()}, "without SP")],
     "qk_norm_grad": [("the gradient left as it is", qk_norm_step.leave_it, "only its own heads"),
                      ("the gradient averaged", qk_norm_step.average_it, "an average")],
+    "clip_grad": [("torch's clip_grad_norm_", clipping.clip_per_rank, "its own norm"),
+                  ("replicas counted per rank", clipping.clip_counts_replicas, "counted once")],
 }

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from tplab.exercises import clipping
 from tplab.exercises.qk_norm_step import solution as qk_norm_solution
 
 
@@ -199,4 +200,5 @@ SOLUTIONS = {
     "sp_pair": SP_PAIR, "mlp_plan": MLP_PLAN, "block_sp_plan": BLOCK_SP_PLAN,
     "fix_plan": FIXED_PLAN, "block_counts": block_counts, "cost_prediction": cost_prediction,
     "block_memory": block_memory, "qk_norm_grad": qk_norm_solution,
+    "clip_grad": clipping.clip_tp,
 }

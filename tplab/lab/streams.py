@@ -26,6 +26,11 @@ PROGRESS_EVERY_S = 0.1
 
 _KERNEL: list[bool] = []
 
+# Lines that are data for the notebook, not text for the learner: {marker: handler(rank,
+# line)}. A complete line holding a marker goes to its handler instead of the output
+# (tplab.train_check's live figure: one line per step and rank).
+LINE_HANDLERS: dict[str, object] = {}
+
 
 def in_kernel() -> bool:
     """True inside a Jupyter kernel, where displays can be updated in place (asked once:
@@ -135,6 +140,19 @@ class _Progress:
         self.shown_at = now
 
 
+def _handled(rank: int, line: str) -> bool:
+    for marker, handler in list(LINE_HANDLERS.items()):
+        if marker in line:
+            try:
+                handler(rank, line)
+            except Exception as exc:  # a view's failure must never stop the cell's watch
+                LINE_HANDLERS.pop(marker, None)
+                print(f"[tplab] live view stopped: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+            return True
+    return False
+
+
 class _Stream:
     LOOK_AHEAD = 50  # lines of another rank looked at to tell whether it will print a line
 
@@ -167,6 +185,8 @@ class _Stream:
     def feed(self, rank: int, text: str, now: float) -> None:
         text = self.partial.pop(rank, "") + text
         *complete, rest = text.split("\n")
+        if LINE_HANDLERS:
+            complete = [line for line in complete if not _handled(rank, line)]
         if "\r" in text:
             plain = []
             for line in complete:

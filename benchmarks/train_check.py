@@ -1,0 +1,123 @@
+"""What does train_check cost on top of the training it checks? (goals: at most 1.3x at
+world 4; the live figure under 5% of the step time for 10 ms steps)
+
+1. `tplab.train_check` of a 2-layer DropoutLM under the hand-written Megatron path with
+   TP-aware clipping, at world size 4, against the same steps without it: on the ranks
+   build, load the weights, parallelise and run the same training steps, nothing else.
+   Alternated in one run; medians. The parts of train_check are printed too: the one-
+   device reference and the reduction-order run (both in the notebook), and the rest.
+2. The live figure: the rank side (one line printed per step) and the notebook side
+   (parsing each rank's line, redrawing the figure every REDRAW_S as the Output widget
+   would), per step of 10 ms, in CPU time.
+
+    .venv/bin/python benchmarks/train_check.py [--steps 50] [--rounds 3] [--world 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import io
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import tplab
+from tplab import megatron, models, rng
+from tplab.training import check as training_check
+from tplab.training import lm, steps
+from tplab.training.live import LiveTraining
+from tplab.training.ranks import LIVE_PREFIX, LIVE_SUFFIX
+
+CFG = models.Config(vocab_size=32, dim=32, n_layers=2, n_heads=4, hidden_dim=64, seq_len=8,
+                    batch_size=8)
+BUILD = functools.partial(lm.DropoutLM, CFG, 0.1)
+PLAN = functools.partial(rng.parallelize, plan=megatron.parallelize, seed=1234)
+STEP = functools.partial(steps.lm_step, max_norm=1.0)
+BATCHES = lm.counting_batches(CFG)
+
+
+def bare_training(build, state, plan, make_batch, n, step):
+    """Rank side: the training train_check checks, and nothing else."""
+    model = build()
+    model.load_state_dict(state)
+    model = plan(model, tplab.make_mesh())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    for i in range(n):
+        step(model, optimizer, make_batch(i))
+
+
+def end_to_end(lab, n: int, rounds: int) -> None:
+    state = BUILD().state_dict()
+    bare, checked, reference = [], [], []
+    training_check.train_check(lab, BUILD, PLAN, BATCHES, steps=2, step=STEP, live=False)
+    for _ in range(rounds):
+        t = time.perf_counter()
+        lab.run(bare_training, BUILD, state, PLAN, BATCHES, n, STEP)
+        bare.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        report = training_check.train_check(lab, BUILD, PLAN, BATCHES, steps=n, step=STEP,
+                                            live=False)
+        checked.append(time.perf_counter() - t)
+        assert report.ok, report
+        t = time.perf_counter()
+        with training_check.reference_threads(lab):
+            for _ in range(2):  # the reference and the reduction-order run
+                training_check.run_reference(BUILD(), BATCHES, n, STEP, None, None)
+        reference.append(time.perf_counter() - t)
+    b, c, r = (statistics.median(v) for v in (bare, checked, reference))
+    print(f"{n} steps at world {lab.world_size}: bare {b:.2f} s, train_check {c:.2f} s "
+          f"-> ratio {c / b:.2f}x (goal <= 1.3x)")
+    print(f"  of which the two one-device runs in the notebook: {r:.2f} s ({r / b:.2f}x the "
+          f"bare training); the rest (ranks' training + measuring): {c - r:.2f} s "
+          f"({(c - r) / b:.2f}x)")
+
+
+def live_cost(n: int, world: int, step_s: float = 0.010) -> None:
+    # rank side: the line each rank prints per step
+    out, real = io.StringIO(), sys.stdout
+    from tplab.training.ranks import emit_live as emit
+
+    sys.stdout = out
+    t = time.process_time()
+    for i in range(n):
+        emit(i + 1, torch.tensor(2.0), {"w": torch.tensor(1e-6)}, 0)
+    rank_s = (time.process_time() - t) / n
+    sys.stdout = real
+    # notebook side: every rank's line, a redraw every REDRAW_S as in JupyterLab
+    band = {"param": [1e-5] * (n + 1)}
+    view = LiveTraining(world, torch.full((n,), 2.0), band, widget=False)
+    spent = 0.0
+    for i in range(n):
+        lines = [f"{LIVE_PREFIX}{json.dumps({'rank': r, 'step': i + 1, 'loss': 2.0, 'diff': 1e-6})}"
+                 f"{LIVE_SUFFIX}" for r in range(world)]
+        t = time.process_time()
+        before = view.updates
+        for r, line in enumerate(lines):
+            view.take(r, line)
+        if view.updates != before:
+            json.dumps(view.bundle())  # what the Output widget sends to the page
+        spent += time.process_time() - t
+        time.sleep(step_s)
+    book_s = spent / n
+    print(f"live figure, per step of {step_s * 1e3:.0f} ms: rank side {rank_s * 1e6:.0f} us "
+          f"({rank_s / step_s:.1%}), notebook side {book_s * 1e3:.2f} ms CPU "
+          f"({book_s / step_s:.1%}; {view.updates} redraws in {n} steps) (goal < 5%)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--world", type=int, default=4)
+    args = parser.parse_args()
+    live_cost(300, args.world)
+    with tplab.launch(args.world) as lab:
+        end_to_end(lab, args.steps, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
