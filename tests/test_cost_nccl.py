@@ -282,3 +282,12 @@ def test_block_saves_name_tplabs_block_and_megatrons():
     assert 20.5e9 < tplab_ - megatron < 21e9                   # about 20.8 GB per GPU
     row = cost.step_time(shape.with_(layers=1), t, H100, True, **cost.BLOCK_SAVES["megatron"])
     assert (row["norm"], row["swiglu"]) == ("fused", "fused")
+
+
+def test_all_gather_is_a_ring_only_and_says_so():
+    # NCCL 2.21.5 runs NVLS all-gathers inside a node (enqueue.cc); tplab does not model them
+    with pytest.raises(ValueError, match="ring only.*NVLS"):
+        cost.collective_time("all_gather", 2**26, 8, H100, algorithm="nvls")
+    ring, auto = (cost.collective_plan("all_reduce", 2**26, 8, H100, algorithm=a)
+                  for a in ("ring", "auto"))
+    assert (ring["algorithm"], auto["algorithm"]) == ("ring", "nvls")   # NCCL_ALGO=Ring or not

@@ -63,11 +63,11 @@ from tplab.cost.transformer import (
 )
 
 __all__ = [
-    "ALGORITHMS", "BLOCK_SAVES", "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS", "OVERLAPS",
-    "PRECISIONS", "PROTOCOLS", "BlockShape", "Calibration", "Hardware", "Link",
+    "ALGORITHMS", "BLOCK_SAVES", "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS",
+    "OVERLAPS", "PRECISIONS", "PROTOCOLS", "BlockShape", "Calibration", "Hardware", "Link",
     "activation_bytes", "allowed_tps", "best_tp", "block_collectives", "block_flops",
     "calibrate", "collective_plan", "collective_terms", "collective_time", "comm_bound_tp",
     "comm_times", "dp_collectives", "dp_times", "gemm_efficiency", "gemm_times",
-    "gpu_memory", "layer_saved", "lm_head_flops", "mlp_comm_ratio", "param_count", "records_time", "scaled",
-    "step_time", "sweep", "tp_allowed",
+    "gpu_memory", "layer_saved", "lm_head_flops", "mlp_comm_ratio", "param_count",
+    "records_time", "scaled", "step_time", "sweep", "tp_allowed",
 ]
