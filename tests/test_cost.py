@@ -181,7 +181,10 @@ def test_step_time_by_hand():
     shape = BlockShape(hidden=8, heads=2, kv_heads=1, ffn=12, gated=True, seq=3, layers=5,
                        dtype_bytes=2)
     row = cost.step_time(shape, 2, hw, mfu=1.0, gemm="flat")
-    assert row["compute_s"] == pytest.approx(5 * 3 * 3168 / (2 * 1e12))
+    # causal attention (the default) computes half of the 4 b s^2 h = 288 score FLOPs
+    assert row["compute_s"] == pytest.approx(5 * 3 * (3168 - 288 / 2) / (2 * 1e12))
+    assert cost.step_time(shape, 2, hw, mfu=1.0, gemm="flat", causal=False)[
+        "compute_s"] == pytest.approx(5 * 3 * 3168 / (2 * 1e12))
     assert row["mfu"] == pytest.approx(1.0)
     # 4 all-reduces of 3*8*2 = 48 bytes on 2 ranks: 4 * 2 * 48 * 1/2 / 1e9 per layer; and
     # TP 2 > 1 KV head: Megatron all-gathers the QKV output, 3 * (8 + 2 * 4) * 2 = 96 bytes,
@@ -197,6 +200,29 @@ def test_step_time_by_hand():
         row["compute_s"] / 0.4)
     with pytest.raises(ValueError, match="mfu"):
         cost.step_time(shape, 2, hw, mfu=1.5)
+
+
+def test_step_time_counts_the_lm_head_and_causal_attention():
+    hw = Hardware("toy", flops=1e12, intra=FREE, inter=FREE, gpus_per_node=8)
+    shape = BlockShape(hidden=8, heads=2, kv_heads=1, ffn=12, gated=True, seq=3, layers=5,
+                       dtype_bytes=2, vocab=10)
+    assert cost.lm_head_flops(shape) == 2 * 3 * 8 * 10
+    assert cost.block_flops(shape, causal=True) == 3168 - 144
+    row = cost.step_time(shape, 2, hw, mfu=1.0, gemm="flat")
+    # the head on 2 ranks: 5 of the 10 vocabulary rows each, 3 passes of 2 * 3 * 8 * 5
+    assert row["lm_head_s"] == pytest.approx(3 * 240 / 1e12)
+    assert row["compute_s"] == pytest.approx((5 * 3 * 3024 / 2 + 3 * 240) / 1e12)
+    assert row["mfu"] == pytest.approx(1.0)             # the head's FLOPs count as model FLOPs
+    # 3 ranks (the heads allow it here: 1 KV head replicated) round 10 / 3 rows up to 4
+    assert cost.step_time(shape.with_(heads=3, hidden=9), 3, hw, mfu=1.0, gemm="flat")[
+        "lm_head_s"] == pytest.approx(3 * 2 * 3 * 9 * 4 / 1e12)
+    off = cost.step_time(shape, 2, hw, mfu=1.0, gemm="flat", lm_head=False)
+    assert off["lm_head_s"] == 0 and off["compute_s"] == pytest.approx(5 * 3 * 3024 / 2e12)
+    mlp = cost.step_time(shape, 2, hw, mfu=1.0, gemm="flat", sublayers=("mlp",))
+    assert mlp["lm_head_s"] == 0                        # a sub-layer alone has no head
+    for bad in ("yes", 1):
+        with pytest.raises(TypeError, match="causal"):
+            cost.step_time(shape, 2, hw, causal=bad)
 
 
 # a block whose messages are 48 bytes (3 tokens x 8 x 2 bytes) on a slow link: each

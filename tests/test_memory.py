@@ -355,7 +355,9 @@ def test_recomputation_costs_time_and_saves_memory():
     shape = cost.MODELS["Llama-3 8B"]
     none, full = (cost.step_time(shape, 8, hw, recompute=rc, gemm="flat")
                   for rc in ("none", "full"))
-    assert full["compute_s"] == pytest.approx(4 / 3 * none["compute_s"])   # a second forward
+    blocks = {k: r["compute_s"] - r["lm_head_s"] for k, r in (("none", none), ("full", full))}
+    assert blocks["full"] == pytest.approx(4 / 3 * blocks["none"])   # a second forward
+    assert full["lm_head_s"] == none["lm_head_s"] > 0                # the head is not re-run
     assert full["tp_comm_s"] == pytest.approx(1.5 * none["tp_comm_s"])     # its collectives
     assert full["activation_bytes"] == shape.layers * shape.tokens * shape.hidden * 2
     gpt = [cost.step_time(shape, 8, hw, layout="gpt", recompute=rc) for rc in ("none",

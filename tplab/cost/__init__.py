@@ -33,6 +33,7 @@ from tplab.cost.data_parallel import dp_collectives, dp_times
 from tplab.cost.gemm import gemm_efficiency
 from tplab.cost.hardware import GPU_MEMORY, HARDWARE, LINKS, Hardware, Link
 from tplab.cost.memory import (
+    BLOCK_SAVES,
     PRECISIONS,
     activation_bytes,
     gpu_memory,
@@ -56,16 +57,17 @@ from tplab.cost.transformer import (
     allowed_tps,
     block_collectives,
     block_flops,
+    lm_head_flops,
     scaled,
     tp_allowed,
 )
 
 __all__ = [
-    "ALGORITHMS", "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS", "OVERLAPS",
-    "PRECISIONS", "PROTOCOLS", "BlockShape", "Calibration", "Hardware", "Link",
+    "ALGORITHMS", "BLOCK_SAVES", "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS",
+    "OVERLAPS", "PRECISIONS", "PROTOCOLS", "BlockShape", "Calibration", "Hardware", "Link",
     "activation_bytes", "allowed_tps", "best_tp", "block_collectives", "block_flops",
     "calibrate", "collective_plan", "collective_terms", "collective_time", "comm_bound_tp",
     "comm_times", "dp_collectives", "dp_times", "gemm_efficiency", "gemm_times",
-    "gpu_memory", "layer_saved", "mlp_comm_ratio", "param_count", "records_time", "scaled",
-    "step_time", "sweep", "tp_allowed",
+    "gpu_memory", "layer_saved", "lm_head_flops", "mlp_comm_ratio", "param_count",
+    "records_time", "scaled", "step_time", "sweep", "tp_allowed",
 ]

@@ -27,7 +27,10 @@ runs: latency term = base_latency + steps x alpha, one protocol. A link with a `
 CollNet (where the hardware has them) x protocols LL, LL128 and Simple, each with its own
 latencies and bandwidth efficiency, and NCCL's choice by message size. `algorithm=` and
 `protocol=` force one ("auto": NCCL's choice); `collective_plan` says which was taken.
-`algorithm="ring"` (the default, as before) still lets NCCL pick the ring's protocol.
+`algorithm="ring"` (the default, what `NCCL_ALGO=Ring` forces) lets NCCL pick only the
+ring's protocol: a number priced so is "ring (NCCL_ALGO=Ring)", not NCCL's own choice,
+which on one NVSwitch node takes NVLS for all-reduces from about 1 MB (`algorithm="auto"`).
+All-gather and reduce-scatter are modelled as rings only (module doc of `tplab.cost.nccl`).
 """
 
 from __future__ import annotations
@@ -109,7 +112,10 @@ def collective_plan(op: str, nbytes: float, group_size: int, link: Link | Hardwa
         if op in REDUCTIONS or op == "barrier":
             reduce_op = "all_reduce" if op == "barrier" else op
             if op != "all_reduce" and algorithm not in ("ring", "auto"):
-                raise ValueError(f"algorithm={algorithm!r}: NCCL's model runs {op} as a ring")
+                raise ValueError(
+                    f"algorithm={algorithm!r}: tplab models {op} as a ring only (NCCL 2.21.5 "
+                    "also runs it with NVLS inside one node, enqueue.cc, which tplab does not "
+                    "model); use algorithm='ring' or 'auto'")
             lat, transfer, a, p = nccl.terms(reduce_op, 0.0 if op == "barrier" else nbytes,
                                              group, algorithm, protocol)
         else:

@@ -48,6 +48,8 @@ RMSNorm computes in fp32, so its tensors are 4-byte whatever d is):
 | feed_forward.w1 | the normed input (w3 shares it) | h (d) | - |
 | feed_forward | w1 x, silu(w1 x), w3 x | 3f (d) | TP |
 | feed_forward.w2 | silu(w1 x) * w3 x | f (d) | TP |
+| (with swiglu="fused") feed_forward | [w1 x, w3 x], the fused FC1 output | 2f (d) | TP |
+| (with swiglu="fused") feed_forward.w2 | its input | f (d) | TP |
 
 Where it differs from the paper's GPT layer, in bytes per token at d = 2, f = 4h and no
 GQA (the paper's 34h + 5as against tplab's 60h + 4a + 8):
@@ -69,19 +71,37 @@ CPU, where it runs as composite ops in fp32 (8h + 4 bytes per token, measured by
 save: the d-byte input and the fp32 rstd, 2h + 4 bytes at d = 2. For Llama-3 70B at TP 4
 with SP and 4096 tokens the difference is 12h x 4096 / 4 x 80 layers, about 8 GB per GPU.
 Rows say which path they used (`norm`).
+
+**Which SwiGLU** (`swiglu=`): "composite" (the default) is tplab's `silu(w1 x) * w3 x` in
+eager torch, which saves four f-sized tensors, 8f bytes per token at d = 2 (measured);
+"fused" is Megatron-LM's `bias_swiglu_impl` (megatron/core/fusions/fused_bias_swiglu.py):
+its SwiGLUFunction saves only its input, the fused FC1 output [w1 x, w3 x] (4f bytes), and
+FC2 saves its input (2f): 6f bytes per token.
+
+**tplab's block or Megatron-LM's** (`BLOCK_SAVES`): the three choices that differ between
+them, as keyword arguments for `activation_bytes`, `gpu_memory`, `step_time` and `sweep`.
+`BLOCK_SAVES["tplab"]` is what tplab's own block saves on the lab's CPU ranks (measured
+byte for byte: composite norm, composite SwiGLU, gathered SP inputs);
+`BLOCK_SAVES["megatron"]` is what Megatron-LM saves on GPUs (fused RMSNorm, fused SwiGLU,
+the 1/t shard of each SP-gathered linear input, gathered again in backward). For Llama-3
+70B at TP 4 + SP with 4096 tokens, Megatron's choices save about 20.8 GB per GPU (8.1 of
+it the norms, 8.1 the linear inputs' shards, 4.7 SwiGLU).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tplab.cost.transformer import BlockShape
+from tplab.cost.transformer import SP_SAVES, BlockShape
 from tplab.cost.validate import check_bool, check_choice, check_int, check_sublayers, check_type
 
 PRECISIONS = ("fp32", "bf16", "mixed", "mixed_bf16_grads")
 RECOMPUTE = ("none", "selective", "full")
 LAYOUTS = ("tplab", "gpt")
 NORMS = ("composite", "fused")
+SWIGLUS = ("composite", "fused")
+BLOCK_SAVES = {"tplab": {"norm": "composite", "swiglu": "composite", "sp_saves": "gathered"},
+               "megatron": {"norm": "fused", "swiglu": "fused", "sp_saves": "shard"}}
 # bytes per parameter element: parameters, gradients, optimizer state (module doc)
 PARAM_BYTES = {"fp32": 4, "bf16": 2, "mixed": 2, "mixed_bf16_grads": 2}
 GRAD_BYTES = {"fp32": 4, "bf16": 2, "mixed": 4, "mixed_bf16_grads": 2}
@@ -112,12 +132,15 @@ class Saved:
 
 
 def tplab_layer(shape: BlockShape, sublayers=("attention", "mlp"), prefix: str = "",
-                norm: str = "composite") -> list[Saved]:
+                norm: str = "composite", swiglu: str = "composite") -> list[Saved]:
     """What `tplab.models.Block` (or, with sublayers=("mlp",), `tplab.models.MLP` when the
     shape is not gated) saves for backward, one `Saved` per tensor; see the module doc.
-    `norm`: which RMSNorm path ("composite": CPU, measured; "fused": CUDA, TE, Megatron)."""
+    `norm`: which RMSNorm path ("composite": CPU, measured; "fused": CUDA, TE, Megatron).
+    `swiglu`: "composite" (tplab's eager SwiGLU, 8f bytes per token at d = 2, measured) or
+    "fused" (Megatron-LM's fused_bias_swiglu.py, 6f); a plain MLP ignores it."""
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_choice("norm", norm, NORMS)
+    check_choice("swiglu", swiglu, SWIGLUS)
     h, d, a = shape.hidden, shape.dtype_bytes, shape.heads
     kv = (shape.kv_heads or a) * (h // a)
     f = shape.ffn_size
@@ -146,7 +169,10 @@ def tplab_layer(shape: BlockShape, sublayers=("attention", "mlp"), prefix: str =
             out += norm_saves("ffn_norm")
         out.append(Saved(path("w1"), "input (w1, w3)" if shape.gated else "input", h, d,
                          linear_input=True))
-        if shape.gated:
+        if shape.gated and swiglu == "fused":
+            out += [Saved(ff, "[w1 x, w3 x] (fused swiglu input)", 2 * f, d, tp=True),
+                    Saved(path("w2"), "swiglu output", f, d, tp=True)]
+        elif shape.gated:
             out += [Saved(ff, "w1 x (silu input)", f, d, tp=True),
                     Saved(ff, "silu(w1 x)", f, d, tp=True),
                     Saved(ff, "w3 x", f, d, tp=True),
@@ -182,25 +208,27 @@ def gpt_layer(shape: BlockShape) -> list[Saved]:
 
 def layer_saved(shape: BlockShape, recompute: str = "none", layout: str = "tplab",
                 sublayers=("attention", "mlp"), sp_saves: str | None = None,
-                norm: str = "composite") -> list[Saved]:
+                norm: str = "composite", swiglu: str = "composite") -> list[Saved]:
     """The tensors one layer keeps for backward under a recomputation policy.
 
     "selective" drops what the paper recomputes (the attention scores); "full" keeps only
     the layer's input (Korthikanti et al. 2022, Table 2). `layout`: "tplab" (tplab's Block)
     or "gpt" (the paper's GPT layer). `sp_saves`: how a TP region keeps its input under SP,
     "gathered" (whole: DTensor, tplab's default) or "shard" (1/t, gathered again in
-    backward: Megatron-LM, the paper's default); None: the layout's own. `norm`: the
-    RMSNorm path of tplab's layout (module doc)."""
+    backward: Megatron-LM, the paper's default); None: the layout's own. `norm` and
+    `swiglu`: the RMSNorm and SwiGLU paths of tplab's layout (module doc; `BLOCK_SAVES`)."""
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_choice("recompute", recompute, RECOMPUTE)
     check_choice("layout", layout, LAYOUTS)
     check_sublayers("sublayers", sublayers)
     if sp_saves is not None:
-        check_choice("sp_saves", sp_saves, ("gathered", "shard"))
+        check_choice("sp_saves", sp_saves, SP_SAVES)
     check_choice("norm", norm, NORMS)
+    check_choice("swiglu", swiglu, SWIGLUS)
     if recompute == "full":
         return [Saved("", "layer input", shape.hidden, shape.dtype_bytes, sp=True)]
-    items = tplab_layer(shape, sublayers, norm=norm) if layout == "tplab" else gpt_layer(shape)
+    items = (tplab_layer(shape, sublayers, norm=norm, swiglu=swiglu) if layout == "tplab"
+             else gpt_layer(shape))
     if sp_saves is not None:
         items = [replace(i, sp=sp_saves == "shard") if i.linear_input else i for i in items]
     return [i for i in items if not (recompute == "selective" and i.selective)]
@@ -209,14 +237,14 @@ def layer_saved(shape: BlockShape, recompute: str = "none", layout: str = "tplab
 def activation_bytes(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
                      recompute: str = "none", layout: str = "tplab",
                      sublayers=("attention", "mlp"), sp_saves: str | None = None,
-                     norm: str = "composite") -> float:
+                     norm: str = "composite", swiglu: str = "composite") -> float:
     """Activation bytes one GPU keeps for backward, for ONE layer and one micro-batch."""
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_int("tp", tp)
     check_bool("sequence_parallel", sequence_parallel)
     tokens = shape.tokens
     return sum(i.local_bytes(tokens, tp, sequence_parallel)
-               for i in layer_saved(shape, recompute, layout, sublayers, sp_saves, norm))
+               for i in layer_saved(shape, recompute, layout, sublayers, sp_saves, norm, swiglu))
 
 
 def param_count(shape: BlockShape, tp: int = 1) -> float:
@@ -237,7 +265,7 @@ def param_count(shape: BlockShape, tp: int = 1) -> float:
 def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
                recompute: str = "none", precision: str = "mixed", optimizer: str = "adam",
                layout: str = "tplab", sp_saves: str | None = None, dp: int = 1,
-               zero: int = 0, norm: str = "composite") -> dict:
+               zero: int = 0, norm: str = "composite", swiglu: str = "composite") -> dict:
     """Bytes one GPU holds for training with TP degree `tp`: parameters, gradients,
     optimizer state, and every layer's activations for one micro-batch (the embedding's
     output and the logits are left out, as in the paper's Table 2). Keys as `tplab.memory`:
@@ -247,7 +275,8 @@ def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
     et al. 2020, section 5): stage 1 the optimizer state (Megatron-LM's distributed
     optimizer), 2 also the gradients, 3 also the parameters (FSDP; the one layer gathered
     at a time is left out). With "mixed" precision and zero=1 this is Megatron-LM's
-    6 + 12/d bytes per parameter.
+    6 + 12/d bytes per parameter. `norm`, `swiglu`, `sp_saves`: what a layer saves
+    (`layer_saved`; `BLOCK_SAVES` names tplab's block and Megatron-LM's).
     """
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_int("tp", tp)
@@ -263,6 +292,7 @@ def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
            "grad_bytes": n * GRAD_BYTES[precision] / shard[1],
            "optimizer_bytes": n * OPTIMIZER_BYTES[optimizer][precision] / shard[2],
            "activation_bytes": shape.layers * activation_bytes(
-               shape, tp, sequence_parallel, recompute, layout, sp_saves=sp_saves, norm=norm)}
+               shape, tp, sequence_parallel, recompute, layout, sp_saves=sp_saves, norm=norm,
+               swiglu=swiglu)}
     row["memory_bytes"] = sum(row.values())
     return row

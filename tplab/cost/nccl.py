@@ -33,12 +33,19 @@ Where tplab departs from NCCL, and why:
   NCCL's per-channel caps (LL128 36.7 GB/s per channel on Hopper, tree 38.7) do not bind
   at NVLink nodes' 16 or more channels and are left out; NCCL_CHANNELS = 16 sets when a
   message counts for the plateau (nbytes / (channels x N) >= 64).
-- NVLS: NCCL models a fixed bandwidth, which makes it pick NVLS from about 2 MiB on 8
-  H100, as measured (nccl-tests #309: "8B~1MB uses Ring LL, 2MB~16GB NVLS Simple"); the
-  bandwidth it reaches grows with the message (nccl-tests #212), so the time returned uses
-  `Link.nvls_bandwidth` x S / (S + `Link.nvls_ramp`) while the choice uses NCCL's estimate.
-- When every rank is its own node NCCL 2.21's nInterSteps (2 x nodes) exceeds nsteps; the
-  intra-node step count is kept at 0 rather than going negative.
+- NVLS all-reduce: NCCL's own bandwidth is nChannels x per-channel bandwidth x 5/6;
+  tplab uses instead the measured bus bandwidth `Link.nvls_bandwidth` (480 GB/s on H100,
+  nccl-tests #212) converted as nccl-tests does, x N / (2 (N-1)), and chooses by that
+  fixed figure, which picks NVLS from about 1.1 MB on 8 H100 (NCCL picks it from about
+  2 MB, nccl-tests #309: "8B~1MB uses Ring LL, 2MB~16GB NVLS Simple"). The bandwidth it
+  reaches grows with the message (#212), so the time returned, not the choice, uses
+  `Link.nvls_bandwidth` x S / (S + `Link.nvls_ramp`).
+- NVLS all-gather and reduce-scatter (NCCL 2.21.5 runs them inside one node, enqueue.cc)
+  and NVLSTree across nodes are not modelled: all-gather and reduce-scatter run as rings,
+  and an all-reduce across nodes as a ring or a tree.
+- When every rank is its own node NCCL 2.21's nInterSteps (2 x nodes) exceeds nsteps by 2;
+  NCCL's formula then counts -2 intra-node steps (a latency 2 hwLat smaller); tplab keeps
+  the intra-node step count at 0.
 - all-to-all, send/recv and broadcast are not in NCCL's tuning model (point-to-point): they
   take the Simple protocol's latencies, all-to-all (N-1) steps and, across nodes, one NIC
   per GPU.

@@ -16,7 +16,7 @@ from tplab.cost.collectives import ALGORITHMS, PROTOCOLS, collective_time
 from tplab.cost.data_parallel import dp_times
 from tplab.cost.gemm import gemm_efficiency, linear_gemms
 from tplab.cost.hardware import Hardware
-from tplab.cost.memory import NORMS, PRECISIONS, gpu_memory
+from tplab.cost.memory import NORMS, PRECISIONS, SWIGLUS, gpu_memory
 from tplab.cost.transformer import (
     MFU,
     OVERLAPS,
@@ -28,6 +28,7 @@ from tplab.cost.transformer import (
     block_flops,
     check_tp,
     kv_replicated,
+    lm_head_flops,
     tp_allowed,
 )
 from tplab.cost.validate import (
@@ -72,6 +73,20 @@ def gemm_times(shape: BlockShape, tp: int, hw: Hardware, mfu: float = MFU,
     return out
 
 
+def lm_head_times(shape: BlockShape, tp: int, hw: Hardware, mfu: float = MFU,
+                  gemm: str = "shape") -> tuple[float, float]:
+    """(forward s, backward s) of the lm head's GEMMs on one rank: (tokens, h) by
+    (h, V / tp), the vocabulary split t ways (Megatron-LM's ColumnParallelLinear output
+    layer; V rounded up to a whole number of rows per rank). (0, 0) without a vocabulary."""
+    if not shape.vocab:
+        return 0.0, 0.0
+    times = []
+    for m, n, k in linear_gemms(shape.tokens, shape.hidden, -(-shape.vocab // tp)):
+        eff = gemm_efficiency(m, n, k, hw, shape.dtype_bytes) if gemm == "shape" else 1
+        times.append(2 * m * n * k / (hw.flops * mfu * eff))
+    return times[0], times[1] + times[2]
+
+
 def comm_times(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool = False,
                algorithm: str = "ring", sublayers: tuple[str, ...] = SUBLAYERS,
                overlap: str = "none", sp_saves: str = "gathered", mfu: float = MFU,
@@ -107,7 +122,7 @@ def comm_times(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool
 
 def check_step(shape, tp, hw, sequence_parallel, algorithm, sublayers, recompute, precision,
                layout, overlap, sp_saves, mfu, dp, zero, protocol, gemm, norm,
-               micro_batches, dp_overlap) -> None:
+               micro_batches, dp_overlap, swiglu, causal, lm_head) -> None:
     """The one check of `step_time`'s arguments."""
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_int("tp", tp)
@@ -130,6 +145,9 @@ def check_step(shape, tp, hw, sequence_parallel, algorithm, sublayers, recompute
     check_choice("norm", norm, NORMS)
     check_int("micro_batches", micro_batches)
     check_bool("dp_overlap", dp_overlap)
+    check_choice("swiglu", swiglu, SWIGLUS)
+    check_bool("causal", causal)
+    check_bool("lm_head", lm_head)
 
 
 def step_time(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool = False,
@@ -138,7 +156,8 @@ def step_time(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool 
               layout: str = "tplab", overlap: str = "none", sp_saves: str | None = None,
               mfu: float = MFU, dp: int = 1, zero: int = 0, protocol: str = "auto",
               gemm: str = "shape", norm: str = "composite", micro_batches: int = 1,
-              dp_overlap: bool = True) -> dict:
+              dp_overlap: bool = True, swiglu: str = "composite", causal: bool = True,
+              lm_head: bool = True) -> dict:
     """Forward + backward time of the model's blocks on one micro-batch, N-way TP, and the
     memory one GPU needs for it (`gpu_memory`, for the whole model whatever `sublayers`
     says: param_bytes, grad_bytes, optimizer_bytes, activation_bytes, memory_bytes, and
@@ -159,13 +178,21 @@ def step_time(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool 
     `precision="mixed"` is Megatron-LM's bf16 recipe (fp32 gradients: 18 bytes per
     parameter with Adam; "mixed_bf16_grads" 16). Under SP, `sp_saves`: "gathered" (DTensor,
     tplab's block) or "shard" (Megatron-LM: 25% more TP bytes); by default the layout's own.
-    `norm`: the RMSNorm path ("composite", CPU's, measured; "fused", CUDA/TE's). Full
+    `norm`, `swiglu`: the RMSNorm and SwiGLU paths ("composite": tplab's, measured on CPU;
+    "fused": CUDA's / Megatron-LM's; `tplab.cost.BLOCK_SAVES` names both blocks). Full
     recomputation runs the forward twice; selective recomputation of the paper's GPT layer
     re-runs the attention scores, 4 b s^2 h FLOPs (Korthikanti et al. 2022, section 5).
+
+    `causal` (default True): attention's scores and values cost what flash attention with a
+    causal mask computes, half of 4 b s^2 h (`block_flops`). `lm_head` (default True, with
+    the whole block and a vocabulary): the lm head's GEMMs, split over the vocabulary, are
+    computed too (`lm_head_s`; Narayanan et al. 2021's V / (12 h L) term). The embedding's
+    lookup and the head's TP collectives (a few messages of b s h d bytes per step) are
+    left out.
     """
     check_step(shape, tp, hw, sequence_parallel, algorithm, sublayers, recompute, precision,
                layout, overlap, sp_saves, mfu, dp, zero, protocol, gemm, norm,
-               micro_batches, dp_overlap)
+               micro_batches, dp_overlap, swiglu, causal, lm_head)
     saves = sp_saves or ("shard" if layout == "gpt" else "gathered")
     gemms = gemm_times(shape, tp, hw, mfu, gemm)
     regions = {"attention": "attention", "mlp": "mlp"}
@@ -174,18 +201,22 @@ def step_time(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool 
         g = gemms[regions[sub]]
         forward += g["col_fwd"] + g["row_fwd"]
         backward += g["col_dgrad"] + g["col_wgrad"] + g["row_dgrad"] + g["row_wgrad"]
-    if "attention" in sublayers:   # scores and values: 4 b s^2 h, at mfu (flash attention)
-        scores = 4 * shape.batch * shape.seq**2 * shape.hidden / (tp * hw.flops * mfu)
+    score_flops = 4 * shape.batch * shape.seq**2 * shape.hidden / (2 if causal else 1)
+    if "attention" in sublayers:   # scores and values, at mfu (flash attention)
+        scores = score_flops / (tp * hw.flops * mfu)
         forward, backward = forward + scores, backward + 2 * scores
     if recompute == "full":
         backward += forward
     elif recompute == "selective" and layout == "gpt" and "attention" in sublayers:
-        backward += 4 * shape.batch * shape.seq**2 * shape.hidden / (tp * hw.flops * mfu)
-    compute = shape.layers * (forward + backward)
+        backward += score_flops / (tp * hw.flops * mfu)
+    head = lm_head and set(sublayers) == set(SUBLAYERS) and shape.vocab > 0
+    head_fwd, head_bwd = lm_head_times(shape, tp, hw, mfu, gemm) if head else (0.0, 0.0)
+    compute = shape.layers * (forward + backward) + head_fwd + head_bwd
     passes = 4 if recompute == "full" else 3
-    extra = 4 * shape.batch * shape.seq**2 * shape.hidden * (
+    extra = score_flops * (
         recompute == "selective" and layout == "gpt" and "attention" in sublayers)
-    model_flops = shape.layers * (passes * block_flops(shape, sublayers) + extra)
+    model_flops = (shape.layers * (passes * block_flops(shape, sublayers, causal) + extra)
+                   + 3 * lm_head_flops(shape) * head)
     records = comm_times(shape, tp, hw, sequence_parallel, algorithm, sublayers, overlap,
                          saves, mfu, recompute, protocol, gemm)
     comm = shape.layers * sum(r["time_s"] for r in records)
@@ -194,7 +225,7 @@ def step_time(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool 
     if overlap == "async_tp" and tp > hw.gpus_per_node:
         applied = "none (async TP needs the TP group in one NVLink domain)"
     dp_row = dp_times(shape, tp, hw, dp, zero, precision, micro_batches, dp_overlap,
-                      shape.layers * forward, shape.layers * backward)
+                      shape.layers * forward + head_fwd, shape.layers * backward + head_bwd)
     link = hw.link(tp).name if tp > 1 else "-"
     step = compute + exposed + dp_row["dp_exposed_s"]
     row = {"model": shape.name, "hardware": hw.name, "tp": tp, "link": link,
@@ -205,10 +236,11 @@ def step_time(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool 
            "step_s": step, "comm_fraction": (exposed + dp_row["dp_exposed_s"]) / step,
            "overlap": applied, "mfu": model_flops / (compute * tp * hw.flops),
            "kv_replicated": kv_replicated(shape, tp), "precision": precision, "norm": norm,
+           "swiglu": swiglu, "causal": causal, "lm_head_s": head_fwd + head_bwd,
            "tokens": shape.tokens, "gpu_s": step * tp,
            "tokens_per_s_per_gpu": shape.tokens / (step * tp)}
     row |= gpu_memory(shape, tp, sequence_parallel, recompute, precision, optimizer, layout,
-                      sp_saves=saves, dp=dp, zero=zero, norm=norm)
+                      sp_saves=saves, dp=dp, zero=zero, norm=norm, swiglu=swiglu)
     row["fits"] = row["memory_bytes"] <= hw.usable_memory
     return row
 

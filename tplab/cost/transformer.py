@@ -173,17 +173,32 @@ def kv_replicated(shape: BlockShape, tp: int) -> bool:
     return tp > (shape.kv_heads or shape.heads)
 
 
-def block_flops(shape: BlockShape, sublayers: tuple[str, ...] = SUBLAYERS) -> int:
-    """Forward FLOPs of one block on one micro-batch, over all TP ranks together."""
+def block_flops(shape: BlockShape, sublayers: tuple[str, ...] = SUBLAYERS,
+                causal: bool = False) -> int:
+    """Forward FLOPs of one block on one micro-batch, over all TP ranks together.
+
+    `causal=False` (the default) counts the attention scores and values in full,
+    4 b s^2 h, as Narayanan et al. 2021 (section 5.1) do; `causal=True` counts what flash
+    attention with a causal mask computes, about half (it skips the tiles above the
+    diagonal: FlashAttention-2, Dao 2023, section 3.1), 2 b s^2 h."""
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_sublayers("sublayers", sublayers)
+    check_bool("causal", causal)
     h, t = shape.hidden, shape.tokens
     kv_dim = (shape.kv_heads or shape.heads) * (h // shape.heads)
     qkv = 2 * t * h * (h + 2 * kv_dim)
     out = 2 * t * h * h
-    scores = 4 * shape.batch * shape.seq**2 * h
+    scores = 4 * shape.batch * shape.seq**2 * h // (2 if causal else 1)
     mlp = 2 * t * h * shape.ffn_size * (3 if shape.gated else 2)
     return ("attention" in sublayers) * (qkv + out + scores) + ("mlp" in sublayers) * mlp
+
+
+def lm_head_flops(shape: BlockShape) -> int:
+    """Forward FLOPs of the lm head on one micro-batch, all TP ranks together: the logits,
+    2 b s h V. Three passes of it are Narayanan et al. 2021's V / (12 h L) term of
+    72 b s L h^2 (1 + s/(6h) + V/(12 h L)) (section 5.1). 0 without a vocabulary."""
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    return 2 * shape.tokens * shape.hidden * shape.vocab
 
 
 ROLES = ("fwd_in", "fwd_out", "bwd_out", "bwd_in", "regather", "qkv_gather", "qkv_scatter")
