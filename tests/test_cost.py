@@ -9,7 +9,7 @@ import pytest
 
 from tplab import LabError, cost
 from tplab.cost import BlockShape, Hardware, Link
-from tplab.cost.calibrate import _fit
+from tplab.cost.calibrate import fit_line
 
 LINK = Link("test", bandwidth=1e9, latency=1e-6)          # 1 GB/s, 1 us per step
 FREE = Link("no latency", bandwidth=1e9, latency=0.0)
@@ -398,10 +398,10 @@ def test_explorer_is_driven_from_code():
 
 def test_fit_recovers_a_noiseless_line_and_never_a_negative_latency():
     xs = [2.0**k for k in range(10, 25)]
-    a, b = _fit(xs, [3e-4 + 2e-9 * x for x in xs])
+    a, b = fit_line(xs, [3e-4 + 2e-9 * x for x in xs])
     assert a == pytest.approx(3e-4) and b == pytest.approx(2e-9)
     big = [x for x in xs if x > 1e5]
-    a, b = _fit(big, [-1e-5 + 1e-9 * x for x in big])
+    a, b = fit_line(big, [-1e-5 + 1e-9 * x for x in big])
     assert a == 0 and b > 0
 
 

@@ -84,7 +84,7 @@ def _bytes_factor(op: str, nbytes: float, n: int) -> tuple[int, float]:
     return round(latency), x
 
 
-def _fit(xs: list[float], ts: list[float]) -> tuple[float, float]:
+def fit_line(xs: list[float], ts: list[float]) -> tuple[float, float]:
     """Least squares t = a + b x with weights 1/t (relative error); a, b kept >= 0."""
     x, t = np.asarray(xs, float), np.asarray(ts, float)
     design = np.stack([np.ones_like(x), x], axis=1) / t[:, None]
@@ -161,7 +161,7 @@ def calibrate(lab, sizes=DEFAULT_SIZES, ops=DEFAULT_OPS, repeats: int = 7,
             calls = zip(*(r["timings"][(op, size)][1] for r in results), strict=True)
             t = statistics.median(min(c) for c in calls)
             points.append((size, nbytes, _bytes_factor(op, nbytes, n)[1], t))
-        a, slope = _fit([x for s, _, x, _ in points if s not in held],
+        a, slope = fit_line([x for s, _, x, _ in points if s not in held],
                         [t for s, _, _, t in points if s not in held])
         steps = _bytes_factor(op, 1, n)[0]
         cal.fits[op] = {"alpha": a / steps, "bandwidth": 1 / slope, "latency_s": a}

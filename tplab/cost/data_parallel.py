@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from tplab.cost.collectives import collective_time
 from tplab.cost.hardware import Hardware
-from tplab.cost.memory import GRAD_BYTES, PARAM_BYTES, PRECISIONS, param_count
+from tplab.cost.memory import GRAD_BYTES, PARAM_BYTES, check_sharding, param_count
 from tplab.cost.transformer import BlockShape
-from tplab.cost.validate import check_bool, check_choice, check_int, check_number, check_type
+from tplab.cost.validate import check_bool, check_int, check_number, check_type
 
 
 def dp_group_hardware(hw: Hardware, tp: int) -> Hardware:
@@ -50,13 +50,7 @@ def dp_collectives(shape: BlockShape, tp: int, dp: int, zero: int = 0,
                    precision: str = "mixed") -> list[dict]:
     """The DP records of one GPU, trace-like (op, bytes, group_size) with `per`: "step"
     (once per optimizer step) or "micro_batch"; see the module doc."""
-    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
-    check_int("tp", tp)
-    check_int("dp", dp)
-    check_int("zero", zero, minimum=0)
-    if zero > 3:
-        raise ValueError(f"zero is a ZeRO stage, 0 to 3; got {zero!r}")
-    check_choice("precision", precision, PRECISIONS)
+    check_sharding(shape, tp, dp, zero, precision)
     if dp == 1:
         return []
     n = param_count(shape, tp)

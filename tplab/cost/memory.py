@@ -262,6 +262,17 @@ def param_count(shape: BlockShape, tp: int = 1) -> float:
     return shape.layers * layer + vocab
 
 
+def check_sharding(shape, tp, dp, zero, precision) -> None:
+    """The arguments the memory and DP-traffic models share, checked once: a ValueError or
+    TypeError that names the argument."""
+    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
+    check_int("tp", tp)
+    check_int("dp", dp)
+    check_int("zero", zero, minimum=0)
+    if zero > 3:
+        raise ValueError(f"zero is a ZeRO stage, 0 to 3; got {zero!r}")
+    check_choice("precision", precision, PRECISIONS)
+
 def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
                recompute: str = "none", precision: str = "mixed", optimizer: str = "adam",
                layout: str = "tplab", sp_saves: str | None = None, dp: int = 1,
@@ -278,13 +289,7 @@ def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
     6 + 12/d bytes per parameter. `norm`, `swiglu`, `sp_saves`: what a layer saves
     (`layer_saved`; `BLOCK_SAVES` names tplab's block and Megatron-LM's).
     """
-    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
-    check_int("tp", tp)
-    check_int("dp", dp)
-    check_int("zero", zero, minimum=0)
-    if zero > 3:
-        raise ValueError(f"zero is a ZeRO stage, 0 to 3; got {zero!r}")
-    check_choice("precision", precision, PRECISIONS)
+    check_sharding(shape, tp, dp, zero, precision)
     check_choice("optimizer", optimizer, tuple(OPTIMIZER_BYTES))
     n = param_count(shape, tp)
     shard = [dp if zero >= stage else 1 for stage in (3, 2, 1)]
