@@ -82,6 +82,9 @@ class RankReport:
         self.issued: dict[str, collections.deque] = {}  # group name -> recent calls
         self.order = 0  # calls noted so far, on every group
         self.reported_cell: int | None = None  # the cell the reporter last wrote about
+        # Held while a report is written and while a cell starts or ends: a reporter's
+        # snapshot of a running cell can never land after the cell's final report.
+        self.lock = threading.Lock()
         self.library_parts: tuple[str, ...] = ("<frozen", "threading.py")
 
 
@@ -253,31 +256,63 @@ def collectives_so_far() -> tuple[int, int]:
 
 
 def report_now() -> None:
-    """Write this rank's snapshot at once (at the end of a cell, so the notebook learns the
-    final collective counts without waiting for the reporter)."""
+    """Write this rank's snapshot at once, and wait until the store has it (a TCPStore
+    `set` is not answered; the `check` after it, on the same connection, is). At the end
+    of a cell the notebook trusts a finished rank's report for its final collective
+    counts, so the report must be in the store before the reply leaves."""
     if REPORT.store is not None and REPORT.reporting:
+        key = WHERE_KEY.format(rank=REPORT.rank)
         try:
-            REPORT.store.set(WHERE_KEY.format(rank=REPORT.rank), json.dumps(where_now()))
+            REPORT.store.set(key, json.dumps(where_now()))
+            REPORT.store.check([key])
         except Exception:
             pass
+
+
+def begin_cell(cell: int) -> tuple[int, int]:
+    """Mark `cell` as running (for the reporter); returns `collectives_so_far()`, which
+    `end_cell` compares with."""
+    issued = collectives_so_far()
+    with REPORT.lock:
+        REPORT.cell_started = time.monotonic()
+        REPORT.cell = cell
+    return issued
+
+
+def end_cell(cell: int, issued: tuple[int, int]) -> None:
+    """Mark `cell` as finished and, when the cell changed the collective counts or the
+    reporter wrote a "running" report of it, write the final report. Under the lock, so
+    a reporter that snapshotted the running cell (a slow `set` under load) writes before
+    this, never after: a finished rank's report in the store is its last word."""
+    with REPORT.lock:
+        REPORT.last_cell, REPORT.cell = cell, None
+        if REPORT.reported_cell == cell or collectives_so_far() != issued:
+            report_now()
+
+
+def report_running() -> bool:
+    """One round of the reporter: write where this rank is, if a cell runs. True when it
+    wrote."""
+    with REPORT.lock:
+        cell = REPORT.cell
+        if not REPORT.reporting or cell is None or REPORT.store is None:
+            return False
+        if time.monotonic() - REPORT.cell_started < REPORT_INTERVAL_S:
+            return False
+        REPORT.store.set(WHERE_KEY.format(rank=REPORT.rank), json.dumps(where_now()))
+        REPORT.reported_cell = cell
+        return True
 
 
 def report_loop() -> None:
     """Write where this rank is every REPORT_INTERVAL_S while a cell runs. A failed report
     (a frame that changed under us, a slow store) is retried; only a store that stays
     unreachable for 10 s (the lab is shutting down) ends the loop."""
-    key = WHERE_KEY.format(rank=REPORT.rank)
     failures = 0
     while failures < 10 / REPORT_INTERVAL_S:
         time.sleep(REPORT_INTERVAL_S)
-        cell = REPORT.cell
-        if not REPORT.reporting or cell is None:
-            continue
-        if time.monotonic() - REPORT.cell_started < REPORT_INTERVAL_S:
-            continue
         try:
-            REPORT.store.set(key, json.dumps(where_now()))
-            REPORT.reported_cell = cell
+            report_running()
             failures = 0
         except Exception:  # noqa: BLE001 - reported on the next round
             failures += 1

@@ -222,15 +222,16 @@ def _run_cell(cell: int, body) -> tuple:
     ns = _user_ns()
     offsets = _offsets()
     reply = Reply(None)
-    issued = collectives.collectives_so_far()
-    REPORT.cell_started = time.monotonic()
-    REPORT.cell = cell
+    issued = collectives.begin_cell(cell)
     try:
         reply.value = body(reply)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
         reply.value = _failure(exc)
     finally:
-        REPORT.last_cell, REPORT.cell = cell, None
+        # The notebook reads finished ranks' collective counts from their last report:
+        # end_cell writes one (when the cell changed them, or the reporter wrote a
+        # "running" one) before the reply can leave.
+        collectives.end_cell(cell, issued)
         sys.stdout.flush()
         sys.stderr.flush()
     # A notebook name the cell assigned on the rank (`global x`, x = ... in %%ranks) is
@@ -241,10 +242,6 @@ def _run_cell(cell: int, body) -> tuple:
     names = _rank_names(ns)
     if names != NAMES.last_sent:
         reply.names = NAMES.last_sent = names
-    # The notebook reads finished ranks' collective counts from their last report: write
-    # one when this cell changed them, or when the reporter wrote a "running" one.
-    if REPORT.reported_cell == cell or collectives.collectives_so_far() != issued:
-        collectives.report_now()
     if NAMES.forward_output:
         reply.output = (_read_from(1, offsets[0]), _read_from(2, offsets[1]))
     try:
