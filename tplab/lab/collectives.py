@@ -18,10 +18,12 @@ rank is freed without a restart, so its names survive (its results are not valid
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import linecache
 import os
+import signal
 import sys
 import threading
 import time
@@ -284,10 +286,26 @@ def end_cell(cell: int, issued: tuple[int, int]) -> None:
     reporter wrote a "running" report of it, write the final report. Under the lock, so
     a reporter that snapshotted the running cell (a slow `set` under load) writes before
     this, never after: a finished rank's report in the store is its last word."""
-    with REPORT.lock:
+    with interrupts_held(), REPORT.lock:
         REPORT.last_cell, REPORT.cell = cell, None
         if REPORT.reported_cell == cell or collectives_so_far() != issued:
             report_now()
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """The stop button (SIGINT) does nothing while a finished cell's final report is
+    written: the cell's code is over, and an interrupt there would leave the report
+    unwritten or the lock held. Off the main thread (a test) it changes nothing."""
+    old = signal.getsignal(signal.SIGINT)
+    if old is None or threading.current_thread() is not threading.main_thread():
+        yield  # a handler Python cannot put back, or not the main thread (a test)
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def report_running() -> bool:
