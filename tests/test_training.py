@@ -266,7 +266,7 @@ def test_the_live_view_takes_the_ranks_lines_out_of_the_output_and_redraws():
 
 def test_the_live_band_is_drawn_once_its_run_in_the_background_is_done():
     import concurrent.futures
-    import math
+    import json
 
     from tplab.training.live import LiveTraining
 
@@ -275,7 +275,8 @@ def test_the_live_band_is_drawn_once_its_run_in_the_background_is_done():
     view.redraw()
     n = 1 + 2  # the reference, then a curve per rank, then the band
     drawn = view.bundle()["application/vnd.plotly.v1+json"]["data"]
-    assert all(math.isnan(v) for v in drawn[n]["y"])  # not measured yet
+    assert drawn[n]["y"] == [None]  # not measured yet (null in the page's JSON)
+    json.dumps(view.bundle(), allow_nan=False)  # what a kernel sends must be strict JSON
     band.set_result({"param": [1e-5, 2e-5, 3e-5]})
     view.seen = 2
     view.redraw()

@@ -105,7 +105,8 @@ class LiveTraining:
         for k in range(self.world_size):
             data[1 + k]["x"], data[1 + k]["y"] = steps, [r["losses"][k] for r in shown]
         n = 1 + self.world_size
-        data[n]["x"], data[n]["y"] = steps, [r["param_band"] for r in shown]
+        data[n]["x"], data[n]["y"] = steps, [None if math.isnan(r["param_band"])
+                                             else r["param_band"] for r in shown]  # JSON
         data[n + 1]["x"], data[n + 1]["y"] = steps, [max(r["param_diff"], 1e-12)
                                                      for r in shown]
         self.updates += 1
