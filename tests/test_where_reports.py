@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tplab.lab import collectives, diagnose
+from tplab.lab import diagnose, reports
 from tplab.lab.collectives import REPORT, WHERE_KEY
 from tplab.lab.watchdog import Watchdog
 
@@ -48,13 +48,13 @@ def report_state():
 def test_a_slow_running_report_never_lands_after_the_final_one(report_state):
     store = report_state.store = SlowStore()
     report_state.rank, report_state.reporting = 0, True
-    issued = collectives.begin_cell(41)
-    time.sleep(collectives.REPORT_INTERVAL_S * 1.5)
-    reporter = threading.Thread(target=collectives.report_running)
+    issued = reports.begin_cell(41)
+    time.sleep(reports.REPORT_INTERVAL_S * 1.5)
+    reporter = threading.Thread(target=reports.report_running)
     reporter.start()
     assert store.entered.wait(5.0), "the reporter never wrote"
     # The cell ends while the reporter's snapshot of it is still on its way to the store.
-    ender = threading.Thread(target=collectives.end_cell, args=(41, issued))
+    ender = threading.Thread(target=reports.end_cell, args=(41, issued))
     ender.start()
     time.sleep(0.3)
     store.release.set()

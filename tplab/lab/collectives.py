@@ -5,7 +5,7 @@ Every collective entry point of torch.distributed (c10d: `dist.all_reduce`...) a
 functional collectives (`funcol.all_reduce`..., which DTensor uses) is wrapped once, at
 `init_rank`, to note the call's group, its number in that group (c10d's sequence number),
 and its arguments' shapes: a few microseconds per collective, nothing per op. A reporter
-thread writes `where_now()` to the rendezvous store every 0.1 s while a cell runs, so the
+thread writes where the rank is to the rendezvous store (tplab/lab/reports.py), so the
 notebook can tell, without asking the busy rank, whether it computes or waits, and in which
 collective of which group.
 
@@ -18,18 +18,10 @@ rank is freed without a restart, so its names survive (its results are not valid
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
-import json
-import linecache
-import os
-import signal
-import sys
 import threading
-import time
 
 WHERE_KEY = "tplab/where/{rank}"
-REPORT_INTERVAL_S = 0.1
 HISTORY = 8  # collectives remembered per group, to replay the ones a peer missed
 
 # Functions (innermost first) whose frame on the stack means "waiting in a collective".
@@ -184,7 +176,7 @@ def groups_now() -> dict[str, dict]:
     return found
 
 
-def _history() -> dict[str, list]:
+def history() -> dict[str, list]:
     """group name -> recent calls, described for a peer that must replay them."""
     out = {}
     for name, calls in list(REPORT.issued.items()):
@@ -196,156 +188,6 @@ def _history() -> dict[str, list]:
                          "kwargs": {k: _describe(v) for k, v in kwargs.items()}})
         out[name] = rows
     return out
-
-
-# --- where is this rank? -------------------------------------------------------------------
-
-
-def _shape_of(frame) -> list[int] | None:
-    try:
-        found = frame.f_locals
-    except Exception:  # noqa: BLE001 - a frame in the middle of changing
-        return None
-    for name in ("tensor", "input", "input_tensor", "output_tensor", "self", "local_tensor"):
-        try:
-            shape = getattr(found.get(name), "shape", None)
-            if shape is not None:
-                return [int(s) for s in shape]
-        except Exception:  # noqa: BLE001 - an object whose .shape raises, a symbolic size
-            continue
-    return None
-
-
-def where_now() -> dict:
-    """Snapshot of the main thread: which cell, computing or in which collective, at which
-    line of the learner's code, and every group's collective count."""
-    state = REPORT
-    snap: dict = {"rank": state.rank, "time": time.time(), "groups": groups_now()}
-    if state.cell is None:
-        snap.update(state="finished", cell=state.last_cell)
-        return snap
-    snap.update(state="running", cell=state.cell,
-                seconds=round(time.monotonic() - state.cell_started, 2))
-    frame = sys._current_frames().get(state.main_thread)
-    op = shape = line = None
-    while frame is not None:
-        code = frame.f_code
-        filename = code.co_filename
-        if op is None and code.co_name in COLLECTIVE_FRAMES and "torch" in filename:
-            op, shape = COLLECTIVE_FRAMES[code.co_name], _shape_of(frame)
-        if line is None and not any(part in filename for part in state.library_parts):
-            text = linecache.getline(filename, frame.f_lineno).strip()
-            line = f"{filename}:{frame.f_lineno} {text}".strip()
-        frame = frame.f_back
-    if op is not None:
-        snap.update(state="in_collective", op=op, shape=shape, history=_history())
-    snap["line"] = line
-    return snap
-
-
-def collectives_so_far() -> tuple[int, int]:
-    """(groups, collectives issued on all of them so far): what a report must follow."""
-    import torch.distributed as dist
-
-    groups = list(dist.distributed_c10d._world.pg_names)
-    total = 0
-    for pg in groups:
-        try:
-            total += pg._get_sequence_number_for_group()
-        except Exception:
-            continue
-    return len(groups), total
-
-
-def report_now() -> None:
-    """Write this rank's snapshot at once, and wait until the store has it (a TCPStore
-    `set` is not answered; the `check` after it, on the same connection, is). At the end
-    of a cell the notebook trusts a finished rank's report for its final collective
-    counts, so the report must be in the store before the reply leaves."""
-    if REPORT.store is not None and REPORT.reporting:
-        key = WHERE_KEY.format(rank=REPORT.rank)
-        try:
-            REPORT.store.set(key, json.dumps(where_now()))
-            REPORT.store.check([key])
-        except Exception:
-            pass
-
-
-def begin_cell(cell: int) -> tuple[int, int]:
-    """Mark `cell` as running (for the reporter); returns `collectives_so_far()`, which
-    `end_cell` compares with."""
-    issued = collectives_so_far()
-    with REPORT.lock:
-        REPORT.cell_started = time.monotonic()
-        REPORT.cell = cell
-    return issued
-
-
-def end_cell(cell: int, issued: tuple[int, int]) -> None:
-    """Mark `cell` as finished and, when the cell changed the collective counts or the
-    reporter wrote a "running" report of it, write the final report. Under the lock, so
-    a reporter that snapshotted the running cell (a slow `set` under load) writes before
-    this, never after: a finished rank's report in the store is its last word."""
-    with interrupts_held(), REPORT.lock:
-        REPORT.last_cell, REPORT.cell = cell, None
-        if REPORT.reported_cell == cell or collectives_so_far() != issued:
-            report_now()
-
-
-@contextlib.contextmanager
-def interrupts_held():
-    """The stop button (SIGINT) does nothing while a finished cell's final report is
-    written: the cell's code is over, and an interrupt there would leave the report
-    unwritten or the lock held. Off the main thread (a test) it changes nothing."""
-    old = signal.getsignal(signal.SIGINT)
-    if old is None or threading.current_thread() is not threading.main_thread():
-        yield  # a handler Python cannot put back, or not the main thread (a test)
-        return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-
-
-def report_running() -> bool:
-    """One round of the reporter: write where this rank is, if a cell runs. True when it
-    wrote."""
-    with REPORT.lock:
-        cell = REPORT.cell
-        if not REPORT.reporting or cell is None or REPORT.store is None:
-            return False
-        if time.monotonic() - REPORT.cell_started < REPORT_INTERVAL_S:
-            return False
-        REPORT.store.set(WHERE_KEY.format(rank=REPORT.rank), json.dumps(where_now()))
-        REPORT.reported_cell = cell
-        return True
-
-
-def report_loop() -> None:
-    """Write where this rank is every REPORT_INTERVAL_S while a cell runs. A failed report
-    (a frame that changed under us, a slow store) is retried; only a store that stays
-    unreachable for 10 s (the lab is shutting down) ends the loop."""
-    failures = 0
-    while failures < 10 / REPORT_INTERVAL_S:
-        time.sleep(REPORT_INTERVAL_S)
-        try:
-            report_running()
-            failures = 0
-        except Exception:  # noqa: BLE001 - reported on the next round
-            failures += 1
-
-
-def package_dirs() -> tuple[str, ...]:
-    """Folders of code that is not the learner's: a hang is reported at the learner's line."""
-    import importlib.util
-
-    dirs = []
-    for name in ("torch", "tplab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado"):
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations:
-            dirs.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
-    return tuple(dirs)
 
 
 # --- completing what a peer waits in ----------------------------------------------------

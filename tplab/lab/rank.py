@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from tplab.lab import collectives, forward, torch_log
+from tplab.lab import collectives, forward, reports, torch_log
 from tplab.lab.collectives import REPORT
 from tplab.lab.output import strip_ansi
 from tplab.transfer import to_wire, unsendable_part
@@ -160,13 +160,13 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
                             **kwargs)
     collectives.note_collectives()
     REPORT.rank, REPORT.store = rank, store
-    REPORT.library_parts = ("<frozen", "threading.py", *collectives.package_dirs())
+    REPORT.library_parts = ("<frozen", "threading.py", *reports.package_dirs())
     NAMES.forward_output = output_to is not None
     faulthandler.enable(file=sys.__stderr__, all_threads=False)  # fd 2: the rank's err file
     sys.breakpointhook = _no_breakpoint
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, tplab=tplab)
-    threading.Thread(target=collectives.report_loop, daemon=True, name="tplab-reporter").start()
-    collectives.report_now()  # a first report: every group's count, for idle ranks
+    threading.Thread(target=reports.report_loop, daemon=True, name="tplab-reporter").start()
+    reports.report_now()  # a first report: every group's count, for idle ranks
     from tplab.lab.entry import output_paths
 
     state_dir = os.environ.get("TPLAB_STATE_DIR") or "/tmp"
@@ -222,7 +222,7 @@ def _run_cell(cell: int, body) -> tuple:
     ns = _user_ns()
     offsets = _offsets()
     reply = Reply(None)
-    issued = collectives.begin_cell(cell)
+    issued = reports.begin_cell(cell)
     try:
         reply.value = body(reply)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
@@ -231,7 +231,7 @@ def _run_cell(cell: int, body) -> tuple:
         # The notebook reads finished ranks' collective counts from their last report:
         # end_cell writes one (when the cell changed them, or the reporter wrote a
         # "running" one) before the reply can leave.
-        collectives.end_cell(cell, issued)
+        reports.end_cell(cell, issued)
         sys.stdout.flush()
         sys.stderr.flush()
     # A notebook name the cell assigned on the rank (`global x`, x = ... in %%ranks) is
