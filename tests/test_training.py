@@ -262,3 +262,38 @@ def test_the_live_view_takes_the_ranks_lines_out_of_the_output_and_redraws():
     plain.feed([(0, "stdout", f"{LIVE_PREFIX}x{LIVE_SUFFIX}\n")])
     plain.flush(final=True)
     assert "tplab-train" in shown.getvalue()
+
+
+def test_the_live_band_is_drawn_once_its_run_in_the_background_is_done():
+    import concurrent.futures
+    import json
+
+    from tplab.training.live import LiveTraining
+
+    band = concurrent.futures.Future()
+    view = LiveTraining(2, torch.tensor([3.0, 2.5]), band, widget=False)
+    view.redraw()
+    n = 1 + 2  # the reference, then a curve per rank, then the band
+    drawn = view.bundle()["application/vnd.plotly.v1+json"]["data"]
+    assert drawn[n]["y"] == [None]  # not measured yet (null in the page's JSON)
+    json.dumps(view.bundle(), allow_nan=False)  # what a kernel sends must be strict JSON
+    band.set_result({"param": [1e-5, 2e-5, 3e-5]})
+    view.seen = 2
+    view.redraw()
+    drawn = view.bundle()["application/vnd.plotly.v1+json"]["data"]
+    assert list(drawn[n]["y"]) == [2e-5, 3e-5]
+
+
+def test_a_cancelled_one_device_run_stops_between_steps():
+    import threading
+
+    from tplab.errors import LabError
+    from tplab.training.check import run_reference
+
+    cancel = threading.Event()
+    cancel.set()
+    calls = []
+    with pytest.raises(LabError, match="cancelled"):
+        run_reference(torch.nn.Linear(2, 2), lambda i: calls.append(i) or torch.ones(1, 2), 5,
+                      None, None, lambda out, batch: out.sum(), cancel=cancel)
+    assert calls == []

@@ -5,7 +5,7 @@ Every collective entry point of torch.distributed (c10d: `dist.all_reduce`...) a
 functional collectives (`funcol.all_reduce`..., which DTensor uses) is wrapped once, at
 `init_rank`, to note the call's group, its number in that group (c10d's sequence number),
 and its arguments' shapes: a few microseconds per collective, nothing per op. A reporter
-thread writes `where_now()` to the rendezvous store every 0.1 s while a cell runs, so the
+thread writes where the rank is to the rendezvous store (tplab/lab/reports.py), so the
 notebook can tell, without asking the busy rank, whether it computes or waits, and in which
 collective of which group.
 
@@ -19,15 +19,9 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
-import linecache
-import os
-import sys
 import threading
-import time
 
 WHERE_KEY = "tplab/where/{rank}"
-REPORT_INTERVAL_S = 0.1
 HISTORY = 8  # collectives remembered per group, to replay the ones a peer missed
 
 # Functions (innermost first) whose frame on the stack means "waiting in a collective".
@@ -82,6 +76,9 @@ class RankReport:
         self.issued: dict[str, collections.deque] = {}  # group name -> recent calls
         self.order = 0  # calls noted so far, on every group
         self.reported_cell: int | None = None  # the cell the reporter last wrote about
+        # Held while a report is written and while a cell starts or ends: a reporter's
+        # snapshot of a running cell can never land after the cell's final report.
+        self.lock = threading.Lock()
         self.library_parts: tuple[str, ...] = ("<frozen", "threading.py")
 
 
@@ -179,7 +176,7 @@ def groups_now() -> dict[str, dict]:
     return found
 
 
-def _history() -> dict[str, list]:
+def history() -> dict[str, list]:
     """group name -> recent calls, described for a peer that must replay them."""
     out = {}
     for name, calls in list(REPORT.issued.items()):
@@ -191,108 +188,6 @@ def _history() -> dict[str, list]:
                          "kwargs": {k: _describe(v) for k, v in kwargs.items()}})
         out[name] = rows
     return out
-
-
-# --- where is this rank? -------------------------------------------------------------------
-
-
-def _shape_of(frame) -> list[int] | None:
-    try:
-        found = frame.f_locals
-    except Exception:  # noqa: BLE001 - a frame in the middle of changing
-        return None
-    for name in ("tensor", "input", "input_tensor", "output_tensor", "self", "local_tensor"):
-        try:
-            shape = getattr(found.get(name), "shape", None)
-            if shape is not None:
-                return [int(s) for s in shape]
-        except Exception:  # noqa: BLE001 - an object whose .shape raises, a symbolic size
-            continue
-    return None
-
-
-def where_now() -> dict:
-    """Snapshot of the main thread: which cell, computing or in which collective, at which
-    line of the learner's code, and every group's collective count."""
-    state = REPORT
-    snap: dict = {"rank": state.rank, "time": time.time(), "groups": groups_now()}
-    if state.cell is None:
-        snap.update(state="finished", cell=state.last_cell)
-        return snap
-    snap.update(state="running", cell=state.cell,
-                seconds=round(time.monotonic() - state.cell_started, 2))
-    frame = sys._current_frames().get(state.main_thread)
-    op = shape = line = None
-    while frame is not None:
-        code = frame.f_code
-        filename = code.co_filename
-        if op is None and code.co_name in COLLECTIVE_FRAMES and "torch" in filename:
-            op, shape = COLLECTIVE_FRAMES[code.co_name], _shape_of(frame)
-        if line is None and not any(part in filename for part in state.library_parts):
-            text = linecache.getline(filename, frame.f_lineno).strip()
-            line = f"{filename}:{frame.f_lineno} {text}".strip()
-        frame = frame.f_back
-    if op is not None:
-        snap.update(state="in_collective", op=op, shape=shape, history=_history())
-    snap["line"] = line
-    return snap
-
-
-def collectives_so_far() -> tuple[int, int]:
-    """(groups, collectives issued on all of them so far): what a report must follow."""
-    import torch.distributed as dist
-
-    groups = list(dist.distributed_c10d._world.pg_names)
-    total = 0
-    for pg in groups:
-        try:
-            total += pg._get_sequence_number_for_group()
-        except Exception:
-            continue
-    return len(groups), total
-
-
-def report_now() -> None:
-    """Write this rank's snapshot at once (at the end of a cell, so the notebook learns the
-    final collective counts without waiting for the reporter)."""
-    if REPORT.store is not None and REPORT.reporting:
-        try:
-            REPORT.store.set(WHERE_KEY.format(rank=REPORT.rank), json.dumps(where_now()))
-        except Exception:
-            pass
-
-
-def report_loop() -> None:
-    """Write where this rank is every REPORT_INTERVAL_S while a cell runs. A failed report
-    (a frame that changed under us, a slow store) is retried; only a store that stays
-    unreachable for 10 s (the lab is shutting down) ends the loop."""
-    key = WHERE_KEY.format(rank=REPORT.rank)
-    failures = 0
-    while failures < 10 / REPORT_INTERVAL_S:
-        time.sleep(REPORT_INTERVAL_S)
-        cell = REPORT.cell
-        if not REPORT.reporting or cell is None:
-            continue
-        if time.monotonic() - REPORT.cell_started < REPORT_INTERVAL_S:
-            continue
-        try:
-            REPORT.store.set(key, json.dumps(where_now()))
-            REPORT.reported_cell = cell
-            failures = 0
-        except Exception:  # noqa: BLE001 - reported on the next round
-            failures += 1
-
-
-def package_dirs() -> tuple[str, ...]:
-    """Folders of code that is not the learner's: a hang is reported at the learner's line."""
-    import importlib.util
-
-    dirs = []
-    for name in ("torch", "tplab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado"):
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.submodule_search_locations:
-            dirs.extend(os.path.join(p, "") for p in spec.submodule_search_locations)
-    return tuple(dirs)
 
 
 # --- completing what a peer waits in ----------------------------------------------------

@@ -1,6 +1,6 @@
 """Reading the ranks' reports of where they are: who waits for whom, and in words.
 
-A report (tplab/lab/collectives.py `where_now`) says whether a rank computes or waits in a
+A report (tplab/lab/reports.py `where_now`) says whether a rank computes or waits in a
 collective, and how many collectives it has issued on each of its groups. From these:
 - `owed`: collectives that a rank waits in and a peer will never call, because the peer
   finished the cell (or was not asked to run it) with fewer collectives on that group;
@@ -62,7 +62,9 @@ def blocked_on(view: RankView) -> tuple[str, int, dict] | None:
 
 def owed(views_: dict[int, RankView]) -> dict[tuple[int, str], tuple[int, int]]:
     """(idle rank, group) -> (its seq, the seq a waiting member reached): collectives a
-    waiting rank issued on a group that an idle member (finished, or not asked) lacks."""
+    waiting rank issued on a group that an idle member (finished, or not asked) lacks.
+    A finished member whose report still says it runs has not had its final report read:
+    its counts are not final, so nothing is owed by it yet."""
     found: dict[tuple[int, str], tuple[int, int]] = {}
     for w in views_.values():
         if w.state != "waiting":
@@ -71,6 +73,9 @@ def owed(views_: dict[int, RankView]) -> dict[tuple[int, str], tuple[int, int]]:
             for p in info.get("ranks", []):
                 peer = views_.get(p)
                 if peer is None or peer.state not in ("finished", "not asked"):
+                    continue
+                if peer.state == "finished" and peer.report.get("state", "finished") \
+                        != "finished":
                     continue
                 have = peer.seq(group)
                 if have is not None and have < info["seq"]:

@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from tplab.lab import collectives, forward, torch_log
+from tplab.lab import collectives, forward, reports, torch_log
 from tplab.lab.collectives import REPORT
 from tplab.lab.output import strip_ansi
 from tplab.transfer import to_wire, unsendable_part
@@ -160,13 +160,13 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
                             **kwargs)
     collectives.note_collectives()
     REPORT.rank, REPORT.store = rank, store
-    REPORT.library_parts = ("<frozen", "threading.py", *collectives.package_dirs())
+    REPORT.library_parts = ("<frozen", "threading.py", *reports.package_dirs())
     NAMES.forward_output = output_to is not None
     faulthandler.enable(file=sys.__stderr__, all_threads=False)  # fd 2: the rank's err file
     sys.breakpointhook = _no_breakpoint
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, tplab=tplab)
-    threading.Thread(target=collectives.report_loop, daemon=True, name="tplab-reporter").start()
-    collectives.report_now()  # a first report: every group's count, for idle ranks
+    threading.Thread(target=reports.report_loop, daemon=True, name="tplab-reporter").start()
+    reports.report_now()  # a first report: every group's count, for idle ranks
     from tplab.lab.entry import output_paths
 
     state_dir = os.environ.get("TPLAB_STATE_DIR") or "/tmp"
@@ -222,15 +222,16 @@ def _run_cell(cell: int, body) -> tuple:
     ns = _user_ns()
     offsets = _offsets()
     reply = Reply(None)
-    issued = collectives.collectives_so_far()
-    REPORT.cell_started = time.monotonic()
-    REPORT.cell = cell
+    issued = reports.begin_cell(cell)
     try:
         reply.value = body(reply)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
         reply.value = _failure(exc)
     finally:
-        REPORT.last_cell, REPORT.cell = cell, None
+        # The notebook reads finished ranks' collective counts from their last report:
+        # end_cell writes one (when the cell changed them, or the reporter wrote a
+        # "running" one) before the reply can leave.
+        reports.end_cell(cell, issued)
         sys.stdout.flush()
         sys.stderr.flush()
     # A notebook name the cell assigned on the rank (`global x`, x = ... in %%ranks) is
@@ -241,10 +242,6 @@ def _run_cell(cell: int, body) -> tuple:
     names = _rank_names(ns)
     if names != NAMES.last_sent:
         reply.names = NAMES.last_sent = names
-    # The notebook reads finished ranks' collective counts from their last report: write
-    # one when this cell changed them, or when the reporter wrote a "running" one.
-    if REPORT.reported_cell == cell or collectives.collectives_so_far() != issued:
-        collectives.report_now()
     if NAMES.forward_output:
         reply.output = (_read_from(1, offsets[0]), _read_from(2, offsets[1]))
     try:

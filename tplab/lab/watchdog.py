@@ -63,7 +63,7 @@ class Watchdog:
         self._store = None
 
     def where(self) -> dict[int, dict]:
-        """rank -> the latest report of that rank (see collectives.where_now)."""
+        """rank -> the latest report of that rank (see reports.where_now)."""
         found = {}
         if self._store is None:
             return found
@@ -85,8 +85,14 @@ class Watchdog:
                     continue
         return found
 
-    def _views(self, res: RankResults, cell: int) -> dict[int, diagnose.RankView]:
-        return diagnose.views(self.where(), cell, res.ranks, res.finished(), self.world_size,
+    def views_now(self, res: RankResults, cell: int) -> dict[int, diagnose.RankView]:
+        """What each rank is doing now. Which ranks finished is read before their reports:
+        a rank whose reply came has its final report in the store (reports.end_cell),
+        while a report read first and a reply that came just after would pair a finished
+        rank with an older, running report, whose lower collective counts look like
+        collectives the rank never called (a false mismatch, and a replay that hangs)."""
+        done = res.finished()
+        return diagnose.views(self.where(), cell, res.ranks, done, self.world_size,
                               time.time())
 
     # --- recovering by a restart ------------------------------------------------------
@@ -137,7 +143,7 @@ class Watchdog:
                 continue
             next_check = now + CHECK_S
             self._check_alive(res, live)
-            views = self._views(res, cell)
+            views = self.views_now(res, cell)
             if self._free_owed(res, cell, views, state, live):
                 continue
             signature = _signature(views)
@@ -196,7 +202,7 @@ class Watchdog:
             self._pump(live)
             self._check_alive(res, live)
             if time.monotonic() > deadline:
-                self._hang(res, cell, self._views(res, cell), live,
+                self._hang(res, cell, self.views_now(res, cell), live,
                            "completing the missed collectives did not free the stuck ranks")
             time.sleep(POLL_S)
         for ar in pending:
@@ -301,7 +307,7 @@ class Watchdog:
             self._pump(live)
             res.ar.wait(POLL_S)
             try:
-                self._free_owed(res, cell, self._views(res, cell), state, live)
+                self._free_owed(res, cell, self.views_now(res, cell), state, live)
             except CollectiveHang as hang:
                 return str(hang).rsplit("\n", 1)[-1]
         if res.pending():

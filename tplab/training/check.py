@@ -31,9 +31,11 @@ at the end (`report.figure()`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import os
+import threading
 import uuid
 
 import torch
@@ -54,9 +56,11 @@ from tplab.training.ranks import (
 from tplab.training.report import WORDS, TrainReport
 
 
-def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order=None):
+def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order=None,
+                  cancel: threading.Event | None = None):
     """One device: `steps` of the user's step on `model`. Returns (losses, {parameter name:
-    [steps + 1, *shape] trajectory}, batch checksums)."""
+    [steps + 1, *shape] trajectory}, batch checksums). `cancel` (set by another thread)
+    stops it between steps with a LabError."""
     optimizer = (make_optimizer or default_optimizer)(model.parameters())
     named = list(model.named_parameters())
     traj = {n: [p.detach().clone()] for n, p in named}
@@ -64,6 +68,8 @@ def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order
     user_step = step or (lambda m, o, b: default_step(m, o, b, loss_fn))
     with order or contextlib.nullcontext():
         for i in range(steps):
+            if cancel is not None and cancel.is_set():
+                raise LabError("train_check: the one-device run was cancelled")
             batch = make_batch(i)
             sums.append(batch_sum(batch))
             losses.append(plain_loss(user_step(model, optimizer, batch)))
@@ -111,8 +117,6 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
     """Train on the ranks of `lab` (a Lab or a Simulation) and on one device from the same
     weights, and compare them step by step against a measured noise band. See the module
     docstring."""
-    from tplab.training.live import LiveTraining, live_default
-
     _check_args(steps, make_batch, step, make_optimizer, loss_fn, build_model, live)
     if getattr(lab, "closed", False):
         raise LabError("train_check: this lab was shut down; start a new one")
@@ -133,12 +137,42 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
     twin = build_model()
     twin.load_state_dict(state)
     rng.reference_tracker(twin, tp)
-    with reference_threads(lab):
+    cancel = threading.Event()
+
+    def measure_noise():
+        noise_losses, noise, _ = run_reference(twin, make_batch, steps, step, make_optimizer,
+                                               loss_fn, ReductionOrder(max(tp, 2)), cancel)
+        return noise_band(ref_losses, noise_losses, ref, noise)
+
+    with reference_threads(lab), concurrent.futures.ThreadPoolExecutor(1) as pool:
         ref_losses, ref, ref_sums = run_reference(model, make_batch, steps, step,
                                                   make_optimizer, loss_fn)
-        noise_losses, noise, _ = run_reference(twin, make_batch, steps, step, make_optimizer,
-                                               loss_fn, ReductionOrder(max(tp, 2)))
-    band = noise_band(ref_losses, noise_losses, ref, noise)
+        # The band's run needs nothing from the ranks, nor they from it: with rank
+        # processes it runs in a thread of this process while they train (benchmarks/
+        # train_check.py); a Simulation computes in this process, so it runs first.
+        band = pool.submit(measure_noise)
+        if getattr(lab, "backend", "") == "simulated":
+            band.result()
+        try:
+            results = _train_ranks(lab, build_model, state, plan, make_batch, steps, step,
+                                   make_optimizer, loss_fn, dp, param_map, ref, shapes,
+                                   aliases, ref_losses, band, live)
+        except BaseException:
+            cancel.set()
+            raise
+        results, view = results
+        band = band.result()
+    report = _report(results, ref_losses, ref_sums, ref, band, dp, tp, lab.world_size, kinds)
+    if view is not None:
+        view.finish(report)
+    return report
+
+
+def _train_ranks(lab, build_model, state, plan, make_batch, steps, step, make_optimizer,
+                 loss_fn, dp, param_map, ref, shapes, aliases, ref_losses, band, live):
+    """The ranks' run (tplab/training/ranks.py), live or not; returns (results, view)."""
+    from tplab.training.live import LiveTraining, live_default
+
     live = live_default(lab) if live is None else live
     view = LiveTraining(lab.world_size, ref_losses, band) if live else None
     path = None
@@ -156,10 +190,7 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
         if path:
             with contextlib.suppress(OSError):
                 os.remove(path)
-    report = _report(results, ref_losses, ref_sums, ref, band, dp, tp, lab.world_size, kinds)
-    if view is not None:
-        view.finish(report)
-    return report
+    return results, view
 
 
 def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_grad):

@@ -7,8 +7,9 @@ ranks' output files while a cell runs (tplab/lab/streams.py); lines with the mar
 `outputs` are set to the figure (at most every REDRAW_S): the way tplab's explorers redraw
 a plotly figure in JupyterLab while a cell runs (a display updated by id is not redrawn by
 JupyterLab's plotly renderer; plotly's FigureWidget needs anywidget, which the lab does not
-install). The reference's loss curve and the noise band are drawn at once: the ranks'
-curves grow over them. At the end the exact rows (with the replica spread, which needs
+install). The reference's loss curve is drawn at once, the noise band as soon as its run
+(in a thread of the notebook while the ranks train) is done: the ranks' curves grow over
+them. At the end the exact rows (with the replica spread, which needs
 every rank's copies) replace the live ones.
 """
 
@@ -35,12 +36,17 @@ def live_default(lab) -> bool:
 class LiveTraining:
     """Rows filled in as the ranks' lines arrive, and the figure redrawn from them."""
 
-    def __init__(self, world_size: int, ref_losses, band: dict, widget: bool | None = None):
+    def __init__(self, world_size: int, ref_losses, band, widget: bool | None = None):
+        """`band`: noise_band's dict, or a Future of it (the band's run goes on while the
+        ranks train: its curve is drawn once it is measured)."""
         self.world_size = world_size
         self.rows = [{"step": i + 1, "ref_loss": float(v), "losses": [None] * world_size,
-                      "param_diff": 0.0, "param_band": band["param"][i + 1],
+                      "param_diff": 0.0, "param_band": math.nan,
                       "replica_spread": None, "param": ""}
                      for i, v in enumerate(ref_losses.tolist())]
+        self._band = band if hasattr(band, "done") else None
+        if self._band is None:
+            self._set_band(band)
         self.seen = 0  # the last step every rank has reported
         self.updates = 0  # figure redraws (a test counts them)
         self.figure = training_figure(self._drawn(), world_size)
@@ -54,6 +60,10 @@ class LiveTraining:
             self.output = w.Output()
             display(self.output)
             self._show()
+
+    def _set_band(self, band: dict) -> None:
+        for i, row in enumerate(self.rows):
+            row["param_band"] = band["param"][i + 1]
 
     def _drawn(self) -> list[dict]:
         return [r if r["step"] <= self.seen else {**r, "param_band": r["param_band"],
@@ -84,6 +94,9 @@ class LiveTraining:
         directly (plotly's validation of every list, redone at each redraw, cost about
         0.3 s a redraw here: benchmarks/train_check.py)."""
         self._drawn_at = time.monotonic() if now is None else now
+        if self._band is not None and self._band.done() and self._band.exception() is None:
+            self._set_band(self._band.result())
+            self._band = None
         shown = self.rows[:max(self.seen, 1)]
         steps = [r["step"] for r in shown]
         data = self.bundle()["application/vnd.plotly.v1+json"]["data"]
@@ -92,7 +105,8 @@ class LiveTraining:
         for k in range(self.world_size):
             data[1 + k]["x"], data[1 + k]["y"] = steps, [r["losses"][k] for r in shown]
         n = 1 + self.world_size
-        data[n]["x"], data[n]["y"] = steps, [r["param_band"] for r in shown]
+        data[n]["x"], data[n]["y"] = steps, [None if math.isnan(r["param_band"])
+                                             else r["param_band"] for r in shown]  # JSON
         data[n + 1]["x"], data[n + 1]["y"] = steps, [max(r["param_diff"], 1e-12)
                                                      for r in shown]
         self.updates += 1
