@@ -62,17 +62,14 @@ def _all_reduce(x, group):
     return x
 
 
-# The name `tplab.trace` gives each operator's collectives (a record's "cause"), by the
-# Function (or hook) that issues them; see `Trace.explain()`.
-OPERATORS = {"CopyToTP": "f", "CopyToTPNoReduce": "f", "ReduceFromTP": "g",
-             "ScatterToTP": "scatter", "GatherFromTP": "gather",
-             "AllGatherSeq": "sp all-gather", "ReduceScatterSeq": "sp reduce-scatter",
-             "all_reduce_grad": "dW all-reduce"}
-
-
 def all_reduce_grad(grad, mesh):
     """A gradient hook: sum a replicated parameter's partial gradient over the tp ranks."""
     return _all_reduce(grad, tp_group(mesh)[0])
+
+
+# The name `tplab.trace` gives an operator's collectives (a record's "cause") is the `label`
+# of the Function (or hook) that issues them (`tplab.causes.find_cause`; `Trace.explain()`).
+all_reduce_grad.label = "dW all-reduce"
 
 
 def _all_gather(x, group, size, dim):
@@ -117,6 +114,8 @@ def _check_divisible(what, length, size):
 class CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce backward (Megatron `_CopyToModelParallelRegion`)."""
 
+    label = "f"
+
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
@@ -131,6 +130,8 @@ class CopyToTP(torch.autograd.Function):
 class CopyToTPNoReduce(torch.autograd.Function):
     """f with its backward all-reduce removed: the bug the lessons show (input grads wrong)."""
 
+    label = "f"
+
     @staticmethod
     def forward(ctx, x):
         return x.view_as(x)
@@ -142,6 +143,8 @@ class CopyToTPNoReduce(torch.autograd.Function):
 
 class ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward, identity backward (Megatron `_ReduceFromModelParallelRegion`)."""
+
+    label = "g"
 
     @staticmethod
     def forward(ctx, x, group):
@@ -157,6 +160,8 @@ class ScatterToTP(torch.autograd.Function):
     `_ScatterToModelParallelRegion`; on the sequence dim `_ScatterToSequenceParallelRegion`).
     """
 
+    label = "scatter"
+
     @staticmethod
     def forward(ctx, x, group, size, rank, dim):
         ctx.args = group, size, dim
@@ -170,6 +175,8 @@ class ScatterToTP(torch.autograd.Function):
 
 class GatherFromTP(torch.autograd.Function):
     """All-gather on `dim`; backward keeps my chunk (Megatron `_GatherFromModelParallelRegion`)."""
+
+    label = "gather"
 
     @staticmethod
     def forward(ctx, x, group, size, rank, dim):
@@ -188,6 +195,8 @@ class AllGatherSeq(torch.autograd.Function):
     Korthikanti et al. 2022, section 4.2.2).
     """
 
+    label = "sp all-gather"
+
     @staticmethod
     def forward(ctx, x, group, size, dim):
         ctx.args = group, size, dim
@@ -204,6 +213,8 @@ class ReduceScatterSeq(torch.autograd.Function):
     parallelism in Korthikanti et al. 2022, section 4.2.2).
     """
 
+    label = "sp reduce-scatter"
+
     @staticmethod
     def forward(ctx, x, group, size, dim):
         ctx.args = group, size, dim
@@ -212,6 +223,12 @@ class ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_gather(grad, *ctx.args), None, None, None
+
+
+# {operator's name: the label its collectives carry in a trace}
+OPERATORS = {op.__name__: op.label for op in (
+    CopyToTP, CopyToTPNoReduce, ReduceFromTP, ScatterToTP, GatherFromTP, AllGatherSeq,
+    ReduceScatterSeq, all_reduce_grad)}
 
 
 def copy_to_tp(x: torch.Tensor, mesh, *, reduce_grad: bool = True) -> torch.Tensor:

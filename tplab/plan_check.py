@@ -58,7 +58,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils._pytree import tree_flatten
 
-from tplab import plans
+from tplab import placements, plans
 from tplab.errors import PlanError
 from tplab.layout_flow import (
     Flow,
@@ -158,7 +158,7 @@ def _fix(flow: Flow, consumer: str, style, actual, expected, ndim: int) -> str:
     expected = normalized(expected, ndim)
     src = flow.source or flow.via
     last = Shard(ndim - 1)
-    as_input = f"Shard({'-1' if actual == last else actual.dim})" if type(actual) is Shard \
+    as_input = placements.shard(-1 if actual == last else actual.dim) if type(actual) is Shard \
         else layout_name(actual)
     if actual == last and expected == Replicate() and type(style) is ColwiseParallel:
         tail = f", or give {src} output_layouts=Replicate() (an all-gather)" if src else ""

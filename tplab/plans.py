@@ -24,9 +24,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tplab import plan_check
+from tplab import placements, plan_check
 from tplab.errors import PlanError
-from tplab.transfer import placement_name
 
 # --- the named plans ---------------------------------------------------------------------
 
@@ -260,7 +259,7 @@ def apply_plan(model: nn.Module, mesh, plan: dict, example_input=None) -> nn.Mod
 def _fmt(layouts) -> str:
     if layouts is None:
         return "-"
-    items = [placement_name(p) if p is not None else "-" for p in layouts]
+    items = [placements.name(p) if p is not None else "-" for p in layouts]
     return ", ".join(items)
 
 
@@ -278,20 +277,20 @@ def _describe(style, module: nn.Module) -> tuple[dict, str, str]:
         weight_dim = (1 if embedding else 0) if colwise else (0 if embedding else 1)
         for name, _ in module.named_parameters(recurse=False):
             bias_layout = Shard(0) if colwise else Replicate()
-            params[name] = placement_name(Shard(weight_dim) if name == "weight" else bias_layout)
+            params[name] = placements.name(Shard(weight_dim) if name == "weight" else bias_layout)
         if colwise:
             desired = style.desired_input_layouts
-            partial_out = "Shard(-1)"
+            partial_out = placements.shard(-1)
         else:
             desired = (Replicate(),) if embedding else (Shard(-1),)
-            partial_out = "Partial(sum)"
+            partial_out = placements.PARTIAL
         inputs = _arrow(style.input_layouts, desired, False)
         outputs = f"{partial_out} -> {_fmt(style.output_layouts)}"
         if partial_out == _fmt(style.output_layouts):
             outputs = partial_out
         return params, inputs, outputs + (" (local)" if style.use_local_output else "")
     if isinstance(style, SequenceParallel):
-        params = {name: "Replicate()" for name, _ in module.named_parameters(recurse=False)}
+        params = {name: placements.REPLICATE for name, _ in module.named_parameters(recurse=False)}
         layout = _fmt(style.sequence_sharding)
         return params, layout, layout + (" (local)" if style.use_local_output else "")
     if isinstance(style, PrepareModuleInputOutput):

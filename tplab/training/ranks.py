@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from tplab import placements
 from tplab.check import call_loss, loss_context, replica_slice
 from tplab.pairing import pair, tp_layout
 from tplab.pytrees import call_model, leaves, map_tensors
@@ -98,10 +99,9 @@ def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
     if isinstance(param, DTensor):
         return distribute_tensor(ref, param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
-    placement = info["placement"] or "Replicate()"
-    if not placement.startswith("Shard("):
+    dim = placements.shard_dim(info["placement"])
+    if dim is None:
         return ref
-    dim = int(placement[6:-1])
     _, size, rank = tp_group(mesh)
     if info["padded"]:
         pad = [0, 0] * (ref.ndim - dim - 1) + [0, info["padded"] - ref.shape[dim]]
@@ -142,7 +142,7 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     pairs, lone_ranks, lone_ref, problems = pair(ref_info["shapes"], described, tp, param_map,
                                                  ref_info["aliases"])
     params = dict(model.named_parameters())
-    kept = [p for p in pairs if p["placement"] != "mesh"]
+    kept = [p for p in pairs if p["placement"] != placements.MESH]
     if len(kept) < len(pairs):
         raise TypeError("train_check compares parameters laid out on the tp dim; FSDP2 "
                         "(fully_shard) parameters on the whole mesh are not supported")
