@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from tplab import ops, placements
+from tplab import megatron, ops, placements
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TPLAB = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -188,8 +188,6 @@ def short_cause(cause: str) -> str:
     """A figure label for a cause: "P(sum)→R" for "Partial(sum) -> Replicate()", a
     tplab.megatron operator's name as it is (but "f" and "g", drawn as the role letter),
     "" for a line of user code (too long for a label)."""
-    from tplab import megatron
-
     if " -> " in cause:
         return placements.short(cause.partition(" (")[0])
     if cause in megatron.OPERATORS.values() and cause not in ("f", "g"):

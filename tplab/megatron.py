@@ -30,24 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from tplab import models
 from tplab.errors import PlanError
-from tplab.mesh import tp_mesh
-
-
-def tp_group(mesh):
-    """(process group, size, my rank in it) of the tp dim of a mesh, or of a group itself.
-
-    On a 2-D mesh (dp, tp) this is the 1-D tp sub-mesh `mesh["tp"]`: each dp replica has its
-    own tp group, and this rank talks to the one it belongs to.
-    """
-    if isinstance(mesh, DeviceMesh):
-        sub = tp_mesh(mesh)
-        return sub.get_group(), sub.size(), sub.get_local_rank()
-    return mesh, dist.get_world_size(mesh), dist.get_rank(mesh)
-
+from tplab.mesh import split, tp_group, tp_mesh  # noqa: F401 (megatron.split, .tp_group)
 
 # --- the collectives, on one dim ---------------------------------------------------------
 
@@ -89,16 +76,6 @@ def _reduce_scatter(x, group, size, dim):
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     _single("reduce_scatter_single", "reduce_scatter_tensor")(out, x, group=group)
     return out.movedim(0, dim)
-
-
-def split(x: torch.Tensor, size: int, rank, dim: int) -> torch.Tensor:
-    """This rank's chunk of `x` on `dim` (equal chunks in rank order, as `torch.chunk`);
-    works in `tplab.simulate`, where `rank` holds every rank's value."""
-    n = x.shape[dim] // size
-    # index_select rather than narrow: in tplab.simulate `rank` holds every rank's value, and
-    # an index tensor built from it carries them into the op (narrow needs one int)
-    index = torch.arange(n, device=x.device) + rank * n
-    return x.index_select(dim, index)
 
 
 _split = split
@@ -399,8 +376,6 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False,
     backward, in its `finalize_model_grads`). `reduce_grad=False` removes f's backward
     all-reduce everywhere. On a 2-D (dp, tp) mesh the layers split over tp only.
     """
-    from tplab import models
-
     sp = sequence_parallel
     col = functools.partial(ColumnParallelLinear, mesh=mesh, copy_input=False)
     row = functools.partial(RowParallelLinear, mesh=mesh, sequence_parallel=sp)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+from fnmatch import fnmatch
 
 import torch
 import torch.nn as nn
@@ -58,7 +59,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils._pytree import tree_flatten
 
-from tplab import placements, plans
+from tplab import placements
 from tplab.errors import PlanError
 from tplab.layout_flow import (
     Flow,
@@ -363,11 +364,21 @@ def _on_meta(x):
     return map_tensors(lambda t: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta"), x)
 
 
+def match(model: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
+    """The (path, module) pairs a plan key selects, with parallelize_module's fnmatch rule."""
+    found = [("", model)]
+    for token in key.split(".") if key else []:
+        found = [(f"{path}.{name}" if path else name, child)
+                 for path, module in found for name, child in module.named_children()
+                 if fnmatch(name, token)]
+    return found
+
+
 def styles_by_module(model: nn.Module, plan: dict) -> dict[str, list]:
     """{module path: [styles]} as parallelize_module applies a plan (fnmatch keys)."""
     found: dict[str, list] = {}
     for key, style in plan.items():
-        for path, _ in plans.match(model, key):
+        for path, _ in match(model, key):
             found.setdefault(path, []).append(style)
     return found
 

@@ -10,7 +10,6 @@ matches nothing and skips it, and shards an indivisible dimension unevenly witho
 from __future__ import annotations
 
 import difflib
-from fnmatch import fnmatch
 
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
@@ -26,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from tplab import placements, plan_check
 from tplab.errors import PlanError
+from tplab.plan_check import match  # noqa: F401 (tplab.plans.match)
 
 # --- the named plans ---------------------------------------------------------------------
 
@@ -120,16 +120,6 @@ def lm(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
 
 
 # --- applying and checking ---------------------------------------------------------------
-
-
-def match(model: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
-    """The (path, module) pairs a plan key selects, with parallelize_module's fnmatch rule."""
-    found = [("", model)]
-    for token in key.split(".") if key else []:
-        found = [(f"{path}.{name}" if path else name, child)
-                 for path, module in found for name, child in module.named_children()
-                 if fnmatch(name, token)]
-    return found
 
 
 def _shard_rule(style, module: nn.Module) -> list[tuple[str, int]]:
