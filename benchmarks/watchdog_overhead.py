@@ -29,7 +29,7 @@ def mlp_step_times(steps: int, rounds: int) -> dict[str, list[float]]:
         parallelize_module,
     )
 
-    from tplab.lab import rank as rank_side
+    from tplab.rank import runner as rank_side
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)

@@ -1,11 +1,15 @@
 """tplab's modules import each other without cycles: each module's top-level imports (read
 with ast, the ones a module runs when it loads) form a graph with no loop, so the order
-the modules load in is the order they depend on each other."""
+the modules load in is the order they depend on each other. And the sides: the rank side
+(tplab/rank/ and the TP code a rank runs) loads nothing of the notebook side."""
 
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
+import subprocess
+import sys
 
 import tplab
 
@@ -104,3 +108,59 @@ def test_tplab_has_no_import_cycles():
     assert not loops, "import cycles among tplab's modules: " + "; ".join(
         " <-> ".join(f"{m} (imports {sorted(graph[m] & set(loop))})" for m in loop)
         for loop in loops)
+
+
+# --- the sides: tplab/rank/ runs inside the rank processes -------------------------------
+
+RANK_SIDE = ["tplab.rank", "tplab.rank.runner", "tplab.rank.collectives", "tplab.rank.network",
+             "tplab.rank.entry", "tplab.rank.forward", "tplab.rank.torch_log",
+             # the TP code a cell runs on the ranks
+             "tplab.mesh", "tplab.megatron", "tplab.models", "tplab.plans", "tplab.rng",
+             "tplab.tracing", "tplab.causes", "tplab.pairing", "tplab.check", "tplab.footprint",
+             "tplab.hf", "tplab.transfer", "tplab.placements", "tplab.ops"]
+NOTEBOOK_ONLY = ("IPython", "ipykernel", "ipyparallel", "plotly", "ipywidgets", "tplab.lab",
+                 "tplab.viz", "tplab.widgets")
+
+
+def loaded_after_import(modules: list[str], *, env=None) -> list[str]:
+    """The modules a fresh interpreter holds after importing `modules` (a subprocess: this
+    test process has imported the notebook side already)."""
+    code = ("import importlib, json, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT.parent, env=env)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def notebook_side(loaded: list[str], allowed: tuple = ()) -> list[str]:
+    return [m for m in loaded if any(m == p or m.startswith(p + ".") for p in NOTEBOOK_ONLY)
+            and not any(m == a or m.startswith(a + ".") for a in allowed)]
+
+
+def test_the_rank_side_imports_nothing_of_the_notebook_side():
+    loaded = loaded_after_import(RANK_SIDE)
+    assert "tplab.rank.runner" in loaded and "torch" in loaded
+    assert notebook_side(loaded) == []
+
+
+def test_a_ranks_output_stream_needs_only_the_engines_kernel():
+    # the engine's out_stream_factory subclasses ipykernel's OutStream (IPython comes with
+    # it, as in every engine); the ipyparallel client, plotly and widgets stay out
+    loaded = loaded_after_import(["tplab.rank.stream"])
+    assert "ipykernel.iostream" in loaded
+    assert notebook_side(loaded, allowed=("IPython", "ipykernel")) == []
+
+
+def test_the_side_check_sees_a_notebook_import():
+    assert notebook_side(loaded_after_import(["tplab.lab.streams"])) != []
+
+
+def test_no_rank_module_names_the_notebook_side():
+    # function-level imports too: a rank runs those when it calls the function
+    for path in (ROOT / "rank").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith(("tplab.lab", "tplab.viz")), (path, node.module)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("tplab.lab") for a in node.names), path

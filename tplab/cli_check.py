@@ -304,7 +304,7 @@ def _rank_line(exc) -> str:
     """A RankError in one line: the exception's own line on the first rank, and where."""
     import re
 
-    from tplab.lab.output import format_rank_list
+    from tplab.output import format_rank_list
 
     rank, tb = next(iter(exc.tracebacks.items()))
     name = exc.enames.get(rank) or r"\w+(?:Error|Exception|Exit|Interrupt)"

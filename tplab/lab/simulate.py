@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from tplab.errors import LabError, PlanError, RankError, RankPlanError
-from tplab.lab import torch_log
+from tplab.rank import torch_log
 from tplab.transfer import LocalShard, describe_dtensor
 
 
@@ -169,8 +169,8 @@ class Simulation:
                 self._only_on[name] = held
 
     def pull(self, name: str, ranks=None) -> list:
-        from tplab.lab.output import format_rank_list
         from tplab.lab.validate import check_ranks
+        from tplab.output import format_rank_list
 
         if not isinstance(name, str):
             raise TypeError(f"sim.pull needs a name (a string), got {type(name).__name__}")

@@ -18,7 +18,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from tplab import placements
-from tplab.lab.output import format_rank_list
+from tplab.output import format_rank_list
 from tplab.transfer import LocalShard
 from tplab.viz.palette import SHARED_COLOR, rank_color, style
 

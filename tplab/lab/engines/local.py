@@ -1,7 +1,7 @@
 """Local ranks: engines on this machine, forked from a fork server (tplab/lab/processes.py)
 that imported torch once, or started anew (`fork=False`). Their pids are this machine's:
 the lab interrupts them by pid, reads their output files here, and watches their exit
-codes; they watch the notebook kernel's pid (tplab/lab/entry.py)."""
+codes; they watch the notebook kernel's pid (tplab/rank/entry.py)."""
 
 from __future__ import annotations
 
