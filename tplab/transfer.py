@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tplab import placements
+from tplab import placements, pytrees
 
 # numpy has no bfloat16 (or float8): send the bits as an integer array of the same width.
 _BITCAST = {
@@ -217,15 +217,10 @@ def unsendable_part(obj, rank: int = -1, path: str = "result") -> tuple[str, str
         return path, "", ""
     except Exception as exc:  # noqa: BLE001 - what fails is what we look for
         error = f"{type(exc).__name__}: {exc}"
-    children: list = []
-    if isinstance(obj, dict):
-        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-    elif isinstance(obj, list | tuple):
-        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        children = [(f"{path}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    children = pytrees.items(obj, path, python_keys=True)
+    if children is None:  # any other object: its attributes
+        has_vars = hasattr(obj, "__dict__") and not isinstance(obj, type)
+        children = [(f"{path}.{k}", v) for k, v in vars(obj).items()] if has_vars else []
     for child_path, child in children:
         found = unsendable_part(child, rank, child_path)
         if found[1]:
