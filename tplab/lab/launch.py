@@ -72,6 +72,7 @@ class Lab(Cells):
             {**(cluster_options or {}), **more_cluster_options}, launch_keywords())
         self.world_size = world_size
         self.kind = kind_for(engines, fork=fork)  # how ranks start, stop, are heard
+        self.kind.check_size(world_size, backend)
         self.backend = self.kind.resolve_backend(backend, world_size)
         self.engines = engines
         self.timeout = check_timeout(timeout, "timeout") or DEFAULT_TIMEOUT_S

@@ -55,6 +55,10 @@ class EngineKind:
         if os.environ.get("PYTHONPATH"):
             env.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])
 
+    def check_size(self, world_size: int, backend: str) -> None:
+        """Raise LabError when this kind cannot run `world_size` ranks on `backend` (before
+        anything starts); the generic kind cannot know the other hosts: the launch says."""
+
     def prepare(self, env: dict, state_dir: str) -> list[int]:
         """Start what must run before the controller; returns the pids it started."""
         return []
