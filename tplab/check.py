@@ -55,7 +55,9 @@ import torch
 
 from tplab import placements
 from tplab.errors import LabError
+from tplab.mesh import make_mesh
 from tplab.pairing import gather, gather_indexed, pair, tp_layout
+from tplab.plans import apply_plan, check_plan
 from tplab.pytrees import call_model, leaves, map_tensors
 from tplab.report import GradCheckReport, compare, unpaired, unreadable
 from tplab.transfer import LocalShard
@@ -116,9 +118,6 @@ def _parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     """Rank side: build, load the reference weights, parallelise, one forward and backward.
     With dp > 1 on a (dp, tp) mesh: this replica's slice of the batch (see module doc)."""
     import torch.distributed as dist
-
-    from tplab.mesh import make_mesh
-    from tplab.plans import apply_plan
 
     world = dist.get_world_size()
     mesh = make_mesh(tp=world) if dp == 1 else make_mesh(dp=dp, tp=world // dp)
@@ -267,8 +266,6 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
     model = build_model()
     x = make_input()
     if isinstance(plan, dict):  # a PlanError here, before anything is sent to the ranks
-        from tplab.plans import check_plan
-
         check_plan(model, plan, tp, x)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)

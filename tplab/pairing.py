@@ -25,6 +25,7 @@ import math
 import torch
 
 from tplab import placements
+from tplab.errors import LabError
 
 # --- rank side ---------------------------------------------------------------------------
 
@@ -172,8 +173,6 @@ def pair(ref: dict[str, tuple], ranks: dict[str, dict], tp: int, param_map: dict
     ref, placement, padded, how}; `problems` maps a parameter on the ranks to why a pairing
     asked for (param_map, or the same name) does not fit.
     """
-    from tplab.errors import LabError
-
     aliases = aliases or {}
     pairs, problems = [], {}
     free_ref = list(ref)

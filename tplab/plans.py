@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 from tplab import placements, plan_check
 from tplab.errors import PlanError
+from tplab.mesh import tp_mesh
 from tplab.plan_check import match  # noqa: F401 (tplab.plans.match)
 
 # --- the named plans ---------------------------------------------------------------------
@@ -234,8 +235,6 @@ def apply_plan(model: nn.Module, mesh, plan: dict, example_input=None) -> nn.Mod
     """`parallelize_module(model, mesh["tp"], plan)` after `check_plan`; returns the model.
     The layouts are checked with `example_input` if given, else at the model's first call
     (before the parallel forward runs)."""
-    from tplab.mesh import tp_mesh
-
     mesh = tp_mesh(mesh)
     check_plan(model, plan, mesh.size(), example_input)
     if example_input is None:

@@ -42,6 +42,7 @@ from tplab import placements, rng
 from tplab.check import mesh_shape
 from tplab.errors import LabError
 from tplab.pairing import gather
+from tplab.plans import check_plan
 from tplab.training.band import FACTOR, noise_band
 from tplab.training.noise import ReductionOrder
 from tplab.training.ranks import (
@@ -121,8 +122,6 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
         raise TypeError("train_check: param_map is a dict {parallel name: reference name}")
     model = build_model()
     if isinstance(plan, dict):
-        from tplab.plans import check_plan
-
         check_plan(model, plan, tp)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
