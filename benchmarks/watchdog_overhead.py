@@ -29,7 +29,7 @@ def mlp_step_times(steps: int, rounds: int) -> dict[str, list[float]]:
         parallelize_module,
     )
 
-    from tplab.lab import rank as rank_side
+    from tplab.rank.collectives import REPORT
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
@@ -39,13 +39,13 @@ def mlp_step_times(steps: int, rounds: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"watched": [], "unwatched": []}
     for i in range(2 * rounds):
         mode = "watched" if i % 2 == 0 else "unwatched"
-        rank_side.STATE.reporting = mode == "watched"
+        REPORT.reporting = mode == "watched"
         for _ in range(steps):
             dist.barrier()
             t = time.perf_counter()
             model(x).sum().backward()
             times[mode].append(time.perf_counter() - t)
-    rank_side.STATE.reporting = True
+    REPORT.reporting = True
     return times
 
 

@@ -87,3 +87,14 @@ def test_magic_with_bad_ranks_names_the_problem(line, words):
     with pytest.raises(ValueError) as info:
         parse_rank_spec(line, 4)
     assert words in str(info.value)
+
+
+def test_each_kind_checks_the_size_it_can_run():
+    from tplab.lab.engines import kind_for
+
+    # local ranks: this machine's memory and GPUs decide, before anything starts
+    with pytest.raises(tplab.LabError, match="world_size=4096 is more than this machine"):
+        kind_for("local").check_size(4096, "gloo")
+    kind_for("local").check_size(1, "gloo")
+    # ranks on other hosts: this machine's memory says nothing about them
+    kind_for("mpi").check_size(4096, "nccl")

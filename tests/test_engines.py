@@ -49,7 +49,7 @@ def sum_of_ranks_and_where():
     import torch
     import torch.distributed as dist
 
-    from tplab.lab.network import route_source
+    from tplab.rank.network import route_source
 
     x = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(x)
@@ -183,7 +183,7 @@ def test_mpi_ranks_on_two_hosts(hosts, monkeypatch, capsys):
         assert (rank_pids[0], lab.master_addr, lab.master_port) in socks  # the store
         for pid, ip, _ in socks:  # gloo on the host's address; ipyparallel on its loopback
             assert ip in (where[pid], "127.0.0.1"), (pid, ip, socks)
-        hub = [p for p in lab.pids if "tplab.lab.entry controller" in " ".join(
+        hub = [p for p in lab.pids if "tplab.rank.entry controller" in " ".join(
             psutil.Process(p).cmdline())]  # the controller and its schedulers
         hub_ips = {ip for _, ip, _ in listening(hub)}
         assert hosts.controller in hub_ips and hub_ips <= {hosts.controller, "127.0.0.1"}, \
@@ -311,7 +311,7 @@ def test_slurm_runs_four_ranks_and_cancels_its_job(slurm, monkeypatch):
     assert wait_gone(pids, 10) == []
 
 
-# --- live output from ranks elsewhere (tplab/lab/forward.py) -------------------------------
+# --- live output from ranks elsewhere (tplab/rank/forward.py) -------------------------------
 
 
 class Arrivals:

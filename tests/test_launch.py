@@ -7,7 +7,7 @@ import time
 import torch
 
 import tplab
-from tplab.lab.output import format_rank_list, print_grouped
+from tplab.output import format_rank_list, print_grouped
 
 
 def rank_times_ten():

@@ -116,9 +116,9 @@ def _placements(cfg, sequence_parallel):
     from tplab.mesh import make_mesh
 
     model = apply_plan(models.TinyLM(cfg), make_mesh(), plans.lm(sequence_parallel))
-    from tplab.transfer import placement_name
+    from tplab import placements
 
-    return {name: [placement_name(p) for p in param.placements]
+    return {name: [placements.name(p) for p in param.placements]
             if hasattr(param, "placements") else "plain"
             for name, param in model.named_parameters()}
 

@@ -116,7 +116,7 @@ def test_the_start_wait_stretches_while_ranks_use_cpu():
 
 
 def test_a_rank_that_did_not_join_is_described(tmp_path):
-    from tplab.lab.entry import output_paths
+    from tplab.rank.entry import output_paths
 
     stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

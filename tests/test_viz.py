@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from tplab import viz
+from tplab.placements import parse as parse_placement
 from tplab.transfer import LocalShard
 from tplab.viz import comm_timeline, grad_error, mesh_map, rank_color, sharding_map
 from tplab.viz.palette import PHASE_COLORS, group_look
-from tplab.viz.sharding import blocks, parse_placement
+from tplab.viz.sharding import blocks
 
 
 def shards(shape, placements, mesh=(4,), names=("tp",), offsets=True):

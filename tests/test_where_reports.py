@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from tplab.lab import diagnose, reports
-from tplab.lab.collectives import REPORT, WHERE_KEY
+from tplab.lab import diagnose
 from tplab.lab.watchdog import Watchdog
+from tplab.rank import reports
+from tplab.rank.collectives import REPORT, WHERE_KEY
 
 
 class SlowStore:

@@ -7,7 +7,7 @@ collective is dispatched, and it reads the Python stack above that call, innermo
 - inside DTensor's `redistribute_local_tensor` (torch.distributed.tensor._redistribute):
   the placements it converts, "Partial(sum) -> Replicate()", and, when a ParallelStyle's
   hook asked for it (`RowwiseParallel._prepare_output_fn`), which style and side;
-- inside one of tplab.megatron's operators (`megatron.OPERATORS`): its name, "f", "g", ...;
+- inside one of tplab's operators (`megatron.OPERATORS`): its Function's `label`, "f", "g"...;
 - inside another autograd Function's forward or backward: "MyCopy.backward" and its line;
 - otherwise the line of user code that issued it, "train.py:12 dist.all_reduce(x)".
 
@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from tplab import megatron, ops, placements
+
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TPLAB = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STYLE_HOOKS = {"_prepare_input_fn": "input", "_prepare_output_fn": "output",
@@ -35,19 +37,12 @@ _MAX_DEPTH = 60
 # (dL/dx = sum over ranks of each rank's term) in its weight form
 REPLICATED_GRAD_RULE = ("replicated weight applied to head-sharded activations: each rank "
                         "holds a partial gradient; summed over the TP group")
-# (op) -> the op of the conjugate collective in the other pass ("" = the identity)
-CONJUGATE_OPS = {"all_reduce": "", "all_gather": "reduce_scatter",
-                 "reduce_scatter": "all_gather", "all_to_all": "all_to_all",
-                 "broadcast": "reduce", "reduce": "broadcast", "scatter": "gather",
-                 "gather": "scatter", "send": "recv", "recv": "send", "barrier": "barrier"}
 # tplab.megatron's operators whose conjugate is not a collective
 _SPLIT = {"scatter": "split (keep my chunk)", "gather": "split (keep my chunk)"}
 
 
 def _placements(spec) -> str:
-    from tplab.transfer import placement_name
-
-    return ", ".join(placement_name(p) for p in spec.placements)
+    return ", ".join(placements.name(p) for p in spec.placements)
 
 
 def _user_line(frame) -> str:
@@ -80,8 +75,6 @@ def find_cause(skip: int = 1) -> tuple[str, object | None]:
     """(cause, node): why the collective being dispatched ran (see module doc), and the
     autograd node of the custom Function whose forward or backward issued it (None if
     none), so that the trace can say which module's input that Function guards."""
-    from tplab import megatron
-
     frame = sys._getframe(skip + 1)
     redistribution = line = node = None
     for _ in range(_MAX_DEPTH):
@@ -103,11 +96,8 @@ def find_cause(skip: int = 1) -> tuple[str, object | None]:
                 node = _function_node(frame)
         elif (declared := _declared_cause(frame)) is not None:
             return declared, _function_node(frame) or node
-        elif frame.f_globals.get("__name__") == "tplab.megatron":
-            own = _function_node(frame)
-            qual = _qualname(frame, own).split(".")[0]
-            if qual in megatron.OPERATORS:
-                return megatron.OPERATORS[qual], own or node
+        elif path.startswith(_TPLAB) and (label := _label(frame)) is not None:
+            return label, _function_node(frame) or node
         elif path.startswith(_TPLAB):
             pass  # tplab's own plumbing (the trace, the models, the rank runner)
         elif redistribution is not None:
@@ -120,6 +110,15 @@ def find_cause(skip: int = 1) -> tuple[str, object | None]:
                 return f"{_qualname(frame, own)}: {line}", own
         frame = frame.f_back
     return redistribution or line or "", node
+
+
+def _label(frame) -> str | None:
+    """The `label` of the tplab operator (an autograd Function or a hook, `tplab.megatron`)
+    whose code this frame runs, None for tplab's plumbing."""
+    own = _function_node(frame)
+    owner = frame.f_globals.get(_qualname(frame, own).split(".")[0])
+    label = getattr(owner, "label", None)
+    return label if isinstance(label, str) else None
 
 
 def _declared_cause(frame) -> str | None:
@@ -165,7 +164,7 @@ def conjugate(rec: dict) -> str:
     cause, op = rec.get("cause") or "", rec.get("op")
     if cause in _SPLIT:
         return f"{_SPLIT[cause]} in the {other} pass"
-    conj = CONJUGATE_OPS.get(op)
+    conj = ops.conjugate(op)
     if conj is None:
         return "?"
     text = f"{conj} in the {other} pass" if conj else f"identity in the {other} pass"
@@ -178,10 +177,10 @@ def conjugate(rec: dict) -> str:
 
 def _reverse(before: str, after: str, op: str) -> str:
     # all-gather Shard(k) -> Replicate() pairs with reduce-scatter Partial(sum) -> Shard(k)
-    if op == "all_gather":
-        return f"Partial(sum) -> {before}"
-    if op == "reduce_scatter":
-        return f"{after} -> Replicate()"
+    if op == ops.ALL_GATHER:
+        return f"{placements.PARTIAL} -> {before}"
+    if op == ops.REDUCE_SCATTER:
+        return f"{after} -> {placements.REPLICATE}"
     return f"{after} -> {before}"
 
 
@@ -189,14 +188,8 @@ def short_cause(cause: str) -> str:
     """A figure label for a cause: "P(sum)→R" for "Partial(sum) -> Replicate()", a
     tplab.megatron operator's name as it is (but "f" and "g", drawn as the role letter),
     "" for a line of user code (too long for a label)."""
-    from tplab import megatron
-
     if " -> " in cause:
-        text = cause.partition(" (")[0]
-        for long, short in (("Partial(", "P("), ("Replicate()", "R"), ("Shard(", "S("),
-                            (" -> ", "→")):
-            text = text.replace(long, short)
-        return text
+        return placements.short(cause.partition(" (")[0])
     if cause in megatron.OPERATORS.values() and cause not in ("f", "g"):
         return cause
     return ""
@@ -238,7 +231,7 @@ def explain(records: list, rank: int = 0) -> Explanation:
     rows = []
     for r in recs:
         text = conjugate(r)
-        want = CONJUGATE_OPS.get(r["op"])
+        want = ops.conjugate(r["op"])
         if want and r.get("cause") not in _SPLIT:
             other = [i for i, o in enumerate(recs) if o["phase"] != r["phase"]
                      and o["op"] == want and i not in used]

@@ -53,8 +53,11 @@ import inspect
 
 import torch
 
+from tplab import placements
 from tplab.errors import LabError
+from tplab.mesh import make_mesh
 from tplab.pairing import gather, gather_indexed, pair, tp_layout
+from tplab.plans import apply_plan, check_plan
 from tplab.pytrees import call_model, leaves, map_tensors
 from tplab.report import GradCheckReport, compare, unpaired, unreadable
 from tplab.transfer import LocalShard
@@ -116,9 +119,6 @@ def _parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     With dp > 1 on a (dp, tp) mesh: this replica's slice of the batch (see module doc)."""
     import torch.distributed as dist
 
-    from tplab.mesh import make_mesh
-    from tplab.plans import apply_plan
-
     world = dist.get_world_size()
     mesh = make_mesh(tp=world) if dp == 1 else make_mesh(dp=dp, tp=world // dp)
     model = build_model()
@@ -172,7 +172,7 @@ def _on_whole_mesh(mesh, outs, loss, grads, params, average_dp):
 
     for info in params.values():
         g = info["value"]
-        if g is not None and info["placement"] != "mesh" and average_dp:
+        if g is not None and info["placement"] != placements.MESH and average_dp:
             g = g.detach().clone()
             dist.all_reduce(g, group=mesh.get_group("dp"))
             info["value"] = g / dp
@@ -195,8 +195,8 @@ def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
         spread = max((float((v - values[0]).abs().max()) for v in values[1:]), default=None)
         return values[0], spread
     first = values[0]
-    replicate = {i for i, p in enumerate(first.placements) if p == "Replicate()"}
-    partial = any(p.startswith("Partial") for p in first.placements)
+    replicate = {i for i, p in enumerate(first.placements) if placements.is_replicate(p)}
+    partial = any(placements.is_partial(p) for p in first.placements)
     groups: dict[tuple, list[LocalShard]] = {}
     for s in values:
         key = tuple(c for i, c in enumerate(s.coordinate) if i not in replicate)
@@ -266,8 +266,6 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
     model = build_model()
     x = make_input()
     if isinstance(plan, dict):  # a PlanError here, before anything is sent to the ranks
-        from tplab.plans import check_plan
-
         check_plan(model, plan, tp, x)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)
@@ -277,7 +275,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
     def add(name, kind, values, ref, note=""):
         full, spread = assemble(values)
         if not note and isinstance(values[0], LocalShard) and any(
-                p.startswith("Partial") for p in values[0].placements):
+                placements.is_partial(p) for p in values[0].placements):
             note = "Partial on the ranks (not yet reduced); summed here"
         rows.append(compare(name, kind, full, ref, atol, rtol, note))
         if spread is not None:
@@ -325,20 +323,20 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
             why = why or next((i["unreadable"] for i in infos if i.get("unreadable")), None)
             if why:
                 break
-            if q["placement"] == "mesh":
+            if q["placement"] == placements.MESH:
                 full, spread = assemble(values)
             elif infos[0].get("index") is not None:  # a DTensor: placed as DTensor places it
                 full, spread = gather_indexed(values, [i.get("index") for i in infos],
-                                              tuple(p.shape), (q["placement"] or "")
-                                              .startswith("Partial"), tp)
+                                              tuple(p.shape),
+                                              placements.is_partial(q["placement"]), tp)
             else:
-                dim = _dim(q["placement"])
-                if q["placement"].startswith("Shard") and values[0] is not None:
+                dim = placements.shard_dim(q["placement"]) or 0
+                if placements.is_shard(q["placement"]) and values[0] is not None:
                     # every rank's piece as long as rank 0's: a padded tensor (a vocabulary
                     # padded to a multiple of tp), cut back to the reference's length
                     length = sum(v.shape[dim] for v in values[:tp])
                     q["padded"] = length if length > p.shape[dim] else 0
-                full, spread = gather(values, q["placement"] or "Replicate()", tp,
+                full, spread = gather(values, q["placement"] or placements.REPLICATE, tp,
                                       q["padded"], p.shape[dim] if p.ndim else 0)
             wholes.append(full)
             spreads.append(spread)
@@ -353,7 +351,7 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
         if len(got) > 1:
             note = ("tied in the reference, separate on the ranks: their gradients are summed "
                     "here, but an optimizer step would make the copies differ")
-        if any(q["placement"] and q["placement"].startswith("Partial") for q in got):
+        if any(placements.is_partial(q["placement"]) for q in got):
             note = note or "Partial on the ranks (not yet reduced); summed here"
         if any(q["padded"] for q in got):
             note = note or (f"padded to {got[0]['padded']} on the ranks; the padding is "
@@ -388,7 +386,3 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
     return notes
 
 
-def _dim(placement: str | None) -> int:
-    if placement and placement.startswith("Shard("):
-        return int(placement[6:-1])
-    return 0

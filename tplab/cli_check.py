@@ -139,6 +139,7 @@ def _callable(obj, argument: str, spec: str, takes: str) -> None:
 
 
 def _check_world_size(world_size: int, simulated: bool) -> None:
+    from tplab.lab.engines.local import LocalKind
     from tplab.lab.validate import MAX_LOCAL_RANKS, check_launch_args
 
     if world_size < 1:
@@ -151,6 +152,7 @@ def _check_world_size(world_size: int, simulated: bool) -> None:
         return
     try:
         check_launch_args(world_size, "auto", "local", "127.0.0.1")
+        LocalKind().check_size(world_size, "auto")
     except (LabError, TypeError, ValueError) as exc:  # more than this machine can run
         raise BadArgument(f"--world-size {world_size}: {exc}") from exc
 
@@ -304,7 +306,7 @@ def _rank_line(exc) -> str:
     """A RankError in one line: the exception's own line on the first rank, and where."""
     import re
 
-    from tplab.lab.output import format_rank_list
+    from tplab.output import format_rank_list
 
     rank, tb = next(iter(exc.tracebacks.items()))
     name = exc.enames.get(rank) or r"\w+(?:Error|Exception|Exit|Interrupt)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tplab.output import format_rank_list
+
 
 class LabError(Exception):
     """Base class of everything tplab raises on purpose."""
@@ -32,8 +34,6 @@ class RankError(LabError):
         return list(self.tracebacks)
 
     def _message(self) -> str:
-        from tplab.lab.output import format_rank_list
-
         groups: dict[str, list[int]] = {}
         for rank, tb in self.tracebacks.items():
             groups.setdefault(tb, []).append(rank)

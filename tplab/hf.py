@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from tplab import parallel_styles as ps
 from tplab.errors import PlanError
+from tplab.mesh import tp_mesh
 from tplab.plans import check_vocab
 
 # transformers' style name -> a torch DTensor style for a module (None: nothing to plan)
@@ -88,8 +89,6 @@ def apply_transformers_plan(model: nn.Module, mesh, overrides: dict | None = Non
     `src_data_rank=None`), so every rank must hold the same weights first (grad_check loads
     them). Returns the model; usable as grad_check's plan."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
-    from tplab.mesh import tp_mesh
 
     mesh = tp_mesh(mesh)
     plan = transformers_plan(model, mesh.size(), overrides)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from tplab import placements
 from tplab.errors import PlanError
 
 INPUT = "the model's input"
@@ -54,11 +55,9 @@ class Flow:
 
 def layout_name(p) -> str:
     """Replicate(), Shard(-1), Partial(sum): placements as torch prints them in plans."""
-    if isinstance(p, Shard):
-        return f"Shard({p.dim})"
     if isinstance(p, Partial):
-        return "Partial(sum)"
-    return f"{type(p).__name__}()"
+        return placements.PARTIAL  # a plan's Partial is a sum (RowwiseParallel's output)
+    return placements.name(p)
 
 
 def normalized(p, ndim: int):
@@ -69,7 +68,7 @@ def normalized(p, ndim: int):
 
 
 def short_name(p, ndim: int) -> str:
-    return "Shard(-1)" if type(p) is Shard and p.dim == ndim - 1 else layout_name(p)
+    return placements.shard(-1) if type(p) is Shard and p.dim == ndim - 1 else layout_name(p)
 
 
 def local_description(flow: Flow, ndim: int) -> str:

@@ -30,24 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from tplab import models
 from tplab.errors import PlanError
-from tplab.mesh import tp_mesh
-
-
-def tp_group(mesh):
-    """(process group, size, my rank in it) of the tp dim of a mesh, or of a group itself.
-
-    On a 2-D mesh (dp, tp) this is the 1-D tp sub-mesh `mesh["tp"]`: each dp replica has its
-    own tp group, and this rank talks to the one it belongs to.
-    """
-    if isinstance(mesh, DeviceMesh):
-        sub = tp_mesh(mesh)
-        return sub.get_group(), sub.size(), sub.get_local_rank()
-    return mesh, dist.get_world_size(mesh), dist.get_rank(mesh)
-
+from tplab.mesh import split, tp_group, tp_mesh  # noqa: F401 (megatron.split, .tp_group)
 
 # --- the collectives, on one dim ---------------------------------------------------------
 
@@ -62,17 +49,14 @@ def _all_reduce(x, group):
     return x
 
 
-# The name `tplab.trace` gives each operator's collectives (a record's "cause"), by the
-# Function (or hook) that issues them; see `Trace.explain()`.
-OPERATORS = {"CopyToTP": "f", "CopyToTPNoReduce": "f", "ReduceFromTP": "g",
-             "ScatterToTP": "scatter", "GatherFromTP": "gather",
-             "AllGatherSeq": "sp all-gather", "ReduceScatterSeq": "sp reduce-scatter",
-             "all_reduce_grad": "dW all-reduce"}
-
-
 def all_reduce_grad(grad, mesh):
     """A gradient hook: sum a replicated parameter's partial gradient over the tp ranks."""
     return _all_reduce(grad, tp_group(mesh)[0])
+
+
+# The name `tplab.trace` gives an operator's collectives (a record's "cause") is the `label`
+# of the Function (or hook) that issues them (`tplab.causes.find_cause`; `Trace.explain()`).
+all_reduce_grad.label = "dW all-reduce"
 
 
 def _all_gather(x, group, size, dim):
@@ -94,16 +78,6 @@ def _reduce_scatter(x, group, size, dim):
     return out.movedim(0, dim)
 
 
-def split(x: torch.Tensor, size: int, rank, dim: int) -> torch.Tensor:
-    """This rank's chunk of `x` on `dim` (equal chunks in rank order, as `torch.chunk`);
-    works in `tplab.simulate`, where `rank` holds every rank's value."""
-    n = x.shape[dim] // size
-    # index_select rather than narrow: in tplab.simulate `rank` holds every rank's value, and
-    # an index tensor built from it carries them into the op (narrow needs one int)
-    index = torch.arange(n, device=x.device) + rank * n
-    return x.index_select(dim, index)
-
-
 _split = split
 
 
@@ -116,6 +90,8 @@ def _check_divisible(what, length, size):
 
 class CopyToTP(torch.autograd.Function):
     """f: identity forward, all-reduce backward (Megatron `_CopyToModelParallelRegion`)."""
+
+    label = "f"
 
     @staticmethod
     def forward(ctx, x, group):
@@ -131,6 +107,8 @@ class CopyToTP(torch.autograd.Function):
 class CopyToTPNoReduce(torch.autograd.Function):
     """f with its backward all-reduce removed: the bug the lessons show (input grads wrong)."""
 
+    label = "f"
+
     @staticmethod
     def forward(ctx, x):
         return x.view_as(x)
@@ -142,6 +120,8 @@ class CopyToTPNoReduce(torch.autograd.Function):
 
 class ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward, identity backward (Megatron `_ReduceFromModelParallelRegion`)."""
+
+    label = "g"
 
     @staticmethod
     def forward(ctx, x, group):
@@ -157,6 +137,8 @@ class ScatterToTP(torch.autograd.Function):
     `_ScatterToModelParallelRegion`; on the sequence dim `_ScatterToSequenceParallelRegion`).
     """
 
+    label = "scatter"
+
     @staticmethod
     def forward(ctx, x, group, size, rank, dim):
         ctx.args = group, size, dim
@@ -170,6 +152,8 @@ class ScatterToTP(torch.autograd.Function):
 
 class GatherFromTP(torch.autograd.Function):
     """All-gather on `dim`; backward keeps my chunk (Megatron `_GatherFromModelParallelRegion`)."""
+
+    label = "gather"
 
     @staticmethod
     def forward(ctx, x, group, size, rank, dim):
@@ -188,6 +172,8 @@ class AllGatherSeq(torch.autograd.Function):
     Korthikanti et al. 2022, section 4.2.2).
     """
 
+    label = "sp all-gather"
+
     @staticmethod
     def forward(ctx, x, group, size, dim):
         ctx.args = group, size, dim
@@ -204,6 +190,8 @@ class ReduceScatterSeq(torch.autograd.Function):
     parallelism in Korthikanti et al. 2022, section 4.2.2).
     """
 
+    label = "sp reduce-scatter"
+
     @staticmethod
     def forward(ctx, x, group, size, dim):
         ctx.args = group, size, dim
@@ -212,6 +200,12 @@ class ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_gather(grad, *ctx.args), None, None, None
+
+
+# {operator's name: the label its collectives carry in a trace}
+OPERATORS = {op.__name__: op.label for op in (
+    CopyToTP, CopyToTPNoReduce, ReduceFromTP, ScatterToTP, GatherFromTP, AllGatherSeq,
+    ReduceScatterSeq, all_reduce_grad)}
 
 
 def copy_to_tp(x: torch.Tensor, mesh, *, reduce_grad: bool = True) -> torch.Tensor:
@@ -382,8 +376,6 @@ def parallelize(model: nn.Module, mesh, *, sequence_parallel: bool = False,
     backward, in its `finalize_model_grads`). `reduce_grad=False` removes f's backward
     all-reduce everywhere. On a 2-D (dp, tp) mesh the layers split over tp only.
     """
-    from tplab import models
-
     sp = sequence_parallel
     col = functools.partial(ColumnParallelLinear, mesh=mesh, copy_input=False)
     row = functools.partial(RowParallelLinear, mesh=mesh, sequence_parallel=sp)

@@ -8,6 +8,7 @@ new process groups every time.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -79,3 +80,25 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if "tp" not in names:
         raise LabError(f"a {mesh.ndim}-D mesh needs a dim named 'tp' (it has {names})")
     return mesh["tp"]
+
+
+def tp_group(mesh):
+    """(process group, size, my rank in it) of the tp dim of a mesh, or of a group itself.
+
+    On a 2-D mesh (dp, tp) this is the 1-D tp sub-mesh `mesh["tp"]`: each dp replica has its
+    own tp group, and this rank talks to the one it belongs to.
+    """
+    if isinstance(mesh, DeviceMesh):
+        sub = tp_mesh(mesh)
+        return sub.get_group(), sub.size(), sub.get_local_rank()
+    return mesh, dist.get_world_size(mesh), dist.get_rank(mesh)
+
+
+def split(x: torch.Tensor, size: int, rank, dim: int) -> torch.Tensor:
+    """This rank's chunk of `x` on `dim` (equal chunks in rank order, as `torch.chunk`);
+    works in `tplab.simulate`, where `rank` holds every rank's value."""
+    n = x.shape[dim] // size
+    # index_select rather than narrow: in tplab.simulate `rank` holds every rank's value, and
+    # an index tensor built from it carries them into the op (narrow needs one int)
+    index = torch.arange(n, device=x.device) + rank * n
+    return x.index_select(dim, index)

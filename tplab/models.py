@@ -12,13 +12,14 @@ values; here they are made with that mode switched off, so every rank sees the s
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# rank_free_randomness: re-exported, tplab.models.rank_free_randomness is where lessons find it
+from tplab.rng import Dropout, RNGTracker, rank_free_randomness  # noqa: F401
 
 
 @dataclass
@@ -39,12 +40,6 @@ class Config:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
-
-
-def rank_free_randomness():
-    """A context in which random ops give the same values on every (simulated) rank."""
-    lt = sys.modules.get("torch.distributed._local_tensor")
-    return lt.maybe_disable_local_tensor_mode() if lt is not None else contextlib.nullcontext()
 
 
 def init_weights(model: nn.Module, seed: int) -> nn.Module:
@@ -179,8 +174,6 @@ class DropoutBlock(Block):
 
     def __init__(self, cfg: Config, p: float = 0.1, region: str = "replicated",
                  seed: int = 1234):
-        from tplab.rng import Dropout, RNGTracker
-
         super().__init__(cfg)
         self.hidden_dropout = Dropout(p, region, RNGTracker(None, seed))
 

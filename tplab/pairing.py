@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 
 import torch
 
-_SHARD = re.compile(r"Shard\((-?\d+)\)")
-
+from tplab import placements
+from tplab.errors import LabError
 
 # --- rank side ---------------------------------------------------------------------------
 
@@ -43,8 +42,6 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
     global index of each local element (`global_index`), or "unreadable": why not.
     """
     from torch.distributed.tensor import DTensor
-
-    from tplab.transfer import placement_name
 
     out: dict[str, dict] = {}
     seen: set[int] = set()
@@ -63,7 +60,7 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
             index = unreadable = None
             if isinstance(value, DTensor):
                 if value.device_mesh.ndim > 1:
-                    placement = "mesh"
+                    placement = placements.MESH
                 else:
                     index, unreadable = global_index(value)
                     placement, value = value.placements[-1], value.to_local()
@@ -73,7 +70,7 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
             if placement is not None and not isinstance(placement, str):
                 if placement.is_shard() and placement.dim < 0:
                     placement = type(placement)(placement.dim + local.ndim)
-                placement = placement_name(placement)
+                placement = placements.name(placement)
             out[f"{path}.{name}" if path else name] = {
                 "value": value, "placement": placement, "shape": tuple(local.shape),
                 "global_shape": global_shape, "requires_grad": p.requires_grad,
@@ -90,10 +87,10 @@ def global_index(dt) -> tuple[torch.Tensor | None, str | None]:
     them. A Partial placement holds the whole index (its values are summed, not placed)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    placements = [Replicate() if p.is_partial() else p for p in dt.placements]
+    placed = [Replicate() if p.is_partial() else p for p in dt.placements]
     try:
         whole = torch.arange(math.prod(dt.shape), device=dt.device_mesh.device_type)
-        local = distribute_tensor(whole.reshape(dt.shape), dt.device_mesh, placements,
+        local = distribute_tensor(whole.reshape(dt.shape), dt.device_mesh, placed,
                                   src_data_rank=None).to_local()
     except Exception as e:  # a placement torch cannot place without its own runtime
         return None, f"{', '.join(map(repr, dt.placements))}: {type(e).__name__}: {e}"
@@ -115,23 +112,22 @@ def infer_layout(local: tuple, ref: tuple, tp: int) -> tuple[str, int] | None:
     if len(local) != len(ref):
         return None
     if local == ref:
-        return "Replicate()", 0
+        return placements.REPLICATE, 0
     differ = [d for d in range(len(ref)) if local[d] != ref[d]]
     if len(differ) != 1 or tp < 2:
         return None
     d = differ[0]
     if local[d] * tp == ref[d]:
-        return f"Shard({d})", 0
+        return placements.shard(d), 0
     if ref[d] < local[d] * tp < ref[d] + tp * max(local[d] // 2, 1) and local[d] < ref[d]:
-        return f"Shard({d})", local[d] * tp
+        return placements.shard(d), local[d] * tp
     return None
 
 
 def expected_shape(ref: tuple, placement: str, tp: int) -> tuple:
-    m = _SHARD.fullmatch(placement or "")
-    if not m:
+    d = placements.shard_dim(placement)
+    if d is None:
         return tuple(ref)
-    d = int(m.group(1))
     shape = list(ref)
     shape[d] = -(-shape[d] // tp)  # torch.chunk: the first ranks get the larger pieces
     return tuple(shape)
@@ -139,16 +135,16 @@ def expected_shape(ref: tuple, placement: str, tp: int) -> tuple:
 
 def _fits(info: dict, ref_shape: tuple, tp: int, placement: str | None = None):
     """(placement, padded) when the ranks' parameter fits the reference's shape, else None."""
-    if info.get("placement") == "mesh":
+    if info.get("placement") == placements.MESH:
         ok = info["global_shape"] is not None and tuple(info["global_shape"]) == tuple(ref_shape)
-        return ("mesh", 0) if ok else None
+        return (placements.MESH, 0) if ok else None
     if info.get("global_shape") is not None:  # a DTensor: its global shape says it
         if tuple(info["global_shape"]) != tuple(ref_shape):
             return None
         return info["placement"], 0
     placement = placement or info.get("placement")
     if placement is not None:
-        if placement.startswith("Partial"):
+        if placements.is_partial(placement):
             return placement, 0
         if tuple(info["shape"]) == expected_shape(ref_shape, placement, tp):
             return placement, 0
@@ -159,14 +155,12 @@ def _fits(info: dict, ref_shape: tuple, tp: int, placement: str | None = None):
 
 def _placement_of(spec) -> str | None:
     if spec is None:
-        return "Replicate()"
+        return placements.REPLICATE
     if isinstance(spec, int):
-        return f"Shard({spec})"
+        return placements.shard(spec)
     if isinstance(spec, str):
         return spec
-    from tplab.transfer import placement_name
-
-    return placement_name(spec)
+    return placements.name(spec)
 
 
 def pair(ref: dict[str, tuple], ranks: dict[str, dict], tp: int, param_map: dict | None = None,
@@ -179,8 +173,6 @@ def pair(ref: dict[str, tuple], ranks: dict[str, dict], tp: int, param_map: dict
     ref, placement, padded, how}; `problems` maps a parameter on the ranks to why a pairing
     asked for (param_map, or the same name) does not fit.
     """
-    from tplab.errors import LabError
-
     aliases = aliases or {}
     pairs, problems = [], {}
     free_ref = list(ref)
@@ -249,15 +241,14 @@ def gather(values: list, placement: str, tp: int, padded: int = 0, ref_len: int 
         return None, None
     spread = None
     wholes = []
-    m = _SHARD.fullmatch(placement or "")
+    dim = placements.shard_dim(placement)
     for d in range(0, len(values), tp):
         parts = [v.detach() for v in values[d:d + tp]]
-        if m:
-            dim = int(m.group(1))
+        if dim is not None:
             whole = torch.cat(parts, dim)
             if padded:
                 whole = whole.narrow(dim, 0, ref_len)
-        elif (placement or "").startswith("Partial"):
+        elif placements.is_partial(placement):
             whole = torch.stack(parts).sum(0)
         else:
             whole = parts[0]

@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+from fnmatch import fnmatch
 
 import torch
 import torch.nn as nn
@@ -58,7 +59,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils._pytree import tree_flatten
 
-from tplab import plans
+from tplab import placements
 from tplab.errors import PlanError
 from tplab.layout_flow import (
     Flow,
@@ -158,7 +159,7 @@ def _fix(flow: Flow, consumer: str, style, actual, expected, ndim: int) -> str:
     expected = normalized(expected, ndim)
     src = flow.source or flow.via
     last = Shard(ndim - 1)
-    as_input = f"Shard({'-1' if actual == last else actual.dim})" if type(actual) is Shard \
+    as_input = placements.shard(-1 if actual == last else actual.dim) if type(actual) is Shard \
         else layout_name(actual)
     if actual == last and expected == Replicate() and type(style) is ColwiseParallel:
         tail = f", or give {src} output_layouts=Replicate() (an all-gather)" if src else ""
@@ -363,11 +364,21 @@ def _on_meta(x):
     return map_tensors(lambda t: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta"), x)
 
 
+def match(model: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
+    """The (path, module) pairs a plan key selects, with parallelize_module's fnmatch rule."""
+    found = [("", model)]
+    for token in key.split(".") if key else []:
+        found = [(f"{path}.{name}" if path else name, child)
+                 for path, module in found for name, child in module.named_children()
+                 if fnmatch(name, token)]
+    return found
+
+
 def styles_by_module(model: nn.Module, plan: dict) -> dict[str, list]:
     """{module path: [styles]} as parallelize_module applies a plan (fnmatch keys)."""
     found: dict[str, list] = {}
     for key, style in plan.items():
-        for path, _ in plans.match(model, key):
+        for path, _ in match(model, key):
             found.setdefault(path, []).append(style)
     return found
 

@@ -10,7 +10,6 @@ matches nothing and skips it, and shards an indivisible dimension unevenly witho
 from __future__ import annotations
 
 import difflib
-from fnmatch import fnmatch
 
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
@@ -24,9 +23,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tplab import plan_check
+from tplab import placements, plan_check
 from tplab.errors import PlanError
-from tplab.transfer import placement_name
+from tplab.mesh import tp_mesh
+from tplab.plan_check import match  # noqa: F401 (tplab.plans.match)
 
 # --- the named plans ---------------------------------------------------------------------
 
@@ -121,16 +121,6 @@ def lm(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
 
 
 # --- applying and checking ---------------------------------------------------------------
-
-
-def match(model: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
-    """The (path, module) pairs a plan key selects, with parallelize_module's fnmatch rule."""
-    found = [("", model)]
-    for token in key.split(".") if key else []:
-        found = [(f"{path}.{name}" if path else name, child)
-                 for path, module in found for name, child in module.named_children()
-                 if fnmatch(name, token)]
-    return found
 
 
 def _shard_rule(style, module: nn.Module) -> list[tuple[str, int]]:
@@ -245,8 +235,6 @@ def apply_plan(model: nn.Module, mesh, plan: dict, example_input=None) -> nn.Mod
     """`parallelize_module(model, mesh["tp"], plan)` after `check_plan`; returns the model.
     The layouts are checked with `example_input` if given, else at the model's first call
     (before the parallel forward runs)."""
-    from tplab.mesh import tp_mesh
-
     mesh = tp_mesh(mesh)
     check_plan(model, plan, mesh.size(), example_input)
     if example_input is None:
@@ -260,7 +248,7 @@ def apply_plan(model: nn.Module, mesh, plan: dict, example_input=None) -> nn.Mod
 def _fmt(layouts) -> str:
     if layouts is None:
         return "-"
-    items = [placement_name(p) if p is not None else "-" for p in layouts]
+    items = [placements.name(p) if p is not None else "-" for p in layouts]
     return ", ".join(items)
 
 
@@ -278,20 +266,20 @@ def _describe(style, module: nn.Module) -> tuple[dict, str, str]:
         weight_dim = (1 if embedding else 0) if colwise else (0 if embedding else 1)
         for name, _ in module.named_parameters(recurse=False):
             bias_layout = Shard(0) if colwise else Replicate()
-            params[name] = placement_name(Shard(weight_dim) if name == "weight" else bias_layout)
+            params[name] = placements.name(Shard(weight_dim) if name == "weight" else bias_layout)
         if colwise:
             desired = style.desired_input_layouts
-            partial_out = "Shard(-1)"
+            partial_out = placements.shard(-1)
         else:
             desired = (Replicate(),) if embedding else (Shard(-1),)
-            partial_out = "Partial(sum)"
+            partial_out = placements.PARTIAL
         inputs = _arrow(style.input_layouts, desired, False)
         outputs = f"{partial_out} -> {_fmt(style.output_layouts)}"
         if partial_out == _fmt(style.output_layouts):
             outputs = partial_out
         return params, inputs, outputs + (" (local)" if style.use_local_output else "")
     if isinstance(style, SequenceParallel):
-        params = {name: "Replicate()" for name, _ in module.named_parameters(recurse=False)}
+        params = {name: placements.REPLICATE for name, _ in module.named_parameters(recurse=False)}
         layout = _fmt(style.sequence_sharding)
         return params, layout, layout + (" (local)" if style.use_local_output else "")
     if isinstance(style, PrepareModuleInputOutput):

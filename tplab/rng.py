@@ -41,8 +41,16 @@ same numbers as the ranks inside the TP regions too.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import SequenceParallel
+
+from tplab.mesh import split, tp_group
+from tplab.plans import apply_plan
 
 REGIONS = ("replicated", "tp")
 OFFSET = 2718   # Megatron-LM: tensor_model_parallel_seed = seed + 2718 + tp_rank
@@ -65,8 +73,6 @@ class RNGTracker:
                 raise ValueError("sequence_parallel=True needs the ranks' mesh: one device "
                                  "holds the whole sequence")
         else:
-            from tplab.megatron import tp_group
-
             if tp is not None:
                 raise ValueError("tp= is for one device (mesh=None); the mesh gives the ranks'")
             _, self.size, self.rank = tp_group(mesh)
@@ -94,8 +100,6 @@ class RNGTracker:
         return self._rand(shape, region, dim)
 
     def _rand(self, shape: tuple, region: str, dim: int) -> torch.Tensor:
-        from tplab.models import rank_free_randomness
-
         with rank_free_randomness():
             if region == "replicated" and not self.sequence_parallel:
                 return torch.rand(shape, generator=self.replicated)
@@ -122,10 +126,16 @@ class RNGTracker:
         return mine if dim_of_mine else mine[0]
 
 
-def _mine(x: torch.Tensor, size: int, rank, dim: int) -> torch.Tensor:
-    """This rank's chunk of x on dim (see tplab.megatron.split: works in tplab.simulate)."""
-    from tplab.megatron import split
+def rank_free_randomness():
+    """A context in which random ops give the same values on every (simulated) rank: outside
+    `tplab.simulate`'s LocalTensorMode (torch.distributed._local_tensor), where a random op
+    would draw each simulated rank's own values."""
+    lt = sys.modules.get("torch.distributed._local_tensor")
+    return lt.maybe_disable_local_tensor_mode() if lt is not None else contextlib.nullcontext()
 
+
+def _mine(x: torch.Tensor, size: int, rank, dim: int) -> torch.Tensor:
+    """This rank's chunk of x on dim (see tplab.mesh.split: works in tplab.simulate)."""
     return split(x, size, rank, dim)
 
 
@@ -150,8 +160,6 @@ class Dropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        from torch.distributed.tensor import DTensor
-
         if isinstance(x, DTensor):
             raise TypeError("rng.Dropout takes local tensors, got a DTensor: give the layer "
                             "before it use_local_output=True (the lab's plans do)")
@@ -196,8 +204,6 @@ def is_sequence_parallel(plan) -> bool:
     """Whether `plan` shards the residual stream on the sequence: a dict with a
     `SequenceParallel` style, or a callable given `sequence_parallel=True`
     (`functools.partial(megatron.parallelize, sequence_parallel=True)`)."""
-    from torch.distributed.tensor.parallel import SequenceParallel
-
     if isinstance(plan, dict):
         return any(isinstance(style, SequenceParallel) for style in plan.values())
     return bool((getattr(plan, "keywords", None) or {}).get("sequence_parallel", False))
@@ -214,8 +220,6 @@ def parallelize(model: nn.Module, mesh, plan=None, seed: int | None = None,
     sp = is_sequence_parallel(plan) if sequence_parallel is None else sequence_parallel
     if plan is not None:
         if isinstance(plan, dict):
-            from tplab.plans import apply_plan
-
             model = apply_plan(model, mesh, plan)
         else:
             model = plan(model, mesh)

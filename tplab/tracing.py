@@ -46,6 +46,7 @@ from torch._C._distributed_c10d import ProcessGroup, Work
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tplab import ops
 from tplab.causes import explain, find_cause
 from tplab.mesh import GROUP_NAMES
 
@@ -79,43 +80,44 @@ def _times_n(i):
     return message
 
 
+# torch op -> (its name in the table `tplab.ops`, its message and bytes)
 _OPS = {
-    _funcol.all_reduce: ("all_reduce", _same(0)),
-    _funcol.all_reduce_: ("all_reduce", _same(0)),
-    _funcol.all_reduce_coalesced: ("all_reduce", _same(0)),
-    _funcol.all_reduce_coalesced_: ("all_reduce", _same(0)),
-    _funcol.all_gather_into_tensor: ("all_gather", _times_n(0)),
-    _funcol.all_gather_into_tensor_out: ("all_gather", _times_n(0)),
-    _funcol.all_gather_into_tensor_coalesced: ("all_gather", _times_n(0)),
-    _funcol.reduce_scatter_tensor: ("reduce_scatter", _same(0)),
-    _funcol.reduce_scatter_tensor_out: ("reduce_scatter", _same(0)),
-    _funcol.reduce_scatter_tensor_coalesced: ("reduce_scatter", _same(0)),
-    _funcol.all_to_all_single: ("all_to_all", _same(0)),
-    _funcol.broadcast: ("broadcast", _same(0)),
-    _funcol.broadcast_: ("broadcast", _same(0)),
-    torch.ops._dtensor.shard_dim_alltoall: ("all_to_all", _same(0)),
-    _c10d.allreduce_: ("all_reduce", _same(0)),
-    _c10d.allreduce_coalesced_: ("all_reduce", _same(0)),
-    _c10d.allgather_: ("all_gather", _times_n(1)),
-    _c10d._allgather_base_: ("all_gather", _times_n(1)),
-    _c10d.allgather_coalesced_: ("all_gather", _times_n(1)),
-    _c10d.allgather_into_tensor_coalesced_: ("all_gather", _times_n(1)),
-    _c10d.reduce_scatter_: ("reduce_scatter", _same(1)),
-    _c10d._reduce_scatter_base_: ("reduce_scatter", _same(1)),
-    _c10d.reduce_scatter_tensor_coalesced_: ("reduce_scatter", _same(1)),
-    _c10d.alltoall_: ("all_to_all", _same(1)),
-    _c10d.alltoall_base_: ("all_to_all", _same(1)),
-    _c10d.broadcast_: ("broadcast", _same(0)),
-    _c10d.reduce_: ("reduce", _same(0)),
-    _c10d.gather_: ("gather", _times_n(1)),
-    _c10d.scatter_: ("scatter", _times_n(0)),
-    _c10d.send: ("send", _same(0)),
-    _c10d.recv_: ("recv", _same(0)),
-    _c10d.recv_any_source_: ("recv", _same(0)),
-    _c10d.barrier: ("barrier", lambda args, n: (args[0], 0, [])),
-    _c10d.monitored_barrier_: ("barrier", lambda args, n: (args[0], 0, [])),
+    _funcol.all_reduce: (ops.ALL_REDUCE, _same(0)),
+    _funcol.all_reduce_: (ops.ALL_REDUCE, _same(0)),
+    _funcol.all_reduce_coalesced: (ops.ALL_REDUCE, _same(0)),
+    _funcol.all_reduce_coalesced_: (ops.ALL_REDUCE, _same(0)),
+    _funcol.all_gather_into_tensor: (ops.ALL_GATHER, _times_n(0)),
+    _funcol.all_gather_into_tensor_out: (ops.ALL_GATHER, _times_n(0)),
+    _funcol.all_gather_into_tensor_coalesced: (ops.ALL_GATHER, _times_n(0)),
+    _funcol.reduce_scatter_tensor: (ops.REDUCE_SCATTER, _same(0)),
+    _funcol.reduce_scatter_tensor_out: (ops.REDUCE_SCATTER, _same(0)),
+    _funcol.reduce_scatter_tensor_coalesced: (ops.REDUCE_SCATTER, _same(0)),
+    _funcol.all_to_all_single: (ops.ALL_TO_ALL, _same(0)),
+    _funcol.broadcast: (ops.BROADCAST, _same(0)),
+    _funcol.broadcast_: (ops.BROADCAST, _same(0)),
+    torch.ops._dtensor.shard_dim_alltoall: (ops.ALL_TO_ALL, _same(0)),
+    _c10d.allreduce_: (ops.ALL_REDUCE, _same(0)),
+    _c10d.allreduce_coalesced_: (ops.ALL_REDUCE, _same(0)),
+    _c10d.allgather_: (ops.ALL_GATHER, _times_n(1)),
+    _c10d._allgather_base_: (ops.ALL_GATHER, _times_n(1)),
+    _c10d.allgather_coalesced_: (ops.ALL_GATHER, _times_n(1)),
+    _c10d.allgather_into_tensor_coalesced_: (ops.ALL_GATHER, _times_n(1)),
+    _c10d.reduce_scatter_: (ops.REDUCE_SCATTER, _same(1)),
+    _c10d._reduce_scatter_base_: (ops.REDUCE_SCATTER, _same(1)),
+    _c10d.reduce_scatter_tensor_coalesced_: (ops.REDUCE_SCATTER, _same(1)),
+    _c10d.alltoall_: (ops.ALL_TO_ALL, _same(1)),
+    _c10d.alltoall_base_: (ops.ALL_TO_ALL, _same(1)),
+    _c10d.broadcast_: (ops.BROADCAST, _same(0)),
+    _c10d.reduce_: (ops.REDUCE, _same(0)),
+    _c10d.gather_: (ops.GATHER, _times_n(1)),
+    _c10d.scatter_: (ops.SCATTER, _times_n(0)),
+    _c10d.send: (ops.SEND, _same(0)),
+    _c10d.recv_: (ops.RECV, _same(0)),
+    _c10d.recv_any_source_: (ops.RECV, _same(0)),
+    _c10d.barrier: (ops.BARRIER, lambda args, n: (args[0], 0, [])),
+    _c10d.monitored_barrier_: (ops.BARRIER, lambda args, n: (args[0], 0, [])),
 }
-_NO_WAIT = {"send", "recv"}
+_NO_WAIT = {ops.SEND, ops.RECV}
 # every op above lives in one of these: the rest (aten, ...) pass through on a fast path
 _NAMESPACES = frozenset(packet._qualified_op_name.partition("::")[0] for packet in _OPS)
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tplab import placements, pytrees
+
 # numpy has no bfloat16 (or float8): send the bits as an integer array of the same width.
 _BITCAST = {
     torch.bfloat16: torch.int16,
@@ -77,22 +79,6 @@ def _unpack_tensor(p: _PackedTensor) -> torch.Tensor:
     return t.view(dtype) if t.dtype != dtype else t
 
 
-def placement_name(p) -> str:
-    """"Shard(0)", "Replicate()", "Partial(sum)": the spelling of torch's constructors
-    (str() of a placement gives the terse "S(0)", "R", "P(sum)")."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    if isinstance(p, Shard):
-        return f"Shard({p.dim})"
-    if isinstance(p, Replicate):
-        return "Replicate()"
-    if isinstance(p, Partial):
-        return f"Partial({p.reduce_op})"
-    if hasattr(p, "split_factor"):  # torch's _StridedShard: packed weights, FSDP2 x TP
-        return f"_StridedShard(dim={p.dim}, split_factor={p.split_factor})"
-    return repr(p)
-
-
 def describe_dtensor(dt, rank: int, local: torch.Tensor | None = None) -> LocalShard:
     """`LocalShard` for a DTensor on `rank`; `local` overrides its local tensor (simulation)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -102,7 +88,7 @@ def describe_dtensor(dt, rank: int, local: torch.Tensor | None = None) -> LocalS
     _, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
     return LocalShard(
         local=(local if local is not None else dt.to_local()).detach(),
-        placements=tuple(placement_name(p) for p in dt.placements),
+        placements=tuple(placements.name(p) for p in dt.placements),
         global_shape=tuple(dt.shape),
         mesh_shape=tuple(mesh.shape),
         mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
@@ -231,15 +217,10 @@ def unsendable_part(obj, rank: int = -1, path: str = "result") -> tuple[str, str
         return path, "", ""
     except Exception as exc:  # noqa: BLE001 - what fails is what we look for
         error = f"{type(exc).__name__}: {exc}"
-    children: list = []
-    if isinstance(obj, dict):
-        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-    elif isinstance(obj, list | tuple):
-        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        children = [(f"{path}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-        children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    children = pytrees.items(obj, path, python_keys=True)
+    if children is None:  # any other object: its attributes
+        has_vars = hasattr(obj, "__dict__") and not isinstance(obj, type)
+        children = [(f"{path}.{k}", v) for k, v in vars(obj).items()] if has_vars else []
     for child_path, child in children:
         found = unsendable_part(child, rank, child_path)
         if found[1]:

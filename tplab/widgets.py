@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from tplab import placements
+
 MODELS = ("mlp", "attention", "block")
 PATHS = ("megatron", "dtensor")
 
@@ -61,17 +63,6 @@ def _dtensor_plan(kind: str, sequence_parallel: bool) -> dict:
 
     return {"mlp": plans.mlp, "attention": plans.attention,
             "block": plans.block}[kind](sequence_parallel)
-
-
-def _placement(name: str | None):
-    """A placement from `tp_layout`'s name ("Shard(0)", "Partial(sum)", None: Replicate)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    if name is None or name == "Replicate()":
-        return Replicate()
-    if name.startswith("Partial"):
-        return Partial()
-    return Shard(int(name[6:-1]))
 
 
 def _as_dtensor(t, mesh, placement):
@@ -114,9 +105,9 @@ def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> d
             out = out.full_tensor()
         loss = 0.5 * out.pow(2).sum()
         loss.backward()
-    params = {name: _as_dtensor(info["value"], mesh, _placement(info["placement"]))
+    params = {name: _as_dtensor(info["value"], mesh, placements.placement(info["placement"]))
               for name, info in tp_layout(model, of="param").items()}
-    grads = {name: _as_dtensor(info["value"], mesh, _placement(info["placement"]))
+    grads = {name: _as_dtensor(info["value"], mesh, placements.placement(info["placement"]))
              for name, info in tp_layout(model).items()}
     # the loss as shape (1,): a 0-d tensor comes back from rank processes as (1,) anyway
     return {"output": out.detach(), "loss": loss.detach().reshape(1), "input_grad": x.grad,

@@ -40,6 +40,7 @@ from tplab.cost.memory import (
     layer_saved,
     param_count,
 )
+from tplab.cost.shapes import MODELS, BlockShape, scaled
 from tplab.cost.step import (
     best_tp,
     comm_bound_tp,
@@ -51,14 +52,11 @@ from tplab.cost.step import (
 )
 from tplab.cost.transformer import (
     MFU,
-    MODELS,
     OVERLAPS,
-    BlockShape,
     allowed_tps,
     block_collectives,
     block_flops,
     lm_head_flops,
-    scaled,
     tp_allowed,
 )
 

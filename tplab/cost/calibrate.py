@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tplab import ops
 from tplab.cost.collectives import collective_terms
 from tplab.cost.hardware import Hardware, Link
 from tplab.errors import LabError
 
 KiB, MiB = 1024, 1024 * 1024
 DEFAULT_SIZES = tuple(KiB * 2**k for k in range(15))   # 1 KiB .. 16 MiB
-DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+DEFAULT_OPS = ops.TP_OPS
 
 
 def _rank_timings(ops, sizes, repeats, warmup, matmul_n):

@@ -38,15 +38,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from tplab import ops
 from tplab.cost import nccl
 from tplab.cost.hardware import Hardware, Link
 from tplab.cost.validate import check_choice, check_int, check_number, check_type
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send",
-       "recv", "barrier")
+OPS = ops.COSTED
 ALGORITHMS = ("ring", "tree", "auto", "nvls", "collnet_direct", "collnet_chain")
 PROTOCOLS = ("auto", *nccl.PROTOCOLS)
-REDUCTIONS = ("all_reduce", "all_gather", "reduce_scatter")
+REDUCTIONS = ops.NCCL_TUNED  # the ops NCCL's ring/tree model covers
 
 
 def check_collective(op, nbytes, group_size, link, algorithm, protocol) -> None:

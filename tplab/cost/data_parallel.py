@@ -31,7 +31,7 @@ from __future__ import annotations
 from tplab.cost.collectives import collective_time
 from tplab.cost.hardware import Hardware
 from tplab.cost.memory import GRAD_BYTES, PARAM_BYTES, check_sharding, param_count
-from tplab.cost.transformer import BlockShape
+from tplab.cost.shapes import BlockShape
 from tplab.cost.validate import check_bool, check_int, check_number, check_type
 
 

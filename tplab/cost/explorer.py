@@ -24,8 +24,9 @@ from IPython.display import display
 
 from tplab.cost.figures import memory_bars, step_breakdown
 from tplab.cost.hardware import HARDWARE, Hardware
+from tplab.cost.shapes import MODELS, BlockShape, scaled
 from tplab.cost.step import best_tp, comm_bound_tp, sweep
-from tplab.cost.transformer import MODELS, BlockShape, allowed_tps, scaled
+from tplab.cost.transformer import allowed_tps
 
 TPS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -20,7 +20,9 @@ output in forward, and the gradient of its sequence-split input in backward.
 
 from __future__ import annotations
 
-from tplab.cost.transformer import BlockShape, block_collectives
+from tplab.cost.memory import tplab_layer
+from tplab.cost.shapes import BlockShape
+from tplab.cost.transformer import block_collectives
 
 
 def lab_shape(cfg, kind: str = "block", dtype_bytes: int = 4) -> BlockShape:
@@ -83,8 +85,6 @@ def lab_memory(model, cfg, tp: int, sequence_parallel: bool = False) -> dict:
     dtensor: both save the same tensors): param_bytes, grad_bytes, optimizer_bytes (Adam's
     two fp32 moments), activation_bytes, peak_bytes and rows (module, bytes, storages) in
     the order the modules first save. Float32 throughout; see `tplab.cost.memory`."""
-    from tplab.cost.memory import tplab_layer
-
     kind = _kind(model)
     shape = lab_shape(cfg, kind)
     d, f = cfg.dim, cfg.hidden_dim

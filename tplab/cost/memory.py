@@ -92,7 +92,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from tplab.cost.transformer import SP_SAVES, BlockShape
+from tplab.cost.shapes import BlockShape
+from tplab.cost.transformer import SP_SAVES
 from tplab.cost.validate import check_bool, check_choice, check_int, check_sublayers, check_type
 
 PRECISIONS = ("fp32", "bf16", "mixed", "mixed_bf16_grads")
@@ -142,7 +143,7 @@ def tplab_layer(shape: BlockShape, sublayers=("attention", "mlp"), prefix: str =
     check_choice("norm", norm, NORMS)
     check_choice("swiglu", swiglu, SWIGLUS)
     h, d, a = shape.hidden, shape.dtype_bytes, shape.heads
-    kv = (shape.kv_heads or a) * (h // a)
+    kv = shape.kv_dim
     f = shape.ffn_size
     out: list[Saved] = []
 
@@ -255,7 +256,7 @@ def param_count(shape: BlockShape, tp: int = 1) -> float:
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_int("tp", tp)
     h, f = shape.hidden, shape.ffn_size
-    kv = (shape.kv_heads or shape.heads) * (h // shape.heads)
+    kv = shape.kv_dim
     matrices = h * (h + 2 * kv) + h * h + (3 if shape.gated else 2) * h * f
     layer = matrices / tp + 2 * h
     vocab = 2 * shape.vocab * h / tp + h if shape.vocab else 0

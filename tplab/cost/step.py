@@ -52,8 +52,7 @@ def region_linears(shape: BlockShape, tp: int) -> dict[str, dict[str, tuple[int,
     """Per rank, (d_in, d_out) of each region's column-parallel linear ("col": the fused
     q, k, v; the fused w1 (and w3)) and row-parallel one ("row": wo; w2)."""
     h, f = shape.hidden, shape.ffn_size
-    kv_dim = (shape.kv_heads or shape.heads) * (h // shape.heads)
-    return {"attention": {"col": (h, (h + 2 * kv_dim) // tp), "row": (h // tp, h)},
+    return {"attention": {"col": (h, (h + 2 * shape.kv_dim) // tp), "row": (h // tp, h)},
             "mlp": {"col": (h, f * (2 if shape.gated else 1) // tp), "row": (f // tp, h)}}
 
 

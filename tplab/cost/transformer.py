@@ -50,92 +50,11 @@ the all-reduce's factor 2 (N-1)/N; C is `mfu` x peak.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
-
+# BlockShape, MODELS and scaled are imported from here too
+from tplab.cost.shapes import MODELS, BlockShape, scaled  # noqa: F401
 from tplab.cost.validate import check_bool, check_choice, check_int, check_sublayers, check_type
 
-
-@dataclass(frozen=True)
-class BlockShape:
-    """The dimensions of a transformer block and the micro-batch it processes."""
-
-    hidden: int
-    heads: int
-    ffn: int | None = None           # default 4 * hidden
-    kv_heads: int | None = None      # default heads (no grouped-query attention)
-    gated: bool = False              # SwiGLU-style MLP: 3 matrices instead of 2
-    seq: int = 4096
-    batch: int = 1                   # sequences per micro-batch
-    layers: int = 1
-    dtype_bytes: int = 2             # bf16
-    name: str = ""
-    vocab: int = 0                   # embedding and lm head rows (0: blocks only)
-
-    def __post_init__(self):
-        for name in ("hidden", "heads", "seq", "batch", "layers", "dtype_bytes"):
-            check_int(name, getattr(self, name))
-        check_int("vocab", self.vocab, minimum=0)
-        if self.ffn is not None:
-            check_int("ffn", self.ffn)
-        if self.kv_heads is not None:
-            check_int("kv_heads", self.kv_heads)
-        check_bool("gated", self.gated)
-        check_type("name", self.name, str, "a string")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden = {self.hidden} must divide into heads = {self.heads} "
-                             "heads of equal width")
-        if self.kv_heads is not None and self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads = {self.kv_heads} must divide heads = {self.heads}: "
-                             "each KV head serves a whole group of query heads")
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn if self.ffn is not None else 4 * self.hidden
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.seq
-
-    @property
-    def activation_bytes(self) -> int:
-        """T = b s h d: the size of every TP message of the block."""
-        return self.tokens * self.hidden * self.dtype_bytes
-
-    def with_(self, **changes) -> BlockShape:
-        return replace(self, **changes)
-
-
-MODELS: dict[str, BlockShape] = {
-    # Llama 3 8B and 70B: "The Llama 3 Herd of Models" (2024), table 3.
-    "Llama-3 8B": BlockShape(hidden=4096, heads=32, kv_heads=8, ffn=14336, gated=True,
-                             layers=32, vocab=128256, name="Llama-3 8B"),
-    "Llama-3 70B": BlockShape(hidden=8192, heads=64, kv_heads=8, ffn=28672, gated=True,
-                              layers=80, vocab=128256, name="Llama-3 70B"),
-    # GPT-3 style shape with f = 4h (Brown et al. 2020, table 2.1: 6.7B and 175B).
-    "GPT-3 6.7B": BlockShape(hidden=4096, heads=32, layers=32, seq=2048, vocab=50257,
-                             name="GPT-3 6.7B"),
-    "GPT-3 175B": BlockShape(hidden=12288, heads=96, layers=96, seq=2048, vocab=50257,
-                             name="GPT-3 175B"),
-}
-
-
 SUBLAYERS = ("attention", "mlp")
-
-
-def scaled(shape: BlockShape, hidden: int, **changes) -> BlockShape:
-    """`shape` at another hidden size: heads of the same width, the same ffn / hidden ratio,
-    the same number of kv heads (at most the heads). Other fields may change too."""
-    check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
-    check_int("hidden", hidden)
-    width = shape.hidden // shape.heads
-    if hidden % width:
-        raise ValueError(f"hidden = {hidden} is not a whole number of {width}-wide heads "
-                         f"(the head width of {shape.name or 'shape'})")
-    heads = hidden // width
-    return shape.with_(hidden=hidden, heads=heads,
-                       kv_heads=math.gcd(shape.kv_heads or heads, heads),
-                       ffn=round(shape.ffn_size * hidden / shape.hidden), **changes)
 
 
 def tp_allowed(shape: BlockShape, tp: int) -> str | None:
@@ -185,8 +104,7 @@ def block_flops(shape: BlockShape, sublayers: tuple[str, ...] = SUBLAYERS,
     check_sublayers("sublayers", sublayers)
     check_bool("causal", causal)
     h, t = shape.hidden, shape.tokens
-    kv_dim = (shape.kv_heads or shape.heads) * (h // shape.heads)
-    qkv = 2 * t * h * (h + 2 * kv_dim)
+    qkv = 2 * t * h * (h + 2 * shape.kv_dim)
     out = 2 * t * h * h
     scores = 4 * shape.batch * shape.seq**2 * h // (2 if causal else 1)
     mlp = 2 * t * h * shape.ffn_size * (3 if shape.gated else 2)
@@ -258,8 +176,7 @@ def block_collectives(shape: BlockShape, tp: int, sequence_parallel: bool = Fals
     if tp <= 1:
         return []
     nbytes = shape.activation_bytes
-    kv_dim = (shape.kv_heads or shape.heads) * (shape.hidden // shape.heads)
-    qkv_bytes = shape.tokens * (shape.hidden + 2 * kv_dim) * shape.dtype_bytes
+    qkv_bytes = shape.tokens * (shape.hidden + 2 * shape.kv_dim) * shape.dtype_bytes
     gather_qkv = kv_replicated(shape, tp)
 
     def rec(phase, module, op, role, size=nbytes):
@@ -293,8 +210,7 @@ def region_gemm_flops(shape: BlockShape) -> dict[str, dict[str, float]]:
     and row-parallel one ("row": the output projection or w2), over all TP ranks. Each
     GEMM's input-gradient ("dgrad") and weight-gradient ("wgrad") GEMMs cost the same."""
     h, t, f = shape.hidden, shape.tokens, shape.ffn_size
-    kv_dim = (shape.kv_heads or shape.heads) * (h // shape.heads)
-    return {"attention": {"col": 2 * t * h * (h + 2 * kv_dim), "row": 2 * t * h * h},
+    return {"attention": {"col": 2 * t * h * (h + 2 * shape.kv_dim), "row": 2 * t * h * h},
             "mlp": {"col": 2 * t * h * f * (2 if shape.gated else 1), "row": 2 * t * h * f}}
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from tplab.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
-from tplab.lab.output import format_rank_list
 from tplab.lab.simulate import Simulation
 from tplab.lab.time_limit import stop_after
+from tplab.output import format_rank_list
 
 CHECK_TIMEOUT_S = 10.0  # an answer that waits longer than this in a collective is stuck
 CHECK_TIME_LIMIT_S = 60.0  # an answer computing longer never ends (a busy room: imports)

@@ -13,14 +13,14 @@ import cloudpickle
 
 from tplab.errors import LabError, RankError
 from tplab.lab import modules
-from tplab.lab import rank as rank_side
 from tplab.lab.cluster import LabProcesses
 from tplab.lab.displays import show_rank_displays
 from tplab.lab.names import RankNames, payload_for_run
-from tplab.lab.output import format_rank_list
 from tplab.lab.results import RankResults
 from tplab.lab.validate import check_ranks, check_timeout
 from tplab.lab.watchdog import Watchdog
+from tplab.output import format_rank_list
+from tplab.rank import runner as rank_side
 
 PATHS_TIMEOUT_S = 30.0
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from tplab.lab.output import format_rank_list
+from tplab.output import format_rank_list
 
 OUTPUTS_WAIT_S = 1.0  # the display messages of a finished cell follow its reply closely
 

@@ -19,7 +19,7 @@ import socket
 import time
 
 from tplab.lab import processes
-from tplab.lab.entry import output_paths
+from tplab.rank.entry import output_paths
 
 S_PER_RANK_PER_CORE = 8.0
 MIN_START_S = 60.0

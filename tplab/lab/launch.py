@@ -22,14 +22,11 @@ from traitlets.config import Config
 
 from tplab import platforms
 from tplab.errors import LabError
-from tplab.lab import joining, network
-from tplab.lab import rank as rank_side
+from tplab.lab import joining
 from tplab.lab.cells import Cells
 from tplab.lab.cluster import LabProcesses
 from tplab.lab.engines import kind_for
-from tplab.lab.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
 from tplab.lab.names import RankNames
-from tplab.lab.output import strip_ansi
 from tplab.lab.validate import (
     check_launch_args,
     check_threads,
@@ -37,6 +34,10 @@ from tplab.lab.validate import (
     split_cluster_options,
 )
 from tplab.lab.watchdog import Watchdog, deferred_interrupts
+from tplab.output import strip_ansi
+from tplab.rank import network
+from tplab.rank import runner as rank_side
+from tplab.rank.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
 
 _log = logging.getLogger("tplab.ipyparallel")
 _log.setLevel(logging.ERROR)  # keep ipyparallel's log noise out of notebook outputs
@@ -71,6 +72,7 @@ class Lab(Cells):
             {**(cluster_options or {}), **more_cluster_options}, launch_keywords())
         self.world_size = world_size
         self.kind = kind_for(engines, fork=fork)  # how ranks start, stop, are heard
+        self.kind.check_size(world_size, backend)
         self.backend = self.kind.resolve_backend(backend, world_size)
         self.engines = engines
         self.timeout = check_timeout(timeout, "timeout") or DEFAULT_TIMEOUT_S
@@ -142,9 +144,9 @@ class Lab(Cells):
         config = Config()
         config.BaseLauncher.environment = env
         python = platforms.engine_python()  # the kernel's own Python (JupyterHub, venvs)
-        config.EngineLauncher.engine_cmd = [python, "-m", "tplab.lab.entry", "engine"]
+        config.EngineLauncher.engine_cmd = [python, "-m", "tplab.rank.entry", "engine"]
         config.ControllerLauncher.controller_cmd = [
-            python, "-m", "tplab.lab.entry", "controller"]
+            python, "-m", "tplab.rank.entry", "controller"]
         self.kind.configure(config, env, self._state_dir)
         options = dict(
             n=self.world_size, engines=self.kind.launcher, controller_ip=self.ip,

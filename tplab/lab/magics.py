@@ -12,6 +12,7 @@ import weakref
 
 from tplab.errors import LabError
 from tplab.lab.validate import check_timeout, parse_rank_spec
+from tplab.output import format_rank_list
 
 _labs: list = []  # weak references, oldest first: the magics must not keep a lab alive
 
@@ -30,8 +31,6 @@ def active_lab():
 
 
 def _show(results: list, ranks: list[int]) -> None:
-    from tplab.lab.output import format_rank_list
-
     if all(r is None for r in results):
         return
     groups: dict[str, list[int]] = {}

@@ -4,7 +4,7 @@ cloudpickle sends a function defined in the notebook (`__main__`) by value, with
 global it uses copied from the notebook. Left alone, the notebook's `rank` (a loop
 variable), `world_size` (a parameters cell) or a pushed 256 MB `w` would travel with every
 call and silently win over the rank's own. Here:
-- the function's globals become the rank's namespace (tplab/lab/rank.py loads them into
+- the function's globals become the rank's namespace (tplab/rank/runner.py loads them into
   it), so a `global` assignment stays on the rank, as in a %%ranks cell;
 - names the ranks are known to define are left out of the pickle (they are not sent
   at all); plain numbers and strings among them travel on the side, so the rank can say
@@ -22,8 +22,8 @@ import warnings
 
 import cloudpickle
 
-from tplab.lab import rank as rank_side
-from tplab.lab.rank import NAMESPACE_PID
+from tplab.rank import runner as rank_side
+from tplab.rank.runner import NAMESPACE_PID
 
 _SCALARS = (bool, int, float, str, type(None))
 _STDLIB = sysconfig.get_paths()["stdlib"]

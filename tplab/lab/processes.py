@@ -113,7 +113,7 @@ def kill_trees(pids, timeout: float = 5.0) -> list[int]:
 
 
 class ForkServer:
-    """The notebook's handle on a zygote process (`python -m tplab.lab.entry zygote`) that
+    """The notebook's handle on a zygote process (`python -m tplab.rank.entry zygote`) that
     imported torch once and forks rank processes on request: a rank starts in a fraction
     of a second instead of paying torch's import again (docs/DESIGN.md: about 0.4x the floor)."""
 
@@ -125,7 +125,7 @@ class ForkServer:
         self._replies: queue.Queue = queue.Queue()
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tplab.lab.entry", "zygote"], stdin=subprocess.PIPE,
+                [sys.executable, "-m", "tplab.rank.entry", "zygote"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, env={**os.environ, **env},
                 start_new_session=True, text=True, bufsize=1)
         self.pid = self.process.pid
@@ -202,7 +202,7 @@ class ForkedEngineSetLauncher(RankSetLauncher):
 def log_tail(log_dir: str, pid: int, lines: int = 12) -> str:
     """The last lines a rank process `pid` wrote while starting: its err file, then the
     engine logs in `log_dir`."""
-    from tplab.lab.entry import output_paths
+    from tplab.rank.entry import output_paths
 
     found = []
     state_dir = os.path.dirname(os.path.dirname(log_dir))

@@ -6,8 +6,8 @@ import re
 
 from ipyparallel import error as ipp_error
 
-from tplab.lab import rank as rank_side
-from tplab.lab.output import strip_ansi
+from tplab.output import strip_ansi
+from tplab.rank import runner as rank_side
 from tplab.transfer import from_wire, is_wire
 
 

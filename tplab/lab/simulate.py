@@ -43,9 +43,13 @@ import types
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from tplab.errors import LabError, PlanError, RankError, RankPlanError
-from tplab.lab import torch_log
+from tplab.pytrees import map_leaves
+from tplab.rank import torch_log
 from tplab.transfer import LocalShard, describe_dtensor
 
 
@@ -169,8 +173,8 @@ class Simulation:
                 self._only_on[name] = held
 
     def pull(self, name: str, ranks=None) -> list:
-        from tplab.lab.output import format_rank_list
         from tplab.lab.validate import check_ranks
+        from tplab.output import format_rank_list
 
         if not isinstance(name, str):
             raise TypeError(f"sim.pull needs a name (a string), got {type(name).__name__}")
@@ -275,24 +279,16 @@ class _DTensorResult:
 
 def _settle(obj):
     """Wait on AsyncCollectiveTensors (RowwiseParallel outputs) while still in the mode."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
+    return map_leaves(_settle_tensor, obj, into_dataclasses=False)
 
-    if isinstance(obj, DTensor):
-        local = obj._local_tensor
+
+def _settle_tensor(t):
+    if isinstance(t, DTensor):
+        local = t._local_tensor
         if isinstance(local, AsyncCollectiveTensor):
             local = local.wait()
-        return _DTensorResult(obj, local)
-    if isinstance(obj, AsyncCollectiveTensor):
-        return obj.wait()
-    if isinstance(obj, list):
-        return [_settle(o) for o in obj]
-    if isinstance(obj, tuple):
-        items = [_settle(o) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, dict):
-        return {k: _settle(v) for k, v in obj.items()}
-    return obj
+        return _DTensorResult(t, local)
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
 def _rank_value(t, rank: int):
@@ -305,8 +301,15 @@ def _rank_value(t, rank: int):
 
 def _for_rank(obj, rank: int):
     """Rank `rank`'s view of a result: LocalTensor -> its tensor, SymInt -> its int, ..."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    return map_leaves(lambda leaf: _leaf_for_rank(leaf, rank), obj, _is_result_leaf,
+                      into_dataclasses=False)
 
+
+def _is_result_leaf(obj) -> bool:
+    return isinstance(obj, (_DTensorResult, torch.Tensor, torch.SymInt, LocalShard))
+
+
+def _leaf_for_rank(obj, rank: int):
     if isinstance(obj, _DTensorResult):
         dt = obj.dt
         mesh = dt.device_mesh
@@ -325,13 +328,4 @@ def _for_rank(obj, rank: int):
             return node._local_ints[rank]
         constant = node.maybe_as_int() if hasattr(node, "maybe_as_int") else None
         return constant if constant is not None else int(obj)  # e.g. a mesh dim of size 1
-    if isinstance(obj, LocalShard):
-        return obj
-    if isinstance(obj, list):
-        return [_for_rank(o, rank) for o in obj]
-    if isinstance(obj, tuple):
-        items = [_for_rank(o, rank) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if isinstance(obj, dict):
-        return {k: _for_rank(v, rank) for k, v in obj.items()}
-    return obj
+    return obj  # a LocalShard

@@ -1,6 +1,6 @@
 """Live output: what every rank writes, shown in the notebook while the cell runs.
 
-Each rank's fds 1 and 2 point at two files of its own (tplab/lab/entry.py), so everything
+Each rank's fds 1 and 2 point at two files of its own (tplab/rank/entry.py), so everything
 a rank writes lands there: print, os.write, subprocesses, C++ warnings, threads, a crash
 report. `RankFiles` reads those files as they grow; `LiveOutput` turns the text into
 labelled lines:
@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from tplab.lab.output import format_rank_list
+from tplab.output import format_rank_list
 
 WINDOW_S = 0.03  # how long a line waits for the same line from the other ranks
 ALIKE_WINDOW_S = 1.0  # ... from a rank whose last line was shown with it (it lags behind)

@@ -17,7 +17,8 @@ RANK_MEMORY_GIB = {"forked": 0.2, "started": 0.35}
 MAX_LOCAL_RANKS = 64
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
+    """GPUs this machine has (torch.cuda; 0 without CUDA)."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -152,28 +153,15 @@ def check_launch_args(world_size, backend, engines, ip, fork: bool = True) -> No
     check_ip(ip)
     if not isinstance(fork, bool):
         raise TypeError(f"fork must be True or False, got {fork!r}")
-    if engines == "local":
-        per_rank = RANK_MEMORY_GIB["forked" if fork else "started"]
-        available = psutil.virtual_memory().available / 2**30
-        most = int(min(MAX_LOCAL_RANKS, available // per_rank))
-        if world_size > most:
-            raise LabError(
-                f"world_size={world_size} is more than this machine can run: each rank needs "
-                f"about {per_rank} GiB and {available:.1f} GiB is available, so at most "
-                f"{most} local ranks (tplab caps local ranks at {MAX_LOCAL_RANKS})")
-    if backend == "nccl" and engines == "local":
-        gpus = _gpu_count()
-        if gpus < world_size:
-            raise LabError(f"backend='nccl' needs one GPU per rank: world_size={world_size} "
-                           f"but this machine has {gpus} GPU(s); use backend='gloo' (CPU) "
-                           f"or 'auto'")
+    # what a kind itself can run (local ranks: this machine's memory and GPUs) is checked
+    # by the kind (`EngineKind.check_size`)
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
     """"auto" -> NCCL when every local rank can have its own GPU, else gloo."""
     if backend != "auto":
         return backend
-    return "nccl" if _gpu_count() >= world_size else "gloo"
+    return "nccl" if gpu_count() >= world_size else "gloo"
 
 
 def check_timeout(timeout, name: str = "timeout") -> float | None:

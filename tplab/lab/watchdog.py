@@ -2,7 +2,7 @@
 
 Every `lab.run` / `lab.execute` / `%%ranks` cell goes through `Watchdog.wait`. While the
 cell runs, the ranks' output is shown live (streams.py) and their reports (where each rank
-is, collectives.py) are read every 0.1 s. The rules (docs/DESIGN.md, "Cells"):
+is, tplab/rank/collectives.py) are read every 0.1 s. The rules (docs/DESIGN.md, "Cells"):
 - a rank that computes is never timed out; the stop button ends it;
 - `timeout` bounds how long the unfinished ranks may all wait in collectives with none
   computing; `cell_timeout` (off by default) is a wall-clock limit, for CI;
@@ -25,11 +25,11 @@ from datetime import timedelta
 
 from tplab.errors import CellTimeout, CollectiveHang, LabError, RankDied, RankError, RankPlanError
 from tplab.lab import diagnose
-from tplab.lab import rank as rank_side
-from tplab.lab.collectives import WHERE_KEY
-from tplab.lab.output import format_rank_list
 from tplab.lab.results import RankResults, engine_died, strip_engine_id
 from tplab.lab.streams import LiveOutput, StatusLine
+from tplab.output import format_rank_list
+from tplab.rank import runner as rank_side
+from tplab.rank.collectives import WHERE_KEY
 from tplab.transfer import from_wire, is_wire
 
 POLL_S = 0.01  # how often output is read and replies are looked at

@@ -40,10 +40,11 @@ import uuid
 
 import torch
 
-from tplab import rng
+from tplab import placements, rng
 from tplab.check import mesh_shape
 from tplab.errors import LabError
 from tplab.pairing import gather
+from tplab.plans import check_plan
 from tplab.training.band import FACTOR, noise_band
 from tplab.training.noise import ReductionOrder
 from tplab.training.ranks import (
@@ -125,8 +126,6 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
         raise TypeError("train_check: param_map is a dict {parallel name: reference name}")
     model = build_model()
     if isinstance(plan, dict):
-        from tplab.plans import check_plan
-
         check_plan(model, plan, tp)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -204,7 +203,7 @@ def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_gr
     first = results[0]
     pairs = first["pairs"]
     names = [p["ranks"] for p in pairs]
-    sharded = {p["ranks"]: (p["placement"] or "").startswith("Shard") for p in pairs}
+    sharded = {p["ranks"]: placements.is_shard(p["placement"]) for p in pairs}
     diffs = torch.stack([res["diffs"] for res in results])  # rank, step, parameter
     steps = len(ref_losses)
     losses = torch.stack([res["losses"] for res in results])  # rank, step
@@ -258,17 +257,16 @@ def _spreads(results, pairs, ref, tp, steps) -> list[tuple[float, str]]:
         if p["ranks"] not in results[0]["replicas"]:
             continue
         values = [res["replicas"][p["ranks"]] for res in results]
-        ref_len = ref[p["ref"]].shape[_dim(p["placement"])] if ref[p["ref"]].ndim else 0
+        dim = placements.shard_dim(p["placement"]) or 0
+        ref_len = ref[p["ref"]].shape[dim] if ref[p["ref"]].ndim else 0
         for i in range(steps + 1):
-            _, spread = gather([v[i] for v in values], p["placement"] or "Replicate()", tp,
+            _, spread = gather([v[i] for v in values], p["placement"] or placements.REPLICATE, tp,
                                p["padded"], ref_len)
             if spread is not None and spread > out[i][0]:
                 out[i] = (spread, p["ranks"])
     return out
 
 
-def _dim(placement: str | None) -> int:
-    return int(placement[6:-1]) if placement and placement.startswith("Shard(") else 0
 
 
 def _diverged(row) -> tuple[list[str], str]:

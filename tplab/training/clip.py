@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tplab import placements
 from tplab.megatron import tp_group
 from tplab.pairing import tp_layout
 
@@ -64,7 +65,7 @@ def grad_norm(model: torch.nn.Module, mesh=None, norm_type: float = 2.0) -> torc
         g = info["value"]
         if g is None:
             continue
-        if info["placement"] == "mesh":
+        if info["placement"] == placements.MESH:
             raise ValueError("grad_norm: a parameter is a DTensor on a 2-D mesh (FSDP2): use "
                              "torch.nn.utils.clip_grad_norm_, which reduces it itself")
         grad = model.get_parameter(name).grad
@@ -74,7 +75,7 @@ def grad_norm(model: torch.nn.Module, mesh=None, norm_type: float = 2.0) -> torc
             whole = whole + grad.detach().float().pow(2).sum().full_tensor()
             continue
         square = g.detach().float().pow(2).sum()
-        if (info["placement"] or "Replicate()").startswith("Shard"):
+        if placements.is_shard(info["placement"]):
             sharded = sharded + square
         else:
             replicated = replicated + square

@@ -18,8 +18,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+from tplab import placements
 from tplab.check import call_loss, loss_context, replica_slice
+from tplab.mesh import make_mesh, split, tp_group
 from tplab.pairing import pair, tp_layout
+from tplab.plans import apply_plan
 from tplab.pytrees import call_model, leaves, map_tensors
 
 LIVE_PREFIX = "\x1b[8m[tplab-train]"  # concealed: an old terminal shows nothing of it
@@ -93,15 +96,12 @@ def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
     """This rank's piece of the reference tensor `ref`, laid out as the ranks' parameter."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from tplab.megatron import split, tp_group
-
     if isinstance(param, DTensor):
         return distribute_tensor(ref, param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
-    placement = info["placement"] or "Replicate()"
-    if not placement.startswith("Shard("):
+    dim = placements.shard_dim(info["placement"])
+    if dim is None:
         return ref
-    dim = int(placement[6:-1])
     _, size, rank = tp_group(mesh)
     if info["padded"]:
         pad = [0, 0] * (ref.ndim - dim - 1) + [0, info["padded"] - ref.shape[dim]]
@@ -122,9 +122,6 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     """Rank side: build, load the notebook's weights, parallelise, then `steps` of the
     user's step; see the module doc. Returns losses, batch checksums, per-step parameter
     differences (by the ranks' parameter names) and the replicated parameters' copies."""
-    from tplab.mesh import make_mesh
-    from tplab.plans import apply_plan
-
     world = dist.get_world_size()
     mesh = make_mesh(tp=world) if dp == 1 else make_mesh(dp=dp, tp=world // dp)
     tp = world // dp
@@ -142,7 +139,7 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     pairs, lone_ranks, lone_ref, problems = pair(ref_info["shapes"], described, tp, param_map,
                                                  ref_info["aliases"])
     params = dict(model.named_parameters())
-    kept = [p for p in pairs if p["placement"] != "mesh"]
+    kept = [p for p in pairs if p["placement"] != placements.MESH]
     if len(kept) < len(pairs):
         raise TypeError("train_check compares parameters laid out on the tp dim; FSDP2 "
                         "(fully_shard) parameters on the whole mesh are not supported")

@@ -19,9 +19,10 @@ from collections.abc import Sequence
 
 import torch
 
+from tplab.ops import ALL_REDUCE, REDUCE_SCATTER
 from tplab.viz.palette import op_words
 
-REDUCTIONS = {"all_reduce", "reduce_scatter"}
+REDUCTIONS = {ALL_REDUCE, REDUCE_SCATTER}
 
 # (op, phase, side) -> (letter drawn, what it does, for the hover)
 ROLES = {

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from tplab import ops
+
 RANK_COLORS = (
     "#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#ffd92f", "#e5c494", "#b3b3b3",
     "#8dd3c7", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5", "#bc80bd",
@@ -24,16 +26,7 @@ EXACT_COLOR = "#616161"
 NODE_COLOR = "#f5f5f5"
 
 # Normalised op name -> (short label drawn on a bar, marker symbol, words for hover).
-OPS = {
-    "all_reduce": ("AR", "circle", "all-reduce"),
-    "all_gather": ("AG", "diamond", "all-gather"),
-    "reduce_scatter": ("RS", "square", "reduce-scatter"),
-    "all_to_all": ("A2A", "star", "all-to-all"),
-    "broadcast": ("BC", "triangle-down", "broadcast"),
-    "send": ("send", "triangle-right", "send"),
-    "recv": ("recv", "triangle-left", "recv"),
-    "barrier": ("bar", "line-ns", "barrier"),
-}
+OPS = {op.name: (op.label, op.symbol, op.words) for op in ops.TABLE.values()}
 
 FONT = {"family": "Helvetica, Arial, sans-serif", "size": 14}
 

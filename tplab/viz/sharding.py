@@ -17,29 +17,10 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from tplab.lab.output import format_rank_list
+from tplab import placements
+from tplab.output import format_rank_list
 from tplab.transfer import LocalShard
 from tplab.viz.palette import SHARED_COLOR, rank_color, style
-
-
-def parse_placement(text: str) -> tuple[str, int | str | None]:
-    """ "Shard(0)", "S(0)", "_S(0, 2)" -> ("shard", 0); "R" -> ("replicate", None);
-    "Partial(sum)", "P(sum)" -> ("partial", "sum")."""
-    head, _, arg = str(text).strip().partition("(")
-    head, arg = head.strip().lstrip("_"), arg.rstrip(")").strip()
-    if head in ("S", "Shard", "StridedShard"):
-        return "shard", int(arg.split(",")[0].split("=")[-1])
-    if head in ("R", "Replicate"):
-        return "replicate", None
-    if head in ("P", "Partial"):
-        return "partial", arg or "sum"
-    raise ValueError(f"unknown placement {text!r}")
-
-
-def long_placement(text: str) -> str:
-    """The long form a learner reads in torch's docs: "S(0)" -> "Shard(0)"."""
-    kind, arg = parse_placement(text)
-    return {"shard": f"Shard({arg})", "replicate": "Replicate()"}.get(kind, f"Partial({arg})")
 
 
 def mesh_name(shard: LocalShard) -> str:
@@ -53,8 +34,8 @@ def _chunk_offsets(shard: LocalShard) -> tuple[int, ...]:
     offsets = [0] * len(shard.global_shape)
     sizes = list(shard.global_shape)
     for mesh_dim, text in enumerate(shard.placements):
-        kind, dim = parse_placement(text)
-        if kind != "shard":
+        kind, dim = placements.parse(text)
+        if kind != placements.SHARD_KIND:
             continue
         dim %= len(sizes)
         n = shard.mesh_shape[mesh_dim]
@@ -88,7 +69,7 @@ def _as_shards(name: str, items: Sequence) -> list[LocalShard]:
                 f"{name}: plain tensors of different shapes on the ranks {sorted(shapes)}; "
                 "without DTensor placements their layout is unknown (return DTensors)")
         shape = shapes.pop()
-        return [LocalShard(t, ("Replicate()",), shape, (len(items),), None, (r,), r,
+        return [LocalShard(t, (placements.REPLICATE,), shape, (len(items),), None, (r,), r,
                            offsets=(0,) * len(shape)) for r, t in enumerate(items)]
     raise TypeError(f"{name}: expected a list of LocalShard (one per rank), got "
                     f"{sorted({type(s).__name__ for s in items})}")
@@ -115,7 +96,8 @@ def blocks(shards: Sequence[LocalShard]) -> list[Block]:
         if key not in found:
             found[key] = Block(rows, cols, [], "sole", local)
         found[key].ranks.append(s.rank)
-    partial = any(parse_placement(p)[0] == "partial" for s in shards for p in s.placements)
+    partial = any(placements.parse(p)[0] == placements.PARTIAL_KIND
+                  for s in shards for p in s.placements)
     for b in found.values():
         if len(b.ranks) > 1:
             b.kind = "partial" if partial else "replicated"
@@ -170,7 +152,7 @@ def sharding_map(shards, *, name: str = "tensor", cols: int | None = None,
     nrows = math.ceil(n / ncols)
     titles = []
     for tname, sh in tensors.items():
-        places = ", ".join(long_placement(p) for p in sh[0].placements)
+        places = ", ".join(placements.long(p) for p in sh[0].placements)
         titles.append(f"<b>{tname}</b> {tuple(sh[0].global_shape)}<br>[{places}]")
     fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=titles,
                         vertical_spacing=0.5 / max(nrows, 1) if nrows > 1 else 0.1,

@@ -14,7 +14,7 @@ What a lab asks of its kind (tplab/lab/cluster.py calls these, and nothing else 
 - `local_rank(rank)`: a rank's GPU index on its host (or the launcher's variables for it);
 - `local_pids(engine_set)`: local processes the lab may kill (never a pid elsewhere);
 - `ranks_are_local`: whether rank pids are processes of this machine (signals by pid,
-  output files read here), else ranks forward their output (tplab/lab/forward.py) and are
+  output files read here), else ranks forward their output (tplab/rank/forward.py) and are
   interrupted through ipyparallel;
 - `check(engine_set, remote, state_dir)`: a start failure, said with the fix;
 - `stop(engine_sets)`: end what runs elsewhere (ssh engines, batch jobs).
@@ -27,9 +27,9 @@ import os
 from ipyparallel.cluster.launcher import BatchSystemLauncher, LocalProcessLauncher, SSHLauncher
 
 from tplab.errors import LabError
-from tplab.lab import network
 from tplab.lab.engines import watch
-from tplab.lab.entry import HEARTBEAT_ENV
+from tplab.rank import network
+from tplab.rank.entry import HEARTBEAT_ENV
 
 
 class EngineKind:
@@ -48,12 +48,16 @@ class EngineKind:
 
     def configure(self, config, env: dict, state_dir: str) -> None:
         """The lab's defaults for this launcher (the user's cluster_options config wins):
-        engines watch the controller's heartbeat (entry.py), and get the notebook's
+        engines watch the controller's heartbeat (tplab/rank/entry.py), and get the notebook's
         PYTHONPATH (the engines run the notebook's Python at the same path, so its
         PYTHONPATH names the same folders there; ssh and mpiexec do not pass it on)."""
         env[HEARTBEAT_ENV] = "connection-file"
         if os.environ.get("PYTHONPATH"):
             env.setdefault("PYTHONPATH", os.environ["PYTHONPATH"])
+
+    def check_size(self, world_size: int, backend: str) -> None:
+        """Raise LabError when this kind cannot run `world_size` ranks on `backend` (before
+        anything starts); the generic kind cannot know the other hosts: the launch says."""
 
     def prepare(self, env: dict, state_dir: str) -> list[int]:
         """Start what must run before the controller; returns the pids it started."""
@@ -86,7 +90,7 @@ class EngineKind:
         """Before the ranks join: (master_addr, master_port, output_to) for rank.init_rank.
         Ranks elsewhere: rank 0's store on rank 0's host (its address on the route to the
         controller, unless master_addr was given), gloo on the interface that reaches it
-        (network.py), and their output forwarded to this machine (forward.py).
+        (tplab/rank/network.py), and their output forwarded to this machine (tplab/rank/forward.py).
         `wait(async results)` waits for requests to the ranks as the start does."""
         client, ids = processes.client, processes.engine_ids
         contact = processes.contact(ip)

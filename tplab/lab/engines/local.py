@@ -1,15 +1,18 @@
 """Local ranks: engines on this machine, forked from a fork server (tplab/lab/processes.py)
 that imported torch once, or started anew (`fork=False`). Their pids are this machine's:
 the lab interrupts them by pid, reads their output files here, and watches their exit
-codes; they watch the notebook kernel's pid (tplab/lab/entry.py)."""
+codes; they watch the notebook kernel's pid (tplab/rank/entry.py)."""
 
 from __future__ import annotations
 
 import os
 
+import psutil
+
+from tplab.errors import LabError
 from tplab.lab import processes
 from tplab.lab.engines.kind import EngineKind
-from tplab.lab.validate import resolve_backend
+from tplab.lab.validate import MAX_LOCAL_RANKS, RANK_MEMORY_GIB, gpu_count, resolve_backend
 
 
 class LocalKind(EngineKind):
@@ -21,6 +24,24 @@ class LocalKind(EngineKind):
         self.fork = fork
         self.launcher = processes.ForkedEngineSetLauncher if fork else processes.RankSetLauncher
         self.fork_server: processes.ForkServer | None = None
+
+    def check_size(self, world_size: int, backend: str) -> None:
+        """This machine's memory (a rank's share, `RANK_MEMORY_GIB`) and, for NCCL, one GPU
+        per rank."""
+        per_rank = RANK_MEMORY_GIB["forked" if self.fork else "started"]
+        available = psutil.virtual_memory().available / 2**30
+        most = int(min(MAX_LOCAL_RANKS, available // per_rank))
+        if world_size > most:
+            raise LabError(
+                f"world_size={world_size} is more than this machine can run: each rank needs "
+                f"about {per_rank} GiB and {available:.1f} GiB is available, so at most "
+                f"{most} local ranks (tplab caps local ranks at {MAX_LOCAL_RANKS})")
+        if backend == "nccl":
+            gpus = gpu_count()
+            if gpus < world_size:
+                raise LabError(f"backend='nccl' needs one GPU per rank: world_size={world_size} "
+                               f"but this machine has {gpus} GPU(s); use backend='gloo' (CPU) "
+                               f"or 'auto'")
 
     def configure(self, config, env: dict, state_dir: str) -> None:
         config.LocalEngineSetLauncher.delay = 0.0  # no stagger between engines

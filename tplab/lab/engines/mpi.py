@@ -1,5 +1,5 @@
 """MPI ranks: one `mpiexec` (a local process) starts every engine, perhaps on other hosts
-(a hostfile). Engine ids are first_id + MPI rank (tplab/lab/entry.py), so each start of the
+(a hostfile). Engine ids are first_id + MPI rank (tplab/rank/entry.py), so each start of the
 ranks has ids of its own; mpiexec does not forward the environment to other hosts, so the
 lab names every variable it needs (`-x NAME`, Open MPI; `-genvlist`, MPICH). Ending
 mpiexec ends the ranks on every host (its orteds do). See docs/CLUSTER.md, "MPI"."""
@@ -11,7 +11,7 @@ import subprocess
 from ipyparallel.cluster.launcher import MPILauncher
 
 from tplab.lab.engines.kind import EngineKind
-from tplab.lab.entry import FIRST_ID_ENV
+from tplab.rank.entry import FIRST_ID_ENV
 
 
 class MPIKind(EngineKind):
@@ -36,7 +36,7 @@ class MPIKind(EngineKind):
         return {"environment": {**env, FIRST_ID_ENV: str(first_id)}}
 
     def engine_ids(self, first_id: int, n: int) -> list[int]:
-        return [first_id + r for r in range(n)]  # first_id + MPI rank (entry.py)
+        return [first_id + r for r in range(n)]  # first_id + MPI rank (tplab/rank/entry.py)
 
 
 KIND = MPIKind

@@ -33,7 +33,7 @@ HINTS = [
      "install tplab (pip install tplab) into the Python the engines run on every host, or "
      "point the engines at one that has it: "
      "cluster_options={'config': {'EngineLauncher': {'engine_cmd': [PYTHON, '-m', "
-     "'tplab.lab.entry', 'engine']}}}"),
+     "'tplab.rank.entry', 'engine']}}}"),
     (re.compile(r"allow-run-as-root|run(ning)? as root"),
      "Open MPI refuses to run as root: set OMPI_ALLOW_RUN_AS_ROOT=1 and "
      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1, or pass mpi_args=['--allow-run-as-root']"),

@@ -1,4 +1,4 @@
-"""Entry points of the processes a lab starts: `python -m tplab.lab.entry engine|controller ...`.
+"""Entry points of the processes a lab starts: `python -m tplab.rank.entry engine|controller ...`.
 
 Both wrap ipyparallel's own entry points and add two things:
 - an owner watch: when the notebook kernel that started the lab dies (even by SIGKILL),
@@ -201,7 +201,7 @@ def _run_engine(argv: list[str]) -> None:
     _capture_output()
     if "--IPEngine.enable_nanny=False" not in argv:
         _nanny_logs_to_the_log()
-    stream = "--IPEngine.out_stream_factory=tplab.lab.rank_stream.RankStream"
+    stream = "--IPEngine.out_stream_factory=tplab.rank.stream.RankStream"
     sys.argv = ["tplab-engine", *argv, stream]
     from ipyparallel.engine.app import main as ipengine
 
@@ -276,7 +276,7 @@ def _mpi_engine_id(argv: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> None:
     if not argv or argv[0] not in ("engine", "controller", "zygote"):
-        raise SystemExit("usage: python -m tplab.lab.entry engine|controller|zygote [args]")
+        raise SystemExit("usage: python -m tplab.rank.entry engine|controller|zygote [args]")
     role, rest = argv[0], argv[1:]
     if role == "engine" and "--mpi" in rest and os.environ.get(FIRST_ID_ENV):
         rest = _mpi_engine_id(rest)  # first: MPI_Init before any other thread runs

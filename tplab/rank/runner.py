@@ -26,9 +26,11 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from tplab.lab import collectives, forward, reports, torch_log
-from tplab.lab.collectives import REPORT
-from tplab.lab.output import strip_ansi
+from tplab import platforms
+from tplab.output import strip_ansi
+from tplab.rank import collectives, forward, reports, torch_log
+from tplab.rank.collectives import REPORT
+from tplab.rank.entry import output_paths
 from tplab.transfer import to_wire, unsendable_part
 
 NAMESPACE_PID = "tplab:rank-namespace"  # the persistent id of the rank's globals (names.py)
@@ -126,6 +128,7 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                       OMP_NUM_THREADS=str(threads))
+    # torch only now: OMP_NUM_THREADS above must be set before torch loads
     import torch
     import torch.distributed as dist
     import torch.distributed.tensor  # noqa: F401  (warmed up in the background at start)
@@ -146,8 +149,6 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
         listener.bind((master_addr, master_port))
         listener.listen(128)
         listen_fd = listener.detach()
-    from tplab import platforms
-
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
                           master_listen_fd=listen_fd, **platforms.store_options())
@@ -167,8 +168,6 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, tplab=tplab)
     threading.Thread(target=reports.report_loop, daemon=True, name="tplab-reporter").start()
     reports.report_now()  # a first report: every group's count, for idle ranks
-    from tplab.lab.entry import output_paths
-
     state_dir = os.environ.get("TPLAB_STATE_DIR") or "/tmp"
     paths = output_paths(state_dir, os.getpid())
     # torch's log of a failed sharding propagation: the rank's own file, not the notebook

@@ -5,7 +5,7 @@ Every collective entry point of torch.distributed (c10d: `dist.all_reduce`...) a
 functional collectives (`funcol.all_reduce`..., which DTensor uses) is wrapped once, at
 `init_rank`, to note the call's group, its number in that group (c10d's sequence number),
 and its arguments' shapes: a few microseconds per collective, nothing per op. A reporter
-thread writes where the rank is to the rendezvous store (tplab/lab/reports.py), so the
+thread writes where the rank is to the rendezvous store (tplab/rank/reports.py), so the
 notebook can tell, without asking the busy rank, whether it computes or waits, and in which
 collective of which group.
 
@@ -21,28 +21,25 @@ import collections
 import functools
 import threading
 
+from tplab import ops
+
 WHERE_KEY = "tplab/where/{rank}"
 HISTORY = 8  # collectives remembered per group, to replay the ones a peer missed
 
-# Functions (innermost first) whose frame on the stack means "waiting in a collective".
-COLLECTIVE_FRAMES = {
-    "all_reduce": "all_reduce", "all_gather": "all_gather",
-    "all_gather_into_tensor": "all_gather", "all_gather_tensor": "all_gather",
-    "_all_gather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
-    "broadcast": "broadcast", "send": "send", "recv": "recv", "barrier": "barrier",
-    "gather": "gather", "scatter": "scatter", "reduce": "reduce",
-    "_reduce_value": "all_reduce", "_reduce_shard_value": "reduce_scatter",
-    "_to_replicate_tensor": "all_gather", "_to_new_shard_dim": "all_to_all",
-    "wait_tensor": "wait_tensor",
-}
 # c10d functions wrapped, with the position of their `group` argument.
 C10D_CALLS = {
     "all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "_all_gather_base": 2,
     "reduce_scatter": 3, "reduce_scatter_tensor": 3, "_reduce_scatter_base": 3,
     "all_to_all": 2, "all_to_all_single": 4, "broadcast": 2, "barrier": 0,
     "reduce": 3, "gather": 3, "scatter": 3,
+}
+# Functions (innermost first) whose frame on the stack means "waiting in a collective":
+# c10d's, by their op's name (`ops.family`), and DTensor's redistribution steps.
+COLLECTIVE_FRAMES = {
+    **{api: ops.family(api) for api in (*C10D_CALLS, "all_gather_tensor", ops.SEND, ops.RECV)},
+    "_reduce_value": ops.ALL_REDUCE, "_reduce_shard_value": ops.REDUCE_SCATTER,
+    "_to_replicate_tensor": ops.ALL_GATHER, "_to_new_shard_dim": ops.ALL_TO_ALL,
+    "wait_tensor": "wait_tensor",
 }
 # functional collectives wrapped, with the position of their `group` argument.
 FUNCOL_CALLS = {
@@ -54,12 +51,6 @@ FUNCOL_CALLS = {
 }
 
 
-def op_family(api: str) -> str:
-    """all_gather_into_tensor, _all_gather_base, all_gather_tensor... -> "all_gather"."""
-    for family in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-        if family in api:
-            return family
-    return api
 
 
 class RankReport:
@@ -183,7 +174,7 @@ def history() -> dict[str, list]:
         rows = []
         for seq, order, kind, api, args, kwargs, pos in list(calls):
             rows.append({"seq": seq, "order": order, "kind": kind, "api": api,
-                         "op": op_family(api), "group_pos": pos,
+                         "op": ops.family(api), "group_pos": pos,
                          "args": [_describe(a) for a in args],
                          "kwargs": {k: _describe(v) for k, v in kwargs.items()}})
         out[name] = rows

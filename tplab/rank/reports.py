@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from tplab.lab.collectives import COLLECTIVE_FRAMES, REPORT, WHERE_KEY, groups_now, history
+from tplab.rank.collectives import COLLECTIVE_FRAMES, REPORT, WHERE_KEY, groups_now, history
 
 REPORT_INTERVAL_S = 0.1
 

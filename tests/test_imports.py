@@ -1,0 +1,166 @@
+"""tplab's modules import each other without cycles: each module's top-level imports (read
+with ast, the ones a module runs when it loads) form a graph with no loop, so the order
+the modules load in is the order they depend on each other. And the sides: the rank side
+(tplab/rank/ and the TP code a rank runs) loads nothing of the notebook side."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+import tplab
+
+ROOT = pathlib.Path(tplab.__file__).parent
+
+
+def module_files() -> dict[str, pathlib.Path]:
+    """{dotted module name: its file} for every module of tplab."""
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def top_level_imports(name: str, path: pathlib.Path, modules) -> set[str]:
+    """The tplab modules `name` imports when it loads: its module-level statements (and
+    those under a module-level `if` or `try`), not imports inside functions. `from pkg import
+    sub` counts as importing the module pkg.sub when there is one, else pkg itself."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for stmt in ast.parse(path.read_text()).body:
+        nodes = ast.walk(stmt) if isinstance(stmt, (ast.If, ast.Try)) else [stmt]
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([node.module] if node.module else [])])
+                for a in node.names:
+                    found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+    out = set()
+    for dep in found:
+        while dep and dep not in modules:  # tplab.x.name -> tplab.x
+            dep = dep.rpartition(".")[0]
+        if dep and dep != name:
+            out.add(dep)
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm):
+    each is a set of modules that import each other in a loop."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_files()
+    return {name: top_level_imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_cycle_finder_finds_a_loop():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_reads_tplabs_imports():
+    graph = import_graph()
+    assert "tplab.mesh" in graph["tplab.megatron"] and "tplab.rng" in graph["tplab.models"]
+    assert "tplab.cost.shapes" in graph["tplab.cost.memory"]
+
+
+def test_tplab_has_no_import_cycles():
+    graph = import_graph()
+    loops = cycles(graph)
+    assert not loops, "import cycles among tplab's modules: " + "; ".join(
+        " <-> ".join(f"{m} (imports {sorted(graph[m] & set(loop))})" for m in loop)
+        for loop in loops)
+
+
+# --- the sides: tplab/rank/ runs inside the rank processes -------------------------------
+
+RANK_SIDE = ["tplab.rank", "tplab.rank.runner", "tplab.rank.collectives", "tplab.rank.network",
+             "tplab.rank.entry", "tplab.rank.forward", "tplab.rank.torch_log",
+             # the TP code a cell runs on the ranks
+             "tplab.mesh", "tplab.megatron", "tplab.models", "tplab.plans", "tplab.rng",
+             "tplab.tracing", "tplab.causes", "tplab.pairing", "tplab.check", "tplab.footprint",
+             "tplab.hf", "tplab.transfer", "tplab.placements", "tplab.ops"]
+NOTEBOOK_ONLY = ("IPython", "ipykernel", "ipyparallel", "plotly", "ipywidgets", "tplab.lab",
+                 "tplab.viz", "tplab.widgets")
+
+
+def loaded_after_import(modules: list[str], *, env=None) -> list[str]:
+    """The modules a fresh interpreter holds after importing `modules` (a subprocess: this
+    test process has imported the notebook side already)."""
+    code = ("import importlib, json, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT.parent, env=env)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def notebook_side(loaded: list[str], allowed: tuple = ()) -> list[str]:
+    return [m for m in loaded if any(m == p or m.startswith(p + ".") for p in NOTEBOOK_ONLY)
+            and not any(m == a or m.startswith(a + ".") for a in allowed)]
+
+
+def test_the_rank_side_imports_nothing_of_the_notebook_side():
+    loaded = loaded_after_import(RANK_SIDE)
+    assert "tplab.rank.runner" in loaded and "torch" in loaded
+    assert notebook_side(loaded) == []
+
+
+def test_a_ranks_output_stream_needs_only_the_engines_kernel():
+    # the engine's out_stream_factory subclasses ipykernel's OutStream (IPython comes with
+    # it, as in every engine); the ipyparallel client, plotly and widgets stay out
+    loaded = loaded_after_import(["tplab.rank.stream"])
+    assert "ipykernel.iostream" in loaded
+    assert notebook_side(loaded, allowed=("IPython", "ipykernel")) == []
+
+
+def test_the_side_check_sees_a_notebook_import():
+    assert notebook_side(loaded_after_import(["tplab.lab.streams"])) != []
+
+
+def test_no_rank_module_names_the_notebook_side():
+    # function-level imports too: a rank runs those when it calls the function
+    for path in (ROOT / "rank").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith(("tplab.lab", "tplab.viz")), (path, node.module)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("tplab.lab") for a in node.names), path
