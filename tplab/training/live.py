@@ -24,7 +24,7 @@ from tplab.lab import streams
 from tplab.training.ranks import LIVE_PREFIX, LIVE_SUFFIX
 from tplab.training.report import training_figure
 
-REDRAW_S = 0.5
+REDRAW_S = 1.0
 
 
 def live_default(lab) -> bool:
