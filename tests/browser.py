@@ -110,6 +110,11 @@ def open_notebook(page, lab: JupyterLab, name: str) -> None:
     page.wait_for_timeout(300)
     if page.locator(".jp-Dialog .jp-mod-accept").count():  # "Select Kernel"
         page.click(".jp-Dialog .jp-mod-accept")
+    # the kernel the notebook ends up with, settled: a Run All sent while the page still
+    # switches kernels ran its last cells in a new kernel (NameError) on a loaded machine
+    page.wait_for_timeout(2000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=60_000)
 
 
 def _click_run_all(page) -> None:

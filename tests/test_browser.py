@@ -31,6 +31,9 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 SHOTS = REPO / ".tplab-state" / "browser"
 WORLD_SIZE = 2
 EXPLORER_WORLD_SIZE = 4  # notebook 01
+# notebook 12: its correct runs train for this many steps (its default, 30, is over in well
+# under a second: too short to see its live figure grow at a look every 250 ms)
+LIVE_STEPS = 150
 _times: dict[str, float] = {}
 
 if not os.path.exists(browser.CHROMIUM):
@@ -48,7 +51,8 @@ def served():
     for nb in NOTEBOOKS:
         world = EXPLORER_WORLD_SIZE if nb.stem.startswith("01") else WORLD_SIZE
         fast = {"mode": "simulated"} if "simulated" in modes(nb) else {}
-        browser.prepare(nb, root, {"world_size": world, **fast})
+        longer = {"steps": LIVE_STEPS} if nb.stem.startswith("12") else {}
+        browser.prepare(nb, root, {"world_size": world, **fast, **longer})
     lab = browser.JupyterLab(root, state)
     try:
         yield lab

@@ -264,6 +264,25 @@ def test_the_live_view_takes_the_ranks_lines_out_of_the_output_and_redraws():
     assert "tplab-train" in shown.getvalue()
 
 
+def test_every_live_redraw_is_sent_to_the_page():
+    """The Output widget syncs `outputs` only when the new value differs from the old one
+    (traitlets): a bundle refilled in place compared equal to itself, and the page kept the
+    first, empty figure until the end."""
+    pytest.importorskip("ipywidgets")
+    from tplab.training.live import LiveTraining
+
+    view = LiveTraining(2, torch.tensor([3.0, 2.5, 2.0]), {"param": [1e-5] * 4}, widget=True)
+    sent = []
+    view.output.observe(lambda change: sent.append(change["new"]), "outputs")
+    for step in (1, 2):
+        view.rows[step - 1]["losses"] = [3.0 - step / 10] * 2
+        view.seen = step
+        view.redraw()
+    assert len(sent) == 2
+    curves = [o[0]["data"]["application/vnd.plotly.v1+json"]["data"][1]["y"] for o in sent]
+    assert curves == [[2.9], [2.9, 2.8]]  # what the page got at each redraw, rank 0's curve
+
+
 def test_the_live_band_is_drawn_once_its_run_in_the_background_is_done():
     import concurrent.futures
     import json

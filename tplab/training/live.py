@@ -24,7 +24,7 @@ from tplab.lab import streams
 from tplab.training.ranks import LIVE_PREFIX, LIVE_SUFFIX
 from tplab.training.report import training_figure
 
-REDRAW_S = 0.5
+REDRAW_S = 1.0
 
 
 def live_default(lab) -> bool:
@@ -99,7 +99,13 @@ class LiveTraining:
             self._band = None
         shown = self.rows[:max(self.seen, 1)]
         steps = [r["step"] for r in shown]
-        data = self.bundle()["application/vnd.plotly.v1+json"]["data"]
+        # A new bundle, its traces new dicts: the Output widget's `outputs` trait sends a
+        # change to the page only when the new value differs (traitlets compares old == new);
+        # the same dicts refilled in place compare equal to themselves, and nothing is sent.
+        old = self.bundle()
+        figure = old["application/vnd.plotly.v1+json"]
+        data = [dict(trace) for trace in figure["data"]]
+        self._bundle = {**old, "application/vnd.plotly.v1+json": {**figure, "data": data}}
         data[0]["x"], data[0]["y"] = [r["step"] for r in self.rows], \
             [r["ref_loss"] for r in self.rows]
         for k in range(self.world_size):
@@ -113,7 +119,7 @@ class LiveTraining:
         self._show()
 
     def bundle(self) -> dict:
-        """The figure as the mime bundle the Output widget shows (kept between redraws)."""
+        """The figure as the mime bundle the Output widget shows (a new one at each redraw)."""
         if self._bundle is None:
             figure = json.loads(self.figure.to_json())  # plain lists and dicts
             self._bundle = {"text/plain": "<training figure>",
