@@ -29,10 +29,10 @@ import torch
 
 import tplab
 from tplab import megatron, models, rng
+from tplab.rank.train_step import LIVE_PREFIX, LIVE_SUFFIX
 from tplab.training import check as training_check
 from tplab.training import lm, steps
 from tplab.training.live import LiveTraining
-from tplab.training.ranks import LIVE_PREFIX, LIVE_SUFFIX
 
 CFG = models.Config(vocab_size=32, dim=32, n_layers=2, n_heads=4, hidden_dim=64, seq_len=8,
                     batch_size=8)
@@ -82,7 +82,7 @@ def end_to_end(lab, n: int, rounds: int) -> None:
 def live_cost(n: int, world: int, step_s: float = 0.010) -> None:
     # rank side: the line each rank prints per step
     out, real = io.StringIO(), sys.stdout
-    from tplab.training.ranks import emit_live as emit
+    from tplab.rank.train_step import emit_live as emit
 
     sys.stdout = out
     t = time.process_time()

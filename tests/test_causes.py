@@ -136,6 +136,6 @@ def test_a_hand_written_function_backward_belongs_to_the_layer_it_guards(tp_lab)
      "all_to_all in the backward pass (Shard(1) -> Shard(0))"),
     ("all_gather", "backward", "scatter", "split (keep my chunk) in the forward pass")])
 def test_conjugates(op, phase, cause, want):
-    from tplab.causes import conjugate
+    from tplab.explain import conjugate
 
     assert conjugate({"op": op, "phase": phase, "cause": cause}) == want

@@ -13,7 +13,8 @@ import torch
 
 import tplab
 from tplab import hf, hf_models
-from tplab.pairing import gather_indexed, global_index
+from tplab.layouts import global_index
+from tplab.pairing import gather_indexed
 
 pytest.importorskip("transformers")
 

@@ -112,14 +112,67 @@ def test_tplab_has_no_import_cycles():
 
 # --- the sides: tplab/rank/ runs inside the rank processes -------------------------------
 
-RANK_SIDE = ["tplab.rank", "tplab.rank.runner", "tplab.rank.collectives", "tplab.rank.network",
-             "tplab.rank.entry", "tplab.rank.forward", "tplab.rank.torch_log",
-             # the TP code a cell runs on the ranks
-             "tplab.mesh", "tplab.megatron", "tplab.models", "tplab.plans", "tplab.rng",
-             "tplab.tracing", "tplab.causes", "tplab.pairing", "tplab.check", "tplab.footprint",
-             "tplab.hf", "tplab.transfer", "tplab.placements", "tplab.ops"]
-NOTEBOOK_ONLY = ("IPython", "ipykernel", "ipyparallel", "plotly", "ipywidgets", "tplab.lab",
-                 "tplab.viz", "tplab.widgets")
+# Every module's side. "rank": runs only inside a rank process (tplab/rank/). "notebook": runs
+# only in the notebook's kernel (it starts ranks, talks to them, draws, judges). "both": the TP
+# library a cell calls on the ranks, that a Simulation runs in the notebook, and the pure data
+# and math both sides share. A new module must be given a side here (test_every_module_has_a_side).
+RANK, NOTEBOOK, BOTH = "rank", "notebook", "both"
+SIDES = {
+    # the rank processes' own code, and the rank halves of tplab's checks
+    **dict.fromkeys(["tplab.rank", "tplab.rank.runner", "tplab.rank.collectives",
+                     "tplab.rank.network", "tplab.rank.entry", "tplab.rank.forward",
+                     "tplab.rank.torch_log", "tplab.rank.reports", "tplab.rank.stream",
+                     "tplab.rank.grad_step", "tplab.rank.train_step",
+                     "tplab.rank.explore_step"], RANK),
+    # the TP library and what both sides exchange
+    **dict.fromkeys(["tplab", "tplab.errors", "tplab.output", "tplab.transfer",
+                     "tplab.placements", "tplab.ops", "tplab.pytrees", "tplab.mesh",
+                     "tplab.megatron", "tplab.models", "tplab.rng", "tplab.plans",
+                     "tplab.plan_check", "tplab.layout_flow", "tplab.parallel_styles",
+                     "tplab.hf", "tplab.tracing", "tplab.causes", "tplab.explain",
+                     "tplab.layouts", "tplab.pairing", "tplab.report", "tplab.memory_use",
+                     "tplab.lessons", "tplab.platforms", "tplab.training",
+                     "tplab.training.clip", "tplab.training.noise", "tplab.training.band",
+                     "tplab.training.lm", "tplab.training.steps", "tplab.exercises",
+                     "tplab.exercises.steps", "tplab.exercises.qk_norm_step",
+                     "tplab.exercises.clipping", "tplab.exercises.mistakes",
+                     "tplab.exercises.solutions", "tplab.cost", "tplab.cost.collectives",
+                     "tplab.cost.data_parallel", "tplab.cost.gemm", "tplab.cost.hardware",
+                     "tplab.cost.lab_models", "tplab.cost.memory", "tplab.cost.nccl",
+                     "tplab.cost.shapes", "tplab.cost.step", "tplab.cost.transformer",
+                     "tplab.cost.validate", "tplab.cost.calibrate"], BOTH),
+    # the notebook's kernel: the launcher, checks that drive a lab, figures, widgets, tools
+    **dict.fromkeys(["tplab.__main__", "tplab.check", "tplab.cli_check", "tplab.doctor",
+                     "tplab.hf_models", "tplab.testing", "tplab.widgets",
+                     "tplab.training.check", "tplab.training.report", "tplab.training.live",
+                     "tplab.exercises.catalog", "tplab.exercises.checks",
+                     "tplab.exercises.feedback", "tplab.exercises.qk_norm",
+                     "tplab.exercises.training_check",
+                     "tplab.cost.explorer", "tplab.cost.figures"], NOTEBOOK),
+}
+
+
+def side_of(module: str) -> str | None:
+    """A module's side: its entry in SIDES, or its package's (tplab.lab.*, tplab.viz.*)."""
+    if module in SIDES:
+        return SIDES[module]
+    if module == "tplab.lab" or module.startswith(("tplab.lab.", "tplab.viz")):
+        return NOTEBOOK
+    return None
+
+
+# tplab.rank.stream subclasses the engine kernel's OutStream: test_a_ranks_output_stream_... below
+RANK_SIDE = sorted(m for m in module_files()
+                   if side_of(m) in (RANK, BOTH) and m != "tplab.rank.stream")
+NOTEBOOK_ONLY = ("IPython", "ipykernel", "ipyparallel", "plotly", "ipywidgets",
+                 *sorted(m for m in module_files() if side_of(m) == NOTEBOOK))
+
+
+def test_every_module_has_a_side():
+    missing = sorted(m for m in module_files() if side_of(m) is None)
+    assert not missing, f"give these modules a side in SIDES (tests/test_imports.py): {missing}"
+    stale = sorted(set(SIDES) - set(module_files()))
+    assert not stale, f"SIDES names modules that no longer exist: {stale}"
 
 
 def loaded_after_import(modules: list[str], *, env=None) -> list[str]:
@@ -141,7 +194,11 @@ def notebook_side(loaded: list[str], allowed: tuple = ()) -> list[str]:
 def test_the_rank_side_imports_nothing_of_the_notebook_side():
     loaded = loaded_after_import(RANK_SIDE)
     assert "tplab.rank.runner" in loaded and "torch" in loaded
-    assert notebook_side(loaded) == []
+    found = notebook_side(loaded)
+    if found:  # which rank-side module pulled it in
+        culprits = {m: notebook_side(loaded_after_import([m])) for m in RANK_SIDE}
+        found = {m: f for m, f in culprits.items() if f}
+    assert not found, f"rank-side modules that load the notebook side: {found}"
 
 
 def test_a_ranks_output_stream_needs_only_the_engines_kernel():

@@ -236,8 +236,8 @@ def test_the_live_view_takes_the_ranks_lines_out_of_the_output_and_redraws():
     import io
 
     from tplab.lab.streams import LiveOutput
+    from tplab.rank.train_step import LIVE_PREFIX, LIVE_SUFFIX
     from tplab.training.live import LiveTraining
-    from tplab.training.ranks import LIVE_PREFIX, LIVE_SUFFIX
 
     band = {"param": [1e-5] * 5}
     view = LiveTraining(2, torch.tensor([3.0, 2.5, 2.0, 1.5]), band, widget=False)

@@ -10,9 +10,10 @@ from test_viz import megatron_mlp, rec
 
 import tplab
 from tplab import models
+from tplab.rank.explore_step import Settings, explore_step
 from tplab.viz import forward_stages, grad_flow
 from tplab.viz.flow import ROW_Y, module_order, side
-from tplab.widgets import Settings, explore_step, forward_order
+from tplab.widgets import forward_order
 
 CFG = models.Config()
 MODELS = {"mlp": models.MLP, "attention": models.Attention, "block": models.Block}

@@ -22,8 +22,8 @@ _LAZY = {
     "make_mesh": "tplab.mesh",
     "apply_plan": "tplab.plans",
     "describe_plan": "tplab.plans",
-    "trace": "tplab.tracing",  # the module is tracing.py, so tplab.trace stays the function
-    "memory": "tplab.footprint",  # likewise: tplab.memory is the function
+    "trace": "tplab.tracing",  # not trace.py: importing it would shadow the function
+    "memory": "tplab.memory_use",  # not memory.py: that module would shadow the function
     "train_check": "tplab.training",
     "TrainReport": "tplab.training",
     "tracing": None,

@@ -1,4 +1,5 @@
-"""grad_check: does the tensor-parallel model compute what the single-device model computes?
+"""grad_check (notebook side): does the tensor-parallel model compute what the single-device
+model computes?
 
     report = tplab.grad_check(lab, build_model, plan, make_input, loss_fn=None)
     report = tplab.grad_check(lab, build_model, plan, make_input, dp=2, tp=2)  # 2-D
@@ -33,13 +34,14 @@ How the pieces are called (the same in processes and in `tplab.simulate`):
   slices' losses; the ranks' input gradients are divided by dp to match. Gradients that
   the plan made DTensors on the whole mesh (FSDP2) are taken as they are.
 
-Pairing (tplab.pairing): a parameter on the ranks is compared with the reference parameter
-of the same name; the rest are paired by registration order and shape. Its layout comes
-from the DTensor, from a `tp_placements` dict on its module, or from its shape (a replica,
-or one dimension divided by the tp size: sharded there, in rank order, as `torch.chunk`
-splits it). `param_map={"w1": "fc1.weight"}` or `{"w1": ("fc1.weight", 0)}` (0: sharded
-on dim 0; None: replicated) states a pairing. A parameter that pairs with nothing is
-reported as "unpaired" with how to pair it, and the check does not pass.
+Each rank runs `tplab.rank.grad_step.parallel_step`; what it returns is paired and
+assembled here. Pairing (tplab.pairing): a parameter on the ranks is compared with the
+reference parameter of the same name; the rest are paired by registration order and shape.
+Its layout comes from the DTensor, from a `tp_placements` dict on its module, or from its
+shape (a replica, or one dimension divided by the tp size: sharded there, in rank order, as
+`torch.chunk` splits it). `param_map={"w1": "fc1.weight"}` or `{"w1": ("fc1.weight", 0)}`
+(0: sharded on dim 0; None: replicated) states a pairing. A parameter that pairs with
+nothing is reported as "unpaired" with how to pair it, and the check does not pass.
 
 The report has one row per tensor: every output leaf (and the loss), every input gradient,
 every parameter gradient (assembled from the ranks' pieces), and for every tensor that
@@ -48,138 +50,18 @@ should be the same on every rank, the spread across ranks (kind "replica_spread"
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-
 import torch
 
 from tplab import placements
 from tplab.errors import LabError
-from tplab.mesh import make_mesh
-from tplab.pairing import gather, gather_indexed, pair, tp_layout
-from tplab.plans import apply_plan, check_plan
+from tplab.pairing import gather, gather_indexed, pair
+from tplab.plans import check_plan
 from tplab.pytrees import call_model, leaves, map_tensors
+from tplab.rank.grad_step import call_loss, parallel_step, with_grad
 from tplab.report import GradCheckReport, compare, unpaired, unreadable
 from tplab.transfer import LocalShard
 
-__all__ = ["GradCheckReport", "assemble", "call_loss", "compare", "grad_check", "loss_context",
-           "mesh_shape", "replica_slice", "tp_layout"]
-
-
-def call_loss(loss_fn, out, x) -> torch.Tensor:
-    """`loss_fn(out, x)` (or `loss_fn(out)`: by its signature), or the default loss; a
-    LabError naming loss_fn when it gives anything but a scalar tensor (backward needs one:
-    `torch.autograd.backward` of a non-scalar asks for grad_tensors)."""
-    loss = _call_loss(loss_fn, out, x)
-    name = getattr(loss_fn, "__name__", repr(loss_fn))
-    if not isinstance(loss, torch.Tensor):
-        raise LabError(f"loss_fn {name} returned {type(loss).__name__} {loss!r}; it must "
-                       "return a scalar tensor (such as out.sum())")
-    if loss.numel() != 1:
-        raise LabError(f"loss_fn {name} returned a tensor of shape {tuple(loss.shape)}; it "
-                       "must return a scalar (reduce it: .sum() or .mean())")
-    return loss
-
-
-def _call_loss(loss_fn, out, x):
-    if loss_fn is None:
-        parts = [t.pow(2).sum() for _, t in leaves(out) if t.is_floating_point()]
-        if not parts:
-            raise LabError("grad_check: the output has no floating-point tensor for the "
-                           "default loss 0.5 * sum(output**2); pass loss_fn=")
-        return 0.5 * sum(parts[1:], parts[0])
-    try:
-        params = inspect.signature(loss_fn).parameters.values()
-        two = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2
-        two = two or any(p.kind is p.VAR_POSITIONAL for p in params)
-    except (TypeError, ValueError):
-        two = True
-    return loss_fn(out, x) if two else loss_fn(out)
-
-
-def loss_context(out):
-    """`loss_parallel()` when an output is a DTensor sharded on its last dim, else nothing."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    for _, t in leaves(out):
-        if isinstance(t, DTensor) and any(
-                p.is_shard() and p.dim in (-1, t.ndim - 1) for p in t.placements):
-            return loss_parallel()
-    return contextlib.nullcontext()
-
-
-def _with_grad(x):
-    return map_tensors(lambda t: t.clone().requires_grad_(t.is_floating_point())
-                       if t.is_floating_point() else t.clone(), x)
-
-
-def _parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
-    """Rank side: build, load the reference weights, parallelise, one forward and backward.
-    With dp > 1 on a (dp, tp) mesh: this replica's slice of the batch (see module doc)."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    mesh = make_mesh(tp=world) if dp == 1 else make_mesh(dp=dp, tp=world // dp)
-    model = build_model()
-    model.load_state_dict(state)
-    model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
-    if dp > 1:
-        x = map_tensors(lambda t: replica_slice(t, mesh), x)
-    x = _with_grad(x)
-    out = call_model(model, x)  # may hold AsyncCollectiveTensors: .wait() would cut the graph
-    with loss_context(out):
-        loss = call_loss(loss_fn, out, x)
-        loss.backward()
-    params = tp_layout(model)
-    outs = dict(leaves(out, "output"))
-    grads = {k: t.grad for k, t in leaves(x, "input") if t.is_floating_point()}
-    if dp == 1:
-        return {"outputs": outs, "loss": loss.detach(), "input_grads": grads, "params": params}
-    return _on_whole_mesh(mesh, outs, loss, grads, params, average_dp)
-
-
-def replica_slice(x, mesh):
-    """Rank side: dp replica d's slice d of the batch (dim 0). index_select with a tensor
-    index, not chunk: in tplab.simulate the dp coordinate holds every rank's value."""
-    dp = mesh["dp"].size()
-    n = x.shape[0] // dp
-    return x.index_select(0, torch.arange(n, device=x.device) + mesh.get_local_rank("dp") * n)
-
-
-def _on_whole_mesh(mesh, outs, loss, grads, params, average_dp):
-    """Rank side, dp > 1: outputs and input grads as DTensors on the whole (dp, tp) mesh,
-    Shard(0) over dp, so that the notebook places them; the loss Partial over dp (each
-    replica holds loss_d / dp of the mean); parameter gradients averaged over dp (DDP)."""
-    import torch.distributed as dist
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-    dp = mesh["dp"].size()
-
-    def whole(t, over_dp):
-        if t is None:
-            return None
-        tp_placement = Replicate()
-        if isinstance(t, DTensor):  # on the tp sub-mesh: one placement
-            tp_placement, t = t.placements[-1], t.to_local()
-        if isinstance(t, AsyncCollectiveTensor):
-            t = t.wait()
-        t = t.detach()
-        if isinstance(tp_placement, Shard) and tp_placement.dim < 0:
-            tp_placement = Shard(tp_placement.dim + t.ndim)
-        return DTensor.from_local(t, mesh, [over_dp, tp_placement], run_check=False)
-
-    for info in params.values():
-        g = info["value"]
-        if g is not None and info["placement"] != placements.MESH and average_dp:
-            g = g.detach().clone()
-            dist.all_reduce(g, group=mesh.get_group("dp"))
-            info["value"] = g / dp
-    return {"outputs": {k: whole(v, Shard(0)) for k, v in outs.items()},
-            "loss": whole(loss / dp, Partial()), "params": params,
-            "input_grads": {k: whole(None if g is None else g / dp, Shard(0))
-                            for k, g in grads.items()}}
+__all__ = ["GradCheckReport", "assemble", "compare", "grad_check", "mesh_shape", "tensor_rows"]
 
 
 def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
@@ -215,6 +97,21 @@ def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
     return full, spread
 
 
+def tensor_rows(name: str, kind: str, values: list, ref, atol: float, rtol: float,
+                note: str = "") -> list[dict]:
+    """The report's rows for one tensor from the ranks' values (one per rank): the
+    assembled tensor against `ref`, and the spread across its replicas when it has any.
+    What `grad_check` and the Explorer (tplab/widgets.py) both report."""
+    full, spread = assemble(values)
+    if not note and isinstance(values[0], LocalShard) and any(
+            placements.is_partial(p) for p in values[0].placements):
+        note = "Partial on the ranks (not yet reduced); summed here"
+    rows = [compare(name, kind, full, ref, atol, rtol, note)]
+    if spread is not None:
+        rows.append(compare(name, "replica_spread", spread, ref, atol, rtol))
+    return rows
+
+
 def mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
     """(dp, tp) from what was given: neither -> (1, world); one -> the other from world."""
     for name, size in (("dp", dp), ("tp", tp)):
@@ -232,7 +129,7 @@ def mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
 
 def _reference(model, x, loss_fn, dp):
     """The single-device step: (output leaves, loss, input with gradients)."""
-    x_ref = _with_grad(x)
+    x_ref = with_grad(x)
     if dp == 1:
         out = call_model(model, x_ref)
         loss = call_loss(loss_fn, out, x_ref)
@@ -269,17 +166,11 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
         check_plan(model, plan, tp, x)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)
-    results = lab.run(_parallel_step, build_model, state, plan, x, loss_fn, dp, average_dp)
+    results = lab.run(parallel_step, build_model, state, plan, x, loss_fn, dp, average_dp)
     rows: list[dict] = []
 
     def add(name, kind, values, ref, note=""):
-        full, spread = assemble(values)
-        if not note and isinstance(values[0], LocalShard) and any(
-                placements.is_partial(p) for p in values[0].placements):
-            note = "Partial on the ranks (not yet reduced); summed here"
-        rows.append(compare(name, kind, full, ref, atol, rtol, note))
-        if spread is not None:
-            rows.append(compare(name, "replica_spread", spread, ref, atol, rtol))
+        rows.extend(tensor_rows(name, kind, values, ref, atol, rtol, note))
 
     for name in [*out_ref, *(k for k in results[0]["outputs"] if k not in out_ref)]:
         add(name, "output", [r["outputs"].get(name) for r in results], out_ref.get(name))

@@ -269,9 +269,9 @@ def preflight(t: Targets) -> None:
     """build, make_input, the static plan check (`plans.check_plan` with the input: keys,
     divisibility, layouts along the dataflow) and one forward and loss on one device,
     before any rank starts."""
-    from tplab.check import call_loss
     from tplab.plans import check_plan
     from tplab.pytrees import call_model
+    from tplab.rank.grad_step import call_loss
 
     model = _user("build()", t.build)
     x = (_user("make_input()", t.make_input) if t.train is None

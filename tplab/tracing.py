@@ -47,7 +47,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tplab import ops
-from tplab.causes import explain, find_cause
+from tplab.causes import find_cause
+from tplab.explain import explain
 from tplab.mesh import GROUP_NAMES
 
 _c10d = torch.ops.c10d

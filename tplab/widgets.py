@@ -27,94 +27,20 @@ returns; in papermill nobody clicks, and `set()` is how a notebook drives the pa
 from __future__ import annotations
 
 import html
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
+import ipywidgets as w
 import torch
+from IPython import get_ipython
+from IPython.display import display
 
-from tplab import placements
+from tplab import models
+from tplab.check import tensor_rows
+from tplab.rank.explore_step import MODELS, PATHS, Settings, build_model, explore_step
+from tplab.report import GradCheckReport
+from tplab.viz import comm_timeline, forward_stages, grad_error, grad_flow, sharding_map
 
-MODELS = ("mlp", "attention", "block")
-PATHS = ("megatron", "dtensor")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What the controls say."""
-
-    model: str = "mlp"
-    tp: int = 0  # 0 (or None): the lab's world size
-    path: str = "megatron"
-    sequence_parallel: bool = False
-    drop_f: bool = False
-
-
-# --- rank side ---------------------------------------------------------------------------
-
-def _build(kind: str, cfg):
-    from tplab import models
-
-    return {"mlp": models.MLP, "attention": models.Attention, "block": models.Block}[kind](cfg)
-
-
-def _dtensor_plan(kind: str, sequence_parallel: bool) -> dict:
-    """`tplab.plans`' plan for the model (a lone MLP or attention under SP shards the
-    sequence at its input and gathers it at its output, as `plans.block` does)."""
-    from tplab import plans
-
-    return {"mlp": plans.mlp, "attention": plans.attention,
-            "block": plans.block}[kind](sequence_parallel)
-
-
-def _as_dtensor(t, mesh, placement):
-    """A parameter or gradient as a DTensor on the whole mesh (Replicate over dp)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if t is None:
-        return None
-    if isinstance(t, DTensor):
-        placement, t = t.placements[-1], t.to_local()
-    lead = [Replicate()] * (mesh.ndim - 1)
-    return DTensor.from_local(t.detach(), mesh, [*lead, placement], run_check=False)
-
-
-def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> dict:
-    """Rank side: one traced forward and backward of the chosen model, path and settings."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from tplab import megatron
-    from tplab.mesh import make_mesh, tp_mesh
-    from tplab.pairing import tp_layout
-    from tplab.plans import apply_plan
-    from tplab.tracing import Trace
-
-    world = dist.get_world_size()
-    mesh = make_mesh(tp=s.tp) if s.tp == world else make_mesh(dp=world // s.tp, tp=s.tp)
-    model = _build(kind, cfg)
-    model.load_state_dict(state)
-    if s.path == "megatron":
-        # the 1-D tp sub-mesh: tplab.megatron's layers talk on its only dimension
-        model = megatron.parallelize(model, tp_mesh(mesh), sequence_parallel=s.sequence_parallel,
-                                     reduce_grad=not s.drop_f)
-    else:
-        model = apply_plan(model, mesh, _dtensor_plan(kind, s.sequence_parallel))
-    x = x.clone().requires_grad_(True)
-    with Trace() as t:
-        out = model(x)
-        if isinstance(out, DTensor):
-            out = out.full_tensor()
-        loss = 0.5 * out.pow(2).sum()
-        loss.backward()
-    params = {name: _as_dtensor(info["value"], mesh, placements.placement(info["placement"]))
-              for name, info in tp_layout(model, of="param").items()}
-    grads = {name: _as_dtensor(info["value"], mesh, placements.placement(info["placement"]))
-             for name, info in tp_layout(model).items()}
-    # the loss as shape (1,): a 0-d tensor comes back from rank processes as (1,) anyway
-    return {"output": out.detach(), "loss": loss.detach().reshape(1), "input_grad": x.grad,
-            "grads": grads, "params": params, "records": t.records}
-
-
-# --- notebook side -----------------------------------------------------------------------
+__all__ = ["Explorer", "Settings", "divisors", "forward_order"]
 
 def forward_order(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
     """Leaf modules in the order a forward pass calls them (what `grad_flow` draws)."""
@@ -145,8 +71,6 @@ class Explorer:
 
     def __init__(self, lab, *, config=None, atol: float = 1e-5, rtol: float = 1e-4,
                  **settings):
-        from tplab import models
-
         self.lab = lab
         self.world_size = lab.world_size
         self.config = config or models.Config()
@@ -192,13 +116,10 @@ class Explorer:
 
     def update(self, raise_errors: bool = False) -> None:
         """Run the step on the ranks, check it against one device, redraw."""
-        from tplab import models
-        from tplab.viz import forward_stages
-
         s = self.settings
         self._status(f"running {self._describe()} ...", "#616161")
         try:
-            ref = _build(s.model, self.config)
+            ref = build_model(s.model, self.config)
             state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
             x = models.make_input(self.config)
             order = forward_stages(ref, x)  # forward order, q/k/v and w1/w3 as branches
@@ -239,17 +160,10 @@ class Explorer:
         return ", ".join(bits)
 
     def _report(self, results, ref, out, loss, x_ref):
-        from tplab.check import assemble
-        from tplab.report import GradCheckReport, compare
-
         rows = []
 
-        def add(name, kind, values, reference):
-            full, spread = assemble(values)
-            rows.append(compare(name, kind, full, reference, self.atol, self.rtol))
-            if spread is not None:
-                rows.append(compare(name, "replica_spread", spread, reference, self.atol,
-                                    self.rtol))
+        def add(name, kind, values, reference):  # as grad_check reports each tensor
+            rows.extend(tensor_rows(name, kind, values, reference, self.atol, self.rtol))
 
         add("output", "output", [r["output"] for r in results], out)
         add("loss", "output", [r["loss"].reshape(1) for r in results], loss.reshape(1))
@@ -259,8 +173,6 @@ class Explorer:
         return GradCheckReport(rows, len(results), self.atol, self.rtol, loss.item())
 
     def _figures(self, order: list) -> dict:
-        from tplab.viz import comm_timeline, grad_error, grad_flow, sharding_map
-
         what = self._describe()
         return {
             "flow": grad_flow(self.trace, order, title=f"Where the collectives sit: {what}"),
@@ -281,13 +193,9 @@ class Explorer:
         return self._ui["panel"]
 
     def _ipython_display_(self):
-        from IPython.display import display
-
         display(self.widget)
 
     def _build_ui(self) -> dict:
-        import ipywidgets as w
-
         style = {"description_width": "initial"}
         ui = {
             "model": w.Dropdown(options=[("MLP", "mlp"), ("attention", "attention"),
@@ -351,8 +259,6 @@ class Explorer:
     def _redraw(self) -> None:
         if self._ui is None:
             return
-        from IPython import get_ipython
-
         shell = get_ipython()
         for name in ("flow", "errors", "timeline", "sharding"):
             outputs = ()

@@ -45,15 +45,15 @@ from tplab.check import mesh_shape
 from tplab.errors import LabError
 from tplab.pairing import gather
 from tplab.plans import check_plan
-from tplab.training.band import FACTOR, noise_band
-from tplab.training.noise import ReductionOrder
-from tplab.training.ranks import (
+from tplab.rank.train_step import (
     batch_sum,
     default_optimizer,
     default_step,
     plain_loss,
     train_on_ranks,
 )
+from tplab.training.band import FACTOR, noise_band
+from tplab.training.noise import ReductionOrder
 from tplab.training.report import WORDS, TrainReport
 
 
@@ -169,7 +169,7 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
 
 def _train_ranks(lab, build_model, state, plan, make_batch, steps, step, make_optimizer,
                  loss_fn, dp, param_map, ref, shapes, aliases, ref_losses, band, live):
-    """The ranks' run (tplab/training/ranks.py), live or not; returns (results, view)."""
+    """The ranks' run (tplab/rank/train_step.py), live or not; returns (results, view)."""
     from tplab.training.live import LiveTraining, live_default
 
     live = live_default(lab) if live is None else live

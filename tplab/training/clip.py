@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from tplab import placements
+from tplab.layouts import tp_layout
 from tplab.megatron import tp_group
-from tplab.pairing import tp_layout
 
 
 def find_mesh(model: torch.nn.Module):

@@ -1,6 +1,6 @@
 """The live view of `tplab.train_check`: the figure redrawn while the ranks train.
 
-Each rank prints one line per step (tplab/training/ranks.py: a marker, then JSON with the
+Each rank prints one line per step (tplab/rank/train_step.py: a marker, then JSON with the
 step, its loss and its largest parameter difference from the reference). The lab reads the
 ranks' output files while a cell runs (tplab/lab/streams.py); lines with the marker go to
 `LiveTraining.take` instead of the cell's output. The view is an ipywidgets Output whose
@@ -21,7 +21,7 @@ import math
 import time
 
 from tplab.lab import streams
-from tplab.training.ranks import LIVE_PREFIX, LIVE_SUFFIX
+from tplab.rank.train_step import LIVE_PREFIX, LIVE_SUFFIX
 from tplab.training.report import training_figure
 
 REDRAW_S = 1.0

@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 from tplab import placements
-from tplab.check import call_loss, loss_context, replica_slice
+from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh, split, tp_group
-from tplab.pairing import pair, tp_layout
+from tplab.pairing import pair
 from tplab.plans import apply_plan
 from tplab.pytrees import call_model, leaves, map_tensors
+from tplab.rank.grad_step import call_loss, loss_context, replica_slice
 
 LIVE_PREFIX = "\x1b[8m[tplab-train]"  # concealed: an old terminal shows nothing of it
 LIVE_SUFFIX = "\x1b[0m"

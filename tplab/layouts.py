@@ -1,0 +1,90 @@
+"""Rank side: where each rank's elements of a parallel model lie, read from the model itself.
+
+- `tp_layout(model)` is the one place that reads a parallel model's parameters: each one's
+  local value (or gradient) and its placement on the tp dim, from a DTensor's own
+  placements, from a hand-written layer's `tp_placements` (tplab.megatron's), or None when
+  nothing says (a plain `nn.Parameter` slice written by hand).
+- `global_index(dt)` asks DTensor where each local element of `dt` lives in the global
+  tensor (`distribute_tensor` of an index tensor: no communication).
+
+The notebook pairs and assembles what these return (tplab/pairing.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from tplab import placements
+
+__all__ = ["global_index", "tp_layout"]
+
+
+def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
+    """{parameter name: {"value", "placement", "shape", "global_shape",
+    "requires_grad"}} for every parameter of `model` (tied ones once, under their first
+    name, as `named_parameters()` lists them).
+
+    "value" is the local gradient (`of="grad"`) or the local parameter (`of="param"`),
+    "placement" its layout on the tp dim as a string ("Shard(0)", "Replicate()",
+    "Partial(sum)", "_StridedShard(dim=1, split_factor=2)") or None when nothing says. A
+    DTensor on a mesh of more than one dim (FSDP2 over dp x tp) is kept whole, with placement
+    "mesh" (the notebook places it). A DTensor on the tp dim also gets "index": the flat
+    global index of each local element (`global_index`), or "unreadable": why not.
+    """
+    out: dict[str, dict] = {}
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        declared = getattr(module, "tp_placements", {})
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            value = p.grad if of == "grad" else p.detach()
+            placement = declared.get(name)
+            global_shape = None
+            if isinstance(p, DTensor):
+                global_shape = tuple(p.shape)
+                placement = p.placements[-1]
+            index = unreadable = None
+            if isinstance(value, DTensor):
+                if value.device_mesh.ndim > 1:
+                    placement = placements.MESH
+                else:
+                    index, unreadable = global_index(value)
+                    placement, value = value.placements[-1], value.to_local()
+            elif isinstance(p, DTensor) and p.device_mesh.ndim == 1:
+                index, unreadable = global_index(p)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if placement is not None and not isinstance(placement, str):
+                if placement.is_shard() and placement.dim < 0:
+                    placement = type(placement)(placement.dim + local.ndim)
+                placement = placements.name(placement)
+            out[f"{path}.{name}" if path else name] = {
+                "value": value, "placement": placement, "shape": tuple(local.shape),
+                "global_shape": global_shape, "requires_grad": p.requires_grad,
+                "index": index, "unreadable": unreadable}
+    return out
+
+
+def global_index(dt) -> tuple[torch.Tensor | None, str | None]:
+    """(the flat global index of each element of `dt`'s local tensor, None), or
+    (None, why) when torch cannot place it. DTensor itself places the indices
+    (`distribute_tensor(arange, mesh, placements, src_data_rank=None)`: every rank cuts its
+    own piece, no communication), so `_StridedShard` (transformers' packed weights: each rank
+    holds its slice of every packed sub-matrix) and uneven shards come out as DTensor defines
+    them. A Partial placement holds the whole index (its values are summed, not placed)."""
+    placed = [Replicate() if p.is_partial() else p for p in dt.placements]
+    try:
+        whole = torch.arange(math.prod(dt.shape), device=dt.device_mesh.device_type)
+        local = distribute_tensor(whole.reshape(dt.shape), dt.device_mesh, placed,
+                                  src_data_rank=None).to_local()
+    except Exception as e:  # a placement torch cannot place without its own runtime
+        return None, f"{', '.join(map(repr, dt.placements))}: {type(e).__name__}: {e}"
+    if tuple(local.shape) != tuple(dt.to_local().shape):
+        return None, (f"{', '.join(map(repr, dt.placements))}: DTensor places a "
+                      f"{tuple(local.shape)} piece here, the rank holds "
+                      f"{tuple(dt.to_local().shape)}")
+    return local.cpu(), None
