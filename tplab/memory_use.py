@@ -39,6 +39,8 @@ import threading
 
 import torch
 import torch.nn as nn
+from torch.distributed._local_tensor import LocalIntNode
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32 each, per parameter element
 
@@ -99,8 +101,6 @@ class _Ranks:
         values = [per_rank.get(r, 0) for r in self.ranks]
         if len(set(values)) == 1:
             return values[0]
-        from torch.distributed._local_tensor import LocalIntNode
-
         return torch.SymInt(LocalIntNode(dict(zip(self.ranks, values, strict=True))))
 
 
@@ -162,8 +162,6 @@ class Memory:
     # --- entering and leaving -------------------------------------------------------------
 
     def __enter__(self) -> Memory:
-        from torch.nn.modules.module import register_module_forward_pre_hook
-
         if self in _OPEN.contexts:
             raise RuntimeError("this tplab.memory() context is already open; nest a new "
                                "one instead: with tplab.memory() as inner: ...")
