@@ -42,6 +42,7 @@ from tplab.viz import comm_timeline, forward_stages, grad_error, grad_flow, shar
 
 __all__ = ["Explorer", "Settings", "divisors", "forward_order"]
 
+
 def forward_order(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
     """Leaf modules in the order a forward pass calls them (what `grad_flow` draws)."""
     names: list[str] = []
