@@ -141,3 +141,35 @@ def test_a_rank_that_did_not_join_is_described(tmp_path):
     assert f"rank 0 (pid {stuck.pid}): sleeping (waiting)" in text
     assert "Rank 0's last lines:\nimporting torch\nconnecting to the store" in text
     assert "tplab.launch(2, timeout=300)" in text and "profile/log" in text
+
+
+class _Client:
+    """What LabProcesses asks of an ipyparallel client while ranks start."""
+
+    def __init__(self, ids, hub=()):
+        self.ids, self.hub, self.closed = list(ids), list(hub) or list(ids), False
+
+    def queue_status(self):
+        return {**{i: {"queue": 0} for i in self.hub}, "unassigned": 0}
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_start_catches_up_with_engines_whose_registration_the_client_missed(tmp_path):
+    # 32 ranks on 2 cores: the client, connected while engines registered, missed 2 of the
+    # hub's notifications for good ("only 30 of 32 ranks started"). A new client learns
+    # every registered engine from the hub.
+    from types import SimpleNamespace
+
+    from tplab.lab.cluster import LabProcesses
+
+    procs = LabProcesses(SimpleNamespace(ranks_are_local=True), str(tmp_path))
+    missed = _Client(ids=[0, 1], hub=[0, 1, 2])
+    procs.client = missed
+    procs.cluster = SimpleNamespace(connect_client_sync=lambda: _Client(ids=[0, 1, 2]))
+    procs.catch_up_with_the_hub()
+    assert procs.client.ids == [0, 1, 2] and missed.closed
+    current = procs.client
+    procs.catch_up_with_the_hub()  # nothing missed: the same client
+    assert procs.client is current and not current.closed

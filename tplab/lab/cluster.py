@@ -24,6 +24,8 @@ from tplab.lab.engines import EngineWatch
 from tplab.lab.forwarded import ForwardedOutput
 from tplab.lab.streams import RankFiles
 
+HUB_CHECK_S = 2.0  # how often a start still waiting asks the hub which engines registered
+
 
 class LabProcesses:
     """Every process of one lab (see the module docstring)."""
@@ -57,7 +59,14 @@ class LabProcesses:
     def start_engines(self, n: int, first_id: int, env: dict, wait) -> list[int]:
         """Start n engines; returns their engine ids, in rank order, once all registered
         (`wait`, a joining.StartWait, says when to give up)."""
-        before = set(self.client.ids) if self.client is not None else set()
+        # The client connects BEFORE the engines start: it learns of engines that register
+        # after it connected from the hub's notifications, which a subscriber only gets once
+        # its subscription is through (zmq's slow joiner). Connected while 32 engines
+        # registered, it missed 2 of them for good in about one start in two.
+        fresh = self.client is None  # a restart keeps its client (subscribed long ago)
+        if fresh:
+            self.client = self.cluster.connect_client_sync()
+        before = set(self.client.ids)
         try:
             set_id = self.cluster.start_engines_sync(n, **self.kind.start_options(first_id, env))
         except Exception as exc:
@@ -66,10 +75,12 @@ class LabProcesses:
         self._remember_roots()
         if not self.kind.ranks_are_local:
             self.watch = EngineWatch(self.kind, self.engine_sets, self.state_dir)
-        if self.client is None:
-            self.client = self.cluster.connect_client_sync()
         wanted = self.kind.engine_ids(first_id, n)
+        asked = time.monotonic()
         while True:
+            if fresh and time.monotonic() - asked > HUB_CHECK_S:
+                asked = time.monotonic()
+                self.catch_up_with_the_hub()
             ids = set(self.client.ids)
             if wanted is not None and ids.issuperset(wanted):
                 self.engine_ids = wanted
@@ -85,6 +96,17 @@ class LabProcesses:
             self.fail_if_a_rank_exited()
             time.sleep(0.01)
         return self.engine_ids
+
+    def catch_up_with_the_hub(self) -> None:
+        """Engines the hub registered but the client never heard of (a notification lost):
+        a new client learns every registered engine from the hub when it connects."""
+        try:
+            known = {k for k in self.client.queue_status() if isinstance(k, int)}
+        except Exception:  # the hub is busy or gone: the wait's own checks say what happened
+            return
+        if not known.issubset(self.client.ids):
+            old, self.client = self.client, self.cluster.connect_client_sync()
+            old.close()
 
     def joined(self, infos: list[dict]) -> None:
         """The ranks joined the process group: their pids, hosts and output."""
