@@ -23,6 +23,8 @@ import sys
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from tplab.errors import CellTimeout, CollectiveHang, LabError, RankDied, RankError, RankPlanError
 from tplab.lab import diagnose
 from tplab.lab.results import RankResults, engine_died, strip_engine_id
@@ -54,8 +56,6 @@ class Watchdog:
     # --- the rendezvous store, where ranks report where they are ------------------------
 
     def connect_store(self, host: str, port: int) -> None:
-        import torch.distributed as dist
-
         self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                     timeout=timedelta(seconds=5))
 
