@@ -170,6 +170,8 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
 def _train_ranks(lab, build_model, state, plan, make_batch, steps, step, make_optimizer,
                  loss_fn, dp, param_map, ref, shapes, aliases, ref_losses, band, live):
     """The ranks' run (tplab/training/ranks.py), live or not; returns (results, view)."""
+    # deferred: live.py is notebook side (tplab.lab.streams, IPython) and the ranks load this
+    # module (tplab/training/__init__.py imports it); at the top once the package is split
     from tplab.training.live import LiveTraining, live_default
 
     live = live_default(lab) if live is None else live
