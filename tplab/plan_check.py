@@ -1,4 +1,9 @@
-"""Does a plan's layouts chain? A static check of a plan against the model's dataflow.
+"""Does a plan fit the model? Checked before anything runs, on one device.
+
+`check_plan` (also `tplab.plans.check_plan`): every key matches a module, each style fits
+its module, and tp divides what it splits (features, query and key/value heads; the
+vocabulary: `check_vocab`, with Megatron-LM's padding); then, given an example input,
+`check_layouts`: do the plan's layouts chain along the model's dataflow?
 
 `parallelize_module` installs each style's hooks without asking whether one module's
 output is what the next module expects. A plain (local) tensor carries no placement:
@@ -17,20 +22,21 @@ the ranks (a whole tensor, a local shard of dim d, a DTensor) and the module it 
 moved along through views, transposes, pointwise ops and attention. Why not torch.fx or
 torch.export: symbolic tracing fails on ordinary control flow (transformers' models), and
 export needs the model to be export-clean; a forward on meta runs any model that runs, and
-the tags follow the Python ops the model actually calls. Where the tag cannot be followed
+the tags follow the Python ops the model actually calls. Each hand-over is checked by
+tplab/handovers.py. Where the tag cannot be followed
 (an op whose effect on the sharded dim is unknown, a style this module does not know: in
 and below it), it is dropped and nothing downstream is checked: never a guess, never a
 false alarm on a plan that chains. The forward runs in a thread of its own, each module
 called through its own class, so that no mode (LocalTensorMode, CommDebugMode,
 `tplab.trace`) and no module hook of the caller sees it.
 
-What each style expects and produces is read from torch's own definitions
-(torch/distributed/tensor/parallel/style.py): ColwiseParallel / RowwiseParallel /
+What each style expects and produces (tplab/layout_contracts.py) is read from torch's own
+definitions (torch/distributed/tensor/parallel/style.py): ColwiseParallel / RowwiseParallel /
 SequenceParallel read a plain input as `input_layouts` (`sequence_sharding`) and hand on
 `output_layouts`, as a plain tensor when `use_local_output`; a DTensor input is
 redistributed, so it always fits. PrepareModuleInput / PrepareModuleOutput /
-PrepareModuleInputOutput do the same per argument. Other styles (transformers', tplab's
-own, subclasses) are skipped.
+PrepareModuleInputOutput do the same per argument. tplab's own styles state theirs
+(`layout_contract`); other styles (transformers', subclasses) are skipped.
 
 Mistakes found: a local shard read as another layout (Colwise into Colwise: Shard(-1) read
 as Replicate(); a whole tensor into a Rowwise: Replicate() read as Shard(-1); a sequence
