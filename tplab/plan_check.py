@@ -35,8 +35,8 @@ definitions (torch/distributed/tensor/parallel/style.py): ColwiseParallel / Roww
 SequenceParallel read a plain input as `input_layouts` (`sequence_sharding`) and hand on
 `output_layouts`, as a plain tensor when `use_local_output`; a DTensor input is
 redistributed, so it always fits. PrepareModuleInput / PrepareModuleOutput /
-PrepareModuleInputOutput do the same per argument. tplab's own styles state theirs
-(`layout_contract`); other styles (transformers', subclasses) are skipped.
+PrepareModuleInputOutput do the same per argument. Other styles (transformers', tplab's
+own, subclasses) are skipped, unless they state theirs (a `layout_contract` method).
 
 Mistakes found: a local shard read as another layout (Colwise into Colwise: Shard(-1) read
 as Replicate(); a whole tensor into a Rowwise: Replicate() read as Shard(-1); a sequence
