@@ -5,8 +5,8 @@ ColwiseParallel / RowwiseParallel / SequenceParallel read a plain input as `inpu
 (`sequence_sharding`) and hand on `output_layouts`, as a plain tensor when
 `use_local_output`; a DTensor input is redistributed, so it always fits.
 PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput do the same per
-argument. A style of tplab's own says so itself with a `layout_contract(module)` method;
-other styles (transformers', subclasses) are not known, and nothing in or below them is
+argument. Another style may state its own with a `layout_contract(module)` method (`known`);
+the rest (transformers', subclasses) are not known, and nothing in or below them is
 checked.
 """
 
