@@ -52,9 +52,7 @@ def test_largest_world_size():
 
 
 def test_missing_renderer_is_a_failure(monkeypatch, tmp_path):
-    import jupyter_core.paths
-
-    monkeypatch.setattr(jupyter_core.paths, "jupyter_path", lambda *a: [str(tmp_path)])
+    monkeypatch.setattr(doctor, "jupyter_path", lambda *a: [str(tmp_path)])
     check = doctor.renderers()
     assert not check.ok and "jupyterlab-plotly" in check.detail and "pip install" in check.fix
 

@@ -7,6 +7,8 @@ stays cheap on both sides: the notebook kernel and every rank process.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 from tplab.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
 
@@ -55,10 +57,9 @@ def __getattr__(name: str):
 
 def _register_magics() -> None:
     """%%ranks and %%rank exist as soon as tplab is imported in IPython (not on ranks)."""
-    import os
-    import sys
-
     if "IPython" in sys.modules and not os.environ.get("TPLAB_OWNER"):
+        # deferred: notebook side only; a rank's `import tplab` (its engine runs IPython too)
+        # must load nothing of tplab.lab (tests/test_imports.py)
         from tplab.lab.magics import register_magics
 
         register_magics()

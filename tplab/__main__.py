@@ -6,14 +6,13 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 COMMANDS = {"check": "tplab.cli_check", "doctor": "tplab.doctor"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    import importlib
-
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         print(f"usage: python -m tplab {{{','.join(COMMANDS)}}} [options]", file=sys.stderr)

@@ -24,6 +24,7 @@ import sys
 import torch
 
 from tplab import placements
+from tplab.parallel_styles import REPLICATED_GRAD_RULE
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TPLAB = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -32,11 +33,6 @@ _STYLE_HOOKS = {"_prepare_input_fn": "input", "_prepare_output_fn": "output",
                 "_prepare_input_redistribute_fn": "input",
                 "_prepare_output_redistribute_fn": "output"}
 _MAX_DEPTH = 60
-
-# the rule behind a replicated weight's gradient all-reduce (Qwen3's q_norm/k_norm): f's rule
-# (dL/dx = sum over ranks of each rank's term) in its weight form
-REPLICATED_GRAD_RULE = ("replicated weight applied to head-sharded activations: each rank "
-                        "holds a partial gradient; summed over the TP group")
 
 
 def _placements(spec) -> str:

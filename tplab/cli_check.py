@@ -37,12 +37,20 @@ import importlib
 import inspect
 import math
 import os
+import re
 import sys
 import traceback
 
 from torch.distributed.tensor.parallel import ParallelStyle
 
+import tplab
 from tplab.errors import LabError, PlanError, RankError
+from tplab.lab.engines.local import LocalKind
+from tplab.lab.validate import MAX_LOCAL_RANKS, check_launch_args
+from tplab.output import format_rank_list
+from tplab.plans import check_plan
+from tplab.pytrees import call_model
+from tplab.rank.grad_step import call_loss
 
 
 class BadArgument(Exception):
@@ -139,9 +147,6 @@ def _callable(obj, argument: str, spec: str, takes: str) -> None:
 
 
 def _check_world_size(world_size: int, simulated: bool) -> None:
-    from tplab.lab.engines.local import LocalKind
-    from tplab.lab.validate import MAX_LOCAL_RANKS, check_launch_args
-
     if world_size < 1:
         raise BadArgument(f"--world-size must be at least 1, got {world_size}")
     if simulated:
@@ -269,10 +274,6 @@ def preflight(t: Targets) -> None:
     """build, make_input, the static plan check (`plans.check_plan` with the input: keys,
     divisibility, layouts along the dataflow) and one forward and loss on one device,
     before any rank starts."""
-    from tplab.plans import check_plan
-    from tplab.pytrees import call_model
-    from tplab.rank.grad_step import call_loss
-
     model = _user("build()", t.build)
     x = (_user("make_input()", t.make_input) if t.train is None
          else _user("make_batch(0)", t.make_input, 0))
@@ -285,8 +286,6 @@ def preflight(t: Targets) -> None:
 
 def run(t: Targets) -> int:
     """The lab and grad_check (or train_check): 0 when it passes, 1 when it fails."""
-    import tplab
-
     lab = tplab.simulate(t.world_size) if t.simulated else tplab.launch(t.world_size)
     try:
         if t.train is not None:
@@ -304,10 +303,6 @@ def run(t: Targets) -> int:
 
 def _rank_line(exc) -> str:
     """A RankError in one line: the exception's own line on the first rank, and where."""
-    import re
-
-    from tplab.output import format_rank_list
-
     rank, tb = next(iter(exc.tracebacks.items()))
     name = exc.enames.get(rank) or r"\w+(?:Error|Exception|Exit|Interrupt)"
     lines = [ln for ln in tb.splitlines() if re.match(rf"({name}|[\w.]+\.{name}):", ln)]

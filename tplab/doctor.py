@@ -17,8 +17,14 @@ import platform as std_platform
 import sys
 import time
 from dataclasses import asdict, dataclass
+from importlib.metadata import version
 
+import psutil
+from jupyter_core.paths import jupyter_path
+
+import tplab
 from tplab import platforms
+from tplab.lab.validate import resolve_backend
 
 GiB = 2**30
 SMOKE_WORLD = 2
@@ -37,16 +43,12 @@ class Check:
 
 def _version(module: str) -> str | None:
     try:
-        from importlib.metadata import version
-
         return version(module)
     except Exception:
         return None
 
 
 def versions() -> dict[str, str | None]:
-    import tplab
-
     return {"python": std_platform.python_version(), "torch": _version("torch"),
             "tplab": tplab.__version__, "ipyparallel": _version("ipyparallel"),
             "jupyterlab": _version("jupyterlab"), "ipywidgets": _version("ipywidgets"),
@@ -54,8 +56,6 @@ def versions() -> dict[str, str | None]:
 
 
 def machine() -> dict:
-    import psutil
-
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
@@ -63,6 +63,8 @@ def machine() -> dict:
     mem = psutil.virtual_memory()
     gpus = []
     try:
+        # deferred: the doctor reports a torch that cannot load (broken CUDA libraries raise
+        # here) instead of failing before it prints anything
         import torch
 
         if torch.cuda.is_available():
@@ -75,96 +77,7 @@ def machine() -> dict:
 
 
 def auto_backend(world_size: int = SMOKE_WORLD) -> str:
-    from tplab.lab.validate import resolve_backend
-
     return resolve_backend("auto", world_size)
-
-
-def _mlp_step(cfg):
-    """Rank side: one traced Megatron MLP step."""
-    import torch
-
-    import tplab
-    from tplab import megatron, models
-
-    model = megatron.parallelize(models.MLP(cfg), tplab.make_mesh())
-    x = models.make_input(cfg).requires_grad_()
-    with tplab.trace() as t:
-        model(x).pow(2).sum().backward()
-    return {"counts": t.counts(), "finite": bool(torch.isfinite(x.grad).all())}
-
-
-def _all_reduce():
-    import torch
-    import torch.distributed as dist
-
-    x = torch.full((4,), float(dist.get_rank() + 1))
-    dist.all_reduce(x)
-    return x.tolist()
-
-
-def _rank_memory(lab) -> int | None:
-    """Bytes one rank holds of its own (USS: pages shared with the fork server not counted)."""
-    import psutil
-
-    pids = getattr(lab, "rank_pids", None) or []
-    sizes = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            info = p.memory_full_info()
-            sizes.append(getattr(info, "uss", info.rss))
-        except (psutil.Error, OSError):
-            continue
-    return max(sizes) if sizes else None
-
-
-def smoke_test(world_size: int = SMOKE_WORLD, timeout: float = 30) -> tuple[list[Check], dict]:
-    """Launch `world_size` ranks, all-reduce, a traced Megatron MLP step and its grad_check."""
-    import functools
-
-    import tplab
-    from tplab import megatron, models
-
-    checks, facts = [], {}
-    started = time.perf_counter()
-    try:
-        lab = tplab.launch(world_size, timeout=timeout)
-    except Exception as err:
-        checks.append(Check("launch", False, f"{type(err).__name__}: {err}",
-                            "see the platform notes above; `python -m tplab doctor` again "
-                            "after fixing; report the message to the teacher"))
-        return checks, facts
-    try:
-        facts["launch_s"] = round(time.perf_counter() - started, 2)
-        checks.append(Check("launch", True, f"{world_size} ranks ({lab.backend}) in "
-                                            f"{facts['launch_s']} s"))
-        got = lab.run(_all_reduce)
-        want = [float(world_size * (world_size + 1) / 2)] * 4
-        ok = all(r == want for r in got)
-        checks.append(Check("all_reduce", ok, f"every rank got {got[0]}" if ok else
-                            f"ranks got {got}, expected {want}",
-                            "" if ok else "the ranks cannot sum: check the network notes"))
-        cfg = models.Config(dim=16, hidden_dim=32 * world_size)
-        step = lab.run(_mlp_step, cfg)
-        want_counts = {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
-        ok = all(s["counts"] == want_counts and s["finite"] for s in step)
-        checks.append(Check("megatron_step", ok, f"traced {step[0]['counts']}",
-                            "" if ok else "tracing or the MLP step is broken: reinstall tplab"))
-        report = tplab.grad_check(lab, functools.partial(models.MLP, cfg), megatron.parallelize,
-                                  functools.partial(models.make_input, cfg))
-        checks.append(Check("grad_check", report.ok, report.summary(),
-                            "" if report.ok else "gradients differ from one device: "
-                                                 "reinstall tplab and torch"))
-        facts["rank_bytes"] = _rank_memory(lab)
-    except Exception as err:
-        checks.append(Check("smoke_test", False, f"{type(err).__name__}: {err}",
-                            "the ranks started but a step failed: send this output to the "
-                            "teacher"))
-    finally:
-        lab.shutdown()
-    facts["smoke_s"] = round(time.perf_counter() - started, 2)
-    return checks, facts
 
 
 def largest_world_size(available_bytes: float, rank_bytes: int | None) -> int:
@@ -180,8 +93,6 @@ def largest_world_size(available_bytes: float, rank_bytes: int | None) -> int:
 
 def renderers() -> Check:
     """Whether JupyterLab finds the ipywidgets manager and plotly's renderer extensions."""
-    from jupyter_core.paths import jupyter_path
-
     wanted = {"widgets": "@jupyter-widgets/jupyterlab-manager", "plotly": "jupyterlab-plotly"}
     found = {k: any(os.path.exists(os.path.join(d, v, "package.json"))
                     for d in jupyter_path("labextensions")) for k, v in wanted.items()}
@@ -210,6 +121,9 @@ def diagnose(run_smoke: bool = True) -> dict:
     checks.append(renderers())
     facts: dict = {}
     if run_smoke:
+        # deferred: the smoke test loads torch; `--no-smoke` reports without it (machine())
+        from tplab.smoke import smoke_test
+
         smoke, facts = smoke_test()
         checks += smoke
     available = info["machine"]["available_gib"] * GiB

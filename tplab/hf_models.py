@@ -14,8 +14,13 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
 from tplab import hf
+from tplab.check import grad_check
+from tplab.mesh import make_mesh
+from tplab.plans import apply_plan
+from tplab.tracing import trace
 
 # small sizes every family understands; only keys a config already has are set
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -101,12 +106,6 @@ def logits_loss(out):
 
 def _layer_counts(build_model, state, plan, x) -> dict:
     """Rank side: the collectives of decoder layer 0, forward and backward, from a trace."""
-    import torch.distributed as dist
-
-    from tplab.mesh import make_mesh
-    from tplab.plans import apply_plan
-    from tplab.tracing import trace
-
     model = build_model()
     model.load_state_dict(state)
     mesh = make_mesh(tp=dist.get_world_size())
@@ -130,8 +129,6 @@ def check_family(lab, name: str, trace_layer: bool = True) -> dict:
     `from_hf` verdicts ("ok", "WRONG: ...", or "cannot run: ..."), and the layer's
     collectives under transformers' own plan; `buildable` False with the reason when the
     tiny model cannot be built."""
-    from tplab.check import grad_check
-
     row = {"family": name, "buildable": True, "reason": ""}
     try:
         size = meta_size(name)

@@ -33,8 +33,6 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tplab.causes import REPLICATED_GRAD_RULE
-
 
 def packed_placement(dim: int, split_factor: int) -> Placement:
     """Each rank's slice of each of `split_factor` sub-matrices stacked on `dim`
@@ -110,6 +108,11 @@ class LocalParams(TplabStyle):
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post, always_call=True)
         return module
+
+
+# the trace's cause of its gradient all-reduce (tplab.causes shows it for transformers' own too)
+REPLICATED_GRAD_RULE = ("replicated weight applied to head-sharded activations: each rank "
+                        "holds a partial gradient; summed over the TP group")
 
 
 class ReplicatedGradAllReduce(TplabStyle):

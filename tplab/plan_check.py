@@ -1,4 +1,9 @@
-"""Does a plan's layouts chain? A static check of a plan against the model's dataflow.
+"""Does a plan fit the model? Checked before anything runs, on one device.
+
+`check_plan` (also `tplab.plans.check_plan`): every key matches a module, each style fits
+its module, and tp divides what it splits (features, query and key/value heads; the
+vocabulary: `check_vocab`, with Megatron-LM's padding); then, given an example input,
+`check_layouts`: do the plan's layouts chain along the model's dataflow?
 
 `parallelize_module` installs each style's hooks without asking whether one module's
 output is what the next module expects. A plain (local) tensor carries no placement:
@@ -17,20 +22,21 @@ the ranks (a whole tensor, a local shard of dim d, a DTensor) and the module it 
 moved along through views, transposes, pointwise ops and attention. Why not torch.fx or
 torch.export: symbolic tracing fails on ordinary control flow (transformers' models), and
 export needs the model to be export-clean; a forward on meta runs any model that runs, and
-the tags follow the Python ops the model actually calls. Where the tag cannot be followed
+the tags follow the Python ops the model actually calls. Each hand-over is checked by
+tplab/handovers.py. Where the tag cannot be followed
 (an op whose effect on the sharded dim is unknown, a style this module does not know: in
 and below it), it is dropped and nothing downstream is checked: never a guess, never a
 false alarm on a plan that chains. The forward runs in a thread of its own, each module
 called through its own class, so that no mode (LocalTensorMode, CommDebugMode,
 `tplab.trace`) and no module hook of the caller sees it.
 
-What each style expects and produces is read from torch's own definitions
-(torch/distributed/tensor/parallel/style.py): ColwiseParallel / RowwiseParallel /
+What each style expects and produces (tplab/layout_contracts.py) is read from torch's own
+definitions (torch/distributed/tensor/parallel/style.py): ColwiseParallel / RowwiseParallel /
 SequenceParallel read a plain input as `input_layouts` (`sequence_sharding`) and hand on
 `output_layouts`, as a plain tensor when `use_local_output`; a DTensor input is
 redistributed, so it always fits. PrepareModuleInput / PrepareModuleOutput /
 PrepareModuleInputOutput do the same per argument. Other styles (transformers', tplab's
-own, subclasses) are skipped.
+own, subclasses) are skipped, unless they state theirs (a `layout_contract` method).
 
 Mistakes found: a local shard read as another layout (Colwise into Colwise: Shard(-1) read
 as Replicate(); a whole tensor into a Rowwise: Replicate() read as Shard(-1); a sequence
@@ -42,306 +48,20 @@ a whole tensor in an op (a residual add after a Colwise left sharded).
 from __future__ import annotations
 
 import copy
-import dataclasses
+import difflib
 import threading
+import warnings
 from fnmatch import fnmatch
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
-from torch.utils._pytree import tree_flatten
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tplab import placements
 from tplab.errors import PlanError
-from tplab.layout_flow import (
-    Flow,
-    Tracer,
-    layout_name,
-    local_description,
-    normalized,
-    short_name,
-)
+from tplab.handovers import Edge, HandoverHooks, tensors_of
+from tplab.layout_flow import Flow, Tracer
 from tplab.pytrees import map_tensors
-
-KNOWN_STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput,
-                PrepareModuleOutput, PrepareModuleInputOutput)
-
-
-@dataclasses.dataclass(frozen=True)
-class Edge:
-    """One hand-over the check looked at: `producer` (a planned module, or None for the
-    model's input) gives `consumer` a tensor of `layout`; `expected` is how the consumer's
-    style reads a plain tensor (None: a DTensor, redistributed as needed)."""
-
-    producer: str | None
-    consumer: str
-    layout: str
-    expected: str | None
-
-
-def known(style) -> bool:
-    """Whether this check knows what `style` reads and hands on: torch's six styles (their
-    exact classes: a subclass may change the hooks), or a style that says so itself (for
-    tplab's own styles) with `layout_contract(module) -> (inputs, kwarg_inputs, outputs)`:
-    inputs [(arg index, layout it reads a plain tensor as, layout after, plain after)],
-    kwarg_inputs {name: (read, after, plain after)}, outputs [(layout read or None, layout
-    handed on, plain)] per output, or None where it leaves the outputs alone."""
-    return type(style) in KNOWN_STYLES or callable(getattr(style, "layout_contract", None))
-
-
-def _one(layouts):
-    return layouts[0] if isinstance(layouts, tuple) else layouts
-
-
-# --- what each style expects and produces -------------------------------------------------
-
-
-def _inputs_of(style, module) -> tuple[list, dict]:
-    """([(arg index, layout read, layout after, local after)], {kwarg: ...}) of a style's
-    input hook; layouts None where the style leaves an input alone."""
-    if type(style) not in KNOWN_STYLES:
-        args, kwargs, _ = style.layout_contract(module)
-        return list(args), dict(kwargs)
-    if type(style) in (ColwiseParallel, RowwiseParallel):
-        if type(style) is RowwiseParallel:  # set by RowwiseParallel._apply, per module
-            desired = Replicate() if isinstance(module, nn.Embedding) else Shard(-1)
-        else:
-            desired = _one(style.desired_input_layouts)
-        return [(0, _one(style.input_layouts), desired, False)], {}
-    if type(style) is SequenceParallel:
-        seq = _one(style.sequence_sharding)
-        return [(0, seq, seq, False)], {}
-    if type(style) is PrepareModuleInputOutput:
-        style = style.prepare_module_input
-    if type(style) is PrepareModuleInput:
-        # no desired layout: the input keeps the one it was read as
-        args = [(i, lay, want or lay, style.use_local_output) for i, (lay, want) in enumerate(
-            zip(style.input_layouts or (), style.desired_input_layouts or (), strict=False))
-            if lay is not None]
-        kws = {k: (lay, style.desired_input_kwarg_layouts.get(k) or lay, style.use_local_output)
-               for k, lay in (style.input_kwarg_layouts or {}).items() if lay is not None}
-        return args, kws
-    return [], {}
-
-
-def _outputs_of(style, module) -> list | None:
-    """[(layout read, layout handed on, local)] per output of a style's output hook; None
-    where the style leaves the outputs alone."""
-    if type(style) not in KNOWN_STYLES:
-        return style.layout_contract(module)[2]
-    if type(style) in (ColwiseParallel, RowwiseParallel):
-        out = _one(style.output_layouts)
-        return [(None, out, style.use_local_output)]
-    if type(style) is SequenceParallel:
-        return [(None, _one(style.sequence_sharding), style.use_local_output)]
-    if type(style) is PrepareModuleInputOutput:
-        style = style.prepare_module_output
-    if type(style) is PrepareModuleOutput:
-        return [(lay, want or lay, style.use_local_output) for lay, want in
-                zip(style.output_layouts, style.desired_output_layouts, strict=False)]
-    return None
-
-
-# --- the check ----------------------------------------------------------------------------
-
-
-def _fix(flow: Flow, consumer: str, style, actual, expected, ndim: int) -> str:
-    """A suggestion for a plain `actual` tensor read as `expected` by `consumer`'s style."""
-    kind = type(style).__name__
-    expected = normalized(expected, ndim)
-    src = flow.source or flow.via
-    last = Shard(ndim - 1)
-    as_input = placements.shard(-1 if actual == last else actual.dim) if type(actual) is Shard \
-        else layout_name(actual)
-    if actual == last and expected == Replicate() and type(style) is ColwiseParallel:
-        tail = f", or give {src} output_layouts=Replicate() (an all-gather)" if src else ""
-        return (f"make {consumer} RowwiseParallel() (a row-wise layer takes the Shard(-1) "
-                f"activations a column-wise one leaves; Megatron pairs them){tail}")
-    if actual == Replicate() and type(style) is RowwiseParallel:
-        before = f"make {src} ColwiseParallel() so its output arrives sharded on the last " \
-            "dim, or " if src else ""
-        return (f"{before}give {consumer} input_layouts=Replicate() (each rank then takes "
-                "its own slice of the whole input)")
-    return (f"give {consumer}'s {kind} input_layouts={as_input} (it then redistributes to "
-            f"the layout it computes on)"
-            + (f", or change {src}'s output_layouts to {layout_name(expected)}" if src else ""))
-
-
-def _mismatch(flow: Flow, consumer: str, style, actual, expected, ndim: int,
-              output: bool = False) -> PlanError:
-    kind = type(style).__name__
-    got = local_description(dataclasses.replace(flow, layout=actual), ndim)
-    if output:  # PrepareModuleOutput reads the module's own output
-        return PlanError(
-            f"layouts do not chain: {consumer} returns {got} (from {flow.where()}), but its "
-            f"{kind} reads it as {layout_name(expected)} (output_layouts). Fix: give {consumer}'s "
-            f"{kind} output_layouts={layout_name(actual)}")
-    reads = "sequence_sharding" if type(style) is SequenceParallel else "input_layouts"
-    return PlanError(
-        f"layouts do not chain: {flow.where()} hands {consumer} ({kind}) {got}, but "
-        f"{consumer}'s {kind} reads a plain input as {layout_name(expected)} ({reads}); on the "
-        f"ranks its shapes would not fit. Fix: "
-        f"{_fix(flow, consumer, style, actual, expected, ndim)}")
-
-
-def _needs_whole(tracer: Tracer, path: str, module: nn.Module, args) -> None:
-    """An unplanned module that needs whole the dim a local shard splits."""
-    x = args[0] if args else None
-    flow = tracer.flow(x)
-    if flow is None or not flow.local or type(flow.layout) is Replicate:
-        return
-    kind = type(module).__name__
-    weight = getattr(module, "weight", None)
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-        span = len(module.normalized_shape or ()) or 1
-    elif kind.endswith("Norm") and isinstance(weight, torch.Tensor) and weight.ndim == 1 \
-            and x.ndim and weight.shape[0] == x.shape[-1]:
-        span = 1  # a norm over the last dim (LlamaRMSNorm, Qwen3RMSNorm, ...)
-    elif isinstance(module, nn.Linear):
-        span, kind = 1, "nn.Linear"
-    else:
-        return
-    partial = type(flow.layout) is Partial
-    if not partial and flow.layout.dim < x.ndim - span:
-        return  # sharded elsewhere (the sequence, the heads): fine for this module
-    what = "normalizes over" if kind != "nn.Linear" else "contracts"
-    src = flow.source or flow.via
-    fix = (f"plan {path} as RowwiseParallel() (it takes the Shard(-1) input and sums the "
-           f"ranks' parts), or give {src} output_layouts=Replicate()" if kind == "nn.Linear"
-           else f"give {src} output_layouts=Replicate() (or end the sharded region with a "
-           f"RowwiseParallel before {path})")
-    raise PlanError(
-        f"layouts do not chain: {flow.where()} hands {path} ({kind}, not in the plan) "
-        f"{local_description(flow, x.ndim)}, but {path} {what} "
-        f"{'its last dim' if span == 1 else f'its last {span} dims'} and needs it whole "
-        f"on every rank{' (the sums are still pending)' if partial else ''}. Fix: {fix}")
-
-
-class _Hooks:
-    """Forward (pre-)hooks on every module of the meta copy: check and re-tag."""
-
-    def __init__(self, tracer: Tracer, planned: dict, edges: list):
-        self.tracer, self.planned, self.edges = tracer, planned, edges
-
-    def install(self, model: nn.Module) -> None:
-        """Each module of the (private) meta copy gets a class of its own whose __call__
-        runs pre, forward, post: no module hooks fire, neither the copy's (copied from the
-        model) nor global ones (CommDebugMode's module tracker, a user's)."""
-        for path, module in model.named_modules():
-            cls = type(module)
-            module.__class__ = type(cls.__name__, (cls,), {"__call__": self.caller(path),
-                                                           "__module__": cls.__module__})
-
-    def caller(self, path):
-        pre, post = self.pre(path), self.post(path)
-
-        def call(module, *args, **kwargs):
-            got = pre(module, args, kwargs)
-            args, kwargs = got if got is not None else (args, kwargs)
-            out = module.forward(*args, **kwargs)
-            got = post(module, args, kwargs, out)
-            return out if got is None else got
-        return call
-
-    def untagged(self, obj):
-        """`obj` with its tensors replaced by aliases that carry no layout."""
-        def alias(t):
-            new = t.view_as(t)
-            self.tracer.tag(new, None)
-            return new
-        return map_tensors(alias, obj)
-
-    def hand(self, t, path, style, read, after, local):
-        """A tensor entering `path` through `style`'s input hook: check, then re-tag."""
-        tr = self.tracer
-        if not isinstance(t, torch.Tensor) or read is None:
-            return t
-        flow = tr.flow(t)
-        actual = normalized(flow.layout, t.ndim) if flow and flow.local else None
-        expected = normalized(read, t.ndim)
-        self.edges.append(Edge(flow.source if flow else None, path,
-                               short_name(actual, t.ndim) if actual is not None else
-                               "DTensor" if flow else "unknown",
-                               layout_name(read) if actual is not None else None))
-        if flow is not None and actual is not None and expected is not None \
-                and actual != expected:
-            raise _mismatch(flow, path, style, actual, read, t.ndim)
-        new = t.view_as(t)
-        after = normalized(after, t.ndim) if after is not None else None
-        tr.tag(new, Flow(after, local, path, type(style).__name__, path) if after else None)
-        return new
-
-    def pre(self, path):
-        def hook(module, args, kwargs):
-            self.tracer.stack.append(path)
-            styles = self.planned.get(path)
-            if not styles:
-                _needs_whole(self.tracer, path, module, args)
-                return None
-            if not all(map(known, styles)):  # inside it, judge nothing
-                return self.untagged(args), self.untagged(kwargs)
-            args = list(args)
-            for style in styles:
-                arg_rules, kw_rules = _inputs_of(style, module)
-                for i, read, after, local in arg_rules:
-                    if i < len(args):
-                        args[i] = self.hand(args[i], path, style, read, after, local)
-                for k, (read, after, local) in kw_rules.items():
-                    if k in kwargs:
-                        kwargs[k] = self.hand(kwargs[k], path, style, read, after, local)
-            return tuple(args), kwargs
-        return hook
-
-    def post(self, path):
-        def hook(module, args, kwargs, output):
-            tr = self.tracer
-            tr.stack.pop()
-            styles = self.planned.get(path)
-            if not styles:
-                for _, t in _tensors(output):
-                    if (flow := tr.flow(t)) is not None:
-                        tr.tag(t, dataclasses.replace(flow, via=path))
-                return None
-            if not all(map(known, styles)):
-                for _, t in _tensors(output):
-                    tr.tag(t, None)  # a style not known here: nothing after it is checked
-                return None
-            for style in styles:
-                rules = _outputs_of(style, module)
-                if rules:
-                    output = self.leave(output, path, style, rules)
-            return output
-        return hook
-
-    def leave(self, output, path, style, rules):
-        single = not isinstance(output, tuple)
-        outs = list((output,) if single else output)
-        for i, (read, after, local) in enumerate(rules[:len(outs)]):
-            t = outs[i]
-            if not isinstance(t, torch.Tensor) or after is None:
-                continue
-            flow = self.tracer.flow(t)
-            if read is not None and flow is not None and flow.local:  # PrepareModuleOutput
-                actual, expected = normalized(flow.layout, t.ndim), normalized(read, t.ndim)
-                if actual is not None and expected is not None and actual != expected:
-                    raise _mismatch(flow, path, style, actual, read, t.ndim, output=True)
-            new = t.view_as(t)
-            self.tracer.tag(new, Flow(normalized(after, t.ndim), local, path, type(style).__name__,
-                                      path))
-            outs[i] = new
-        return outs[0] if single else type(output)(outs)
-
-
-def _tensors(obj):
-    return [(None, t) for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -381,6 +101,118 @@ def styles_by_module(model: nn.Module, plan: dict) -> dict[str, list]:
         for path, _ in match(model, key):
             found.setdefault(path, []).append(style)
     return found
+
+
+# --- keys and sizes --------------------------------------------------------------------
+
+
+def _shard_rule(style, module: nn.Module) -> list[tuple[str, int]]:
+    """(what, length) pairs that the style splits over the tp ranks."""
+    colwise = isinstance(style, ColwiseParallel)
+    if isinstance(module, nn.Linear):
+        return [("out_features (weight dim 0)", module.out_features)] if colwise else [
+            ("in_features (weight dim 1)", module.in_features)]
+    if isinstance(module, nn.Embedding):
+        return [("embedding_dim (weight dim 1)", module.embedding_dim)] if colwise else [
+            ("num_embeddings (weight dim 0)", module.num_embeddings)]
+    return []
+
+
+def check_plan(model: nn.Module, plan: dict, tp: int, example_input=None) -> None:
+    """Raise PlanError if a key matches no module, a style does not fit its module, or a
+    sharded dimension (or the number of heads) is not divisible by the tp size; given
+    `example_input` (what the model is called with), also if the layouts do not chain
+    from one planned module to the next (`check_layouts`)."""
+    if not isinstance(plan, dict):
+        raise PlanError(f"a plan is a dict {{module path: ParallelStyle}}, got {type(plan)}")
+    paths = [path for path, _ in model.named_modules() if path]
+    for key, style in plan.items():
+        found = match(model, key)
+        if not found:
+            close = difflib.get_close_matches(key, paths, n=3, cutoff=0.5) or paths[:6]
+            close.sort(key=paths.index)  # in the model's order
+            raise PlanError(f"plan key {key!r} matches no module of {type(model).__name__}; "
+                            f"closest module paths: {', '.join(map(repr, close))}")
+        for path, module in found:
+            name = path or type(model).__name__
+            if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                continue
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
+                raise PlanError(f"{name} is a {type(module).__name__}; {type(style).__name__} "
+                                "only splits nn.Linear and nn.Embedding")
+            for what, length in _shard_rule(style, module):
+                if length % tp:
+                    raise PlanError(f"{name}: {type(style).__name__} splits {what} = {length} "
+                                    f"over tp = {tp} ranks, and {length} is not divisible by "
+                                    f"{tp}")
+            parent = model.get_submodule(path.rpartition(".")[0])
+            if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear):
+                _check_heads(parent, path, module, tp, path.rpartition(".")[0] or
+                             type(model).__name__, name)
+    if example_input is not None:
+        check_layouts(model, plan, example_input)
+
+
+def _head_counts(parent: nn.Module) -> tuple[int | None, int | None]:
+    """(query heads, key/value heads) of an attention module: tplab's n_heads /
+    n_kv_heads, or transformers' config.num_attention_heads / num_key_value_heads."""
+    if getattr(parent, "n_heads", None) is None and not hasattr(parent, "head_dim"):
+        return None, None   # not an attention module (an MLP may carry the config too)
+    config = getattr(parent, "config", None)
+    heads = getattr(parent, "n_heads", None) or getattr(config, "num_attention_heads", None)
+    kv = (getattr(parent, "n_kv_heads", None) or getattr(config, "num_key_value_heads", None)
+          or heads)
+    return heads, kv
+
+
+def _check_heads(parent, path, module, tp, pname, name) -> None:
+    """A column-parallel projection of an attention module splits its heads: the query
+    heads for q (and the output projection's input), the key/value heads for k and v."""
+    heads, kv = _head_counts(parent)
+    if heads is None:
+        return
+    head_dim = getattr(parent, "head_dim", None)
+    is_kv = (kv != heads and head_dim is not None and module.out_features == kv * head_dim) or (
+        kv != heads and path.rpartition(".")[2] in ("wk", "wv", "k_proj", "v_proj"))
+    if is_kv and kv % tp:
+        raise PlanError(f"{pname}: n_kv_heads = {kv} (key/value heads) is not divisible by "
+                        f"tp = {tp}, so {name} would split a key/value head across ranks "
+                        f"(the {heads} query heads are not the limit); past {kv} ranks each "
+                        "rank needs its own copy of its group's KV heads (duplicated KV "
+                        "heads, as Megatron-LM does when tp > num_query_groups)")
+    if not is_kv and heads % tp:
+        raise PlanError(f"{pname}: n_heads = {heads} is not divisible by tp = {tp}, so "
+                        f"{name} would split a head across ranks (n_heads: the query heads)")
+
+
+def padded_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Megatron-LM's padded vocabulary: the smallest multiple of `multiple` x tp (its
+    --make-vocab-size-divisible-by, 128 by default) that holds `vocab_size` rows
+    (megatron/training/tokenizer: _vocab_size_with_padding)."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def check_vocab(vocab_size: int, tp: int, pad: bool = False, multiple: int = 128) -> int:
+    """The vocabulary size to shard over `tp` ranks: `vocab_size` itself when tp divides it;
+    otherwise, with `pad=True`, Megatron's padded size (`padded_vocab`) with a warning, and
+    without, a PlanError that gives the sizes."""
+    if vocab_size % tp == 0:
+        return vocab_size
+    padded = padded_vocab(vocab_size, tp, multiple)
+    if not pad:
+        raise PlanError(f"vocab_size = {vocab_size} is not divisible by tp = {tp} "
+                        f"({vocab_size} = {vocab_size // tp} x {tp} + {vocab_size % tp}); pad "
+                        f"it to {padded} (a multiple of {multiple} x {tp}, as Megatron-LM "
+                        "does), e.g. model.resize_token_embeddings(...), or pass pad_vocab=True")
+    warnings.warn(f"vocab_size = {vocab_size} is not divisible by tp = {tp}: padded to "
+                  f"{padded} rows ({padded - vocab_size} unused), a multiple of {multiple} x "
+                  f"{tp} as Megatron-LM pads; resize the embedding and lm head to match",
+                  stacklevel=3)
+    return padded
+
+
+# --- layouts along the dataflow ----------------------------------------------------------
 
 
 def check_layouts(model: nn.Module, plan: dict, example_input) -> list[Edge] | None:
@@ -449,8 +281,8 @@ def _trace_here(meta, plan, args, kwargs, whole_inputs: bool) -> list[Edge] | No
     planned = styles_by_module(meta, plan)
     edges: list[Edge] = []
     tracer = Tracer({})
-    _Hooks(tracer, planned, edges).install(meta)
-    for _, t in _tensors((args, kwargs)) if whole_inputs else ():
+    HandoverHooks(tracer, planned, edges).install(meta)
+    for _, t in tensors_of((args, kwargs)) if whole_inputs else ():
         tracer.tag(t, Flow(Replicate()))  # as grad_check sends it: whole to every rank
     with torch.no_grad():
         try:

@@ -9,9 +9,8 @@ matches nothing and skips it, and shards an indivisible dimension unevenly witho
 
 from __future__ import annotations
 
-import difflib
-
 import torch.nn as nn
+from tabulate import tabulate
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -24,9 +23,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tplab import placements, plan_check
-from tplab.errors import PlanError
+from tplab.hf import HF_SUPPORTED, from_hf  # noqa: F401 (plans.from_hf: transformers' plans)
 from tplab.mesh import tp_mesh
-from tplab.plan_check import match  # noqa: F401 (tplab.plans.match)
+
+# the checks live in plan_check; plans.check_plan, .check_vocab, .match stay where users look
+from tplab.plan_check import check_plan, check_vocab, match, padded_vocab  # noqa: F401
 
 # --- the named plans ---------------------------------------------------------------------
 
@@ -123,114 +124,6 @@ def lm(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
 # --- applying and checking ---------------------------------------------------------------
 
 
-def _shard_rule(style, module: nn.Module) -> list[tuple[str, int]]:
-    """(what, length) pairs that the style splits over the tp ranks."""
-    colwise = isinstance(style, ColwiseParallel)
-    if isinstance(module, nn.Linear):
-        return [("out_features (weight dim 0)", module.out_features)] if colwise else [
-            ("in_features (weight dim 1)", module.in_features)]
-    if isinstance(module, nn.Embedding):
-        return [("embedding_dim (weight dim 1)", module.embedding_dim)] if colwise else [
-            ("num_embeddings (weight dim 0)", module.num_embeddings)]
-    return []
-
-
-def check_plan(model: nn.Module, plan: dict, tp: int, example_input=None) -> None:
-    """Raise PlanError if a key matches no module, a style does not fit its module, or a
-    sharded dimension (or the number of heads) is not divisible by the tp size; given
-    `example_input` (what the model is called with), also if the layouts do not chain
-    from one planned module to the next (`tplab.plan_check.check_layouts`)."""
-    if not isinstance(plan, dict):
-        raise PlanError(f"a plan is a dict {{module path: ParallelStyle}}, got {type(plan)}")
-    paths = [path for path, _ in model.named_modules() if path]
-    for key, style in plan.items():
-        found = match(model, key)
-        if not found:
-            close = difflib.get_close_matches(key, paths, n=3, cutoff=0.5) or paths[:6]
-            close.sort(key=paths.index)  # in the model's order
-            raise PlanError(f"plan key {key!r} matches no module of {type(model).__name__}; "
-                            f"closest module paths: {', '.join(map(repr, close))}")
-        for path, module in found:
-            name = path or type(model).__name__
-            if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
-                continue
-            if not isinstance(module, (nn.Linear, nn.Embedding)):
-                raise PlanError(f"{name} is a {type(module).__name__}; {type(style).__name__} "
-                                "only splits nn.Linear and nn.Embedding")
-            for what, length in _shard_rule(style, module):
-                if length % tp:
-                    raise PlanError(f"{name}: {type(style).__name__} splits {what} = {length} "
-                                    f"over tp = {tp} ranks, and {length} is not divisible by "
-                                    f"{tp}")
-            parent = model.get_submodule(path.rpartition(".")[0])
-            if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear):
-                _check_heads(parent, path, module, tp, path.rpartition(".")[0] or
-                             type(model).__name__, name)
-    if example_input is not None:
-        plan_check.check_layouts(model, plan, example_input)
-
-
-def _head_counts(parent: nn.Module) -> tuple[int | None, int | None]:
-    """(query heads, key/value heads) of an attention module: tplab's n_heads /
-    n_kv_heads, or transformers' config.num_attention_heads / num_key_value_heads."""
-    if getattr(parent, "n_heads", None) is None and not hasattr(parent, "head_dim"):
-        return None, None   # not an attention module (an MLP may carry the config too)
-    config = getattr(parent, "config", None)
-    heads = getattr(parent, "n_heads", None) or getattr(config, "num_attention_heads", None)
-    kv = (getattr(parent, "n_kv_heads", None) or getattr(config, "num_key_value_heads", None)
-          or heads)
-    return heads, kv
-
-
-def _check_heads(parent, path, module, tp, pname, name) -> None:
-    """A column-parallel projection of an attention module splits its heads: the query
-    heads for q (and the output projection's input), the key/value heads for k and v."""
-    heads, kv = _head_counts(parent)
-    if heads is None:
-        return
-    head_dim = getattr(parent, "head_dim", None)
-    is_kv = (kv != heads and head_dim is not None and module.out_features == kv * head_dim) or (
-        kv != heads and path.rpartition(".")[2] in ("wk", "wv", "k_proj", "v_proj"))
-    if is_kv and kv % tp:
-        raise PlanError(f"{pname}: n_kv_heads = {kv} (key/value heads) is not divisible by "
-                        f"tp = {tp}, so {name} would split a key/value head across ranks "
-                        f"(the {heads} query heads are not the limit); past {kv} ranks each "
-                        "rank needs its own copy of its group's KV heads (duplicated KV "
-                        "heads, as Megatron-LM does when tp > num_query_groups)")
-    if not is_kv and heads % tp:
-        raise PlanError(f"{pname}: n_heads = {heads} is not divisible by tp = {tp}, so "
-                        f"{name} would split a head across ranks (n_heads: the query heads)")
-
-
-def padded_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
-    """Megatron-LM's padded vocabulary: the smallest multiple of `multiple` x tp (its
-    --make-vocab-size-divisible-by, 128 by default) that holds `vocab_size` rows
-    (megatron/training/tokenizer: _vocab_size_with_padding)."""
-    step = multiple * tp
-    return -(-vocab_size // step) * step
-
-
-def check_vocab(vocab_size: int, tp: int, pad: bool = False, multiple: int = 128) -> int:
-    """The vocabulary size to shard over `tp` ranks: `vocab_size` itself when tp divides it;
-    otherwise, with `pad=True`, Megatron's padded size (`padded_vocab`) with a warning, and
-    without, a PlanError that gives the sizes."""
-    if vocab_size % tp == 0:
-        return vocab_size
-    padded = padded_vocab(vocab_size, tp, multiple)
-    if not pad:
-        raise PlanError(f"vocab_size = {vocab_size} is not divisible by tp = {tp} "
-                        f"({vocab_size} = {vocab_size // tp} x {tp} + {vocab_size % tp}); pad "
-                        f"it to {padded} (a multiple of {multiple} x {tp}, as Megatron-LM "
-                        "does), e.g. model.resize_token_embeddings(...), or pass pad_vocab=True")
-    import warnings
-
-    warnings.warn(f"vocab_size = {vocab_size} is not divisible by tp = {tp}: padded to "
-                  f"{padded} rows ({padded - vocab_size} unused), a multiple of {multiple} x "
-                  f"{tp} as Megatron-LM pads; resize the embedding and lm head to match",
-                  stacklevel=3)
-    return padded
-
-
 def apply_plan(model: nn.Module, mesh, plan: dict, example_input=None) -> nn.Module:
     """`parallelize_module(model, mesh["tp"], plan)` after `check_plan`; returns the model.
     The layouts are checked with `example_input` if given, else at the model's first call
@@ -306,13 +199,9 @@ class PlanTable(list):
             yield [row["module"], row["style"], params, row["inputs"], row["outputs"]]
 
     def __str__(self) -> str:
-        from tabulate import tabulate
-
         return tabulate(list(self._cells()), headers=self.columns)
 
     def _repr_html_(self) -> str:
-        from tabulate import tabulate
-
         return tabulate(list(self._cells()), headers=self.columns, tablefmt="html")
 
 
@@ -331,15 +220,3 @@ def describe_plan(model: nn.Module, plan: dict) -> PlanTable:
             rows.append({"module": path or "(root)", "style": type(style).__name__,
                          "parameters": params, "inputs": inputs, "outputs": outputs})
     return rows
-
-
-# --- Hugging Face transformers' published plans: tplab.hf ------------------------------
-
-def __getattr__(name: str):
-    """`plans.from_hf` and `plans.HF_SUPPORTED` live in tplab.hf (imported on first use:
-    tplab.hf imports this module)."""
-    if name in ("from_hf", "HF_SUPPORTED"):
-        from tplab import hf
-
-        return getattr(hf, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

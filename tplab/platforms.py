@@ -25,6 +25,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+import psutil
+
 MiB = 2**20
 SHM_NEEDED = 512 * MiB  # NCCL's shared-memory transport wants far more than Docker's 64 MiB
 
@@ -74,10 +76,6 @@ def _shm_bytes() -> int | None:
 
 
 def _loopback() -> str | None:
-    try:
-        import psutil
-    except ImportError:
-        return None
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address == "127.0.0.1" for a in addrs):
             return name
@@ -86,6 +84,8 @@ def _loopback() -> str | None:
 
 def _gpus() -> int:
     try:
+        # deferred: `python -m tplab doctor` loads this module and reports a torch that
+        # cannot load (tplab/doctor.py) instead of failing before it prints anything
         import torch
     except ImportError:
         return 0

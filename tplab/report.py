@@ -10,10 +10,12 @@ parameter whose layout on the ranks tplab cannot read: not checked, never "wrong
 
 from __future__ import annotations
 
+import html
 import math
 from dataclasses import dataclass, field
 
 import torch
+from tabulate import tabulate
 
 WORDS = {"output": "{name} wrong", "input_grad": "{name} gradient wrong",
          "param_grad": "gradient of {name} wrong",
@@ -123,8 +125,6 @@ class GradCheckReport:
 
     def _table(self, fmt: str) -> str:
         """The rows as a table; the note and pairing columns only when some row has one."""
-        from tabulate import tabulate
-
         notes = any(r["note"] for r in self.rows)
         pairs = any(r.get("pair") for r in self.rows)
         headers = (["tensor", "kind"] + (["on the ranks"] if pairs else [])
@@ -146,8 +146,6 @@ class GradCheckReport:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        import html
-
         table = self._table("html")
         colour = "green" if self.ok else "red"
         tail = "".join(f"<p>note: {html.escape(n)}</p>" for n in self.notes)

@@ -23,6 +23,8 @@ import os
 
 import pytest
 
+import tplab
+
 
 def pytest_addoption(parser):
     group = parser.getgroup("tplab")
@@ -35,8 +37,6 @@ def pytest_addoption(parser):
 @pytest.fixture(scope="session")
 def tplab_lab(request):
     """One lab for the whole test session (processes, or simulated), shut down at its end."""
-    import tplab
-
     world = (request.config.getoption("--tplab-world-size", None)
              or int(os.environ.get("TPLAB_WORLD_SIZE", "2")))
     simulated = (request.config.getoption("--tplab-simulated", False)
@@ -48,8 +48,6 @@ def tplab_lab(request):
 
 def assert_grad_check(lab, build_model, plan, make_input, **kwargs):
     """`tplab.grad_check(...)`, asserting it passes; the report is the failure message."""
-    import tplab
-
     report = tplab.grad_check(lab, build_model, plan, make_input, **kwargs)
     assert report.ok, str(report)
     return report

@@ -43,7 +43,10 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup, Work
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tplab import ops
@@ -179,8 +182,6 @@ class _Modules:
         self.readers: dict[int, tuple[object, list[str]]] = {}
 
     def __enter__(self):
-        from torch.nn.modules.module import register_module_forward_pre_hook
-
         self.handles.append(register_module_forward_pre_hook(self._pre))
         return self
 
@@ -279,9 +280,6 @@ class Trace(TorchDispatchMode):
     """The context manager `tplab.trace()` returns; `records` fill in as collectives run."""
 
     def __init__(self):
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor
-        from torch.distributed.tensor import DTensor
-
         super().__init__()
         self._defer = frozenset((DTensor, AsyncCollectiveTensor))
         self.records: list[dict] = []

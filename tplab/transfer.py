@@ -10,11 +10,16 @@ as a `LocalShard`: this rank's block plus where it sits in the global tensor.
 from __future__ import annotations
 
 import dataclasses
+import io
+import pickle
 import types
 from dataclasses import dataclass, field
 
+import cloudpickle
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from tplab import placements, pytrees
 
@@ -81,8 +86,6 @@ def _unpack_tensor(p: _PackedTensor) -> torch.Tensor:
 
 def describe_dtensor(dt, rank: int, local: torch.Tensor | None = None) -> LocalShard:
     """`LocalShard` for a DTensor on `rank`; `local` overrides its local tensor (simulation)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     mesh = dt.device_mesh
     coord = mesh.get_coordinate() or ()
     _, offsets = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
@@ -135,8 +138,6 @@ def shard_from_wire(fields: dict) -> LocalShard:
 
 
 def _reduce_tensor(t: torch.Tensor, rank: int):
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
         shard = describe_dtensor(t, rank)
         return shard_from_wire, ({f.name: getattr(shard, f.name)
@@ -156,9 +157,6 @@ def to_wire(obj, rank: int = -1) -> tuple:
     array as a zero-copy frame. A tensor anywhere in `obj` (a list, a dict, a namedtuple,
     a dataclass, an object's attributes) travels this way; a DTensor becomes a
     `LocalShard`. cloudpickle, so that instances of notebook classes come back too."""
-    import io
-    import pickle
-
     for pickler in (_FastPickler, _wire_pickler()):  # plain pickle first: 10x faster
         buffers: list = []
         out = io.BytesIO()
@@ -195,8 +193,6 @@ def _wire_pickler():
     """cloudpickle with tensors sent as arrays: for results holding notebook classes or
     functions, which plain pickle cannot send by reference."""
     if not _WIRE_PICKLER:
-        import cloudpickle
-
         class WirePickler(cloudpickle.Pickler):
             rank = -1
 
@@ -235,6 +231,4 @@ def is_wire(message) -> bool:
 
 def from_wire(message: tuple):
     """Notebook side: the inverse of `to_wire`."""
-    import pickle
-
     return pickle.loads(message[1], buffers=[memoryview(b) for b in message[2:]])

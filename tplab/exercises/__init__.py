@@ -18,8 +18,12 @@ notebooks/exercises/ use `Workbook`, which injects solutions or typical mistakes
 from __future__ import annotations
 
 import contextlib
+import difflib
+import importlib
 import inspect
 import re
+
+from tplab.errors import CellTimeout, LabError
 
 # Only rank-side modules at import time: the ranks import this package to reach `steps`,
 # `solutions` and `mistakes`, and must not import the notebook side (catalog, checks,
@@ -35,8 +39,6 @@ _NOTEBOOK_SIDE = {"Feedback": "tplab.exercises.feedback",
 
 def __getattr__(name: str):
     if name in _NOTEBOOK_SIDE:
-        import importlib
-
         return getattr(importlib.import_module(_NOTEBOOK_SIDE[name]), name)
     raise AttributeError(f"module 'tplab.exercises' has no attribute {name!r}")
 
@@ -46,17 +48,17 @@ __all__ = ["CHECK_TIMEOUT_S", "CHECK_TIME_LIMIT_S", "Feedback", "Workbook", "bro
 
 def names() -> list[str]:
     """The exercises, in curriculum order."""
+    # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
     from tplab.exercises.catalog import EXERCISES
 
     return [e.name for e in EXERCISES]
 
 
 def _get(name: str):
+    # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
     from tplab.exercises.catalog import BY_NAME
 
     if name not in BY_NAME:
-        import difflib
-
         close = difflib.get_close_matches(str(name), BY_NAME, n=1)
         raise KeyError(f"no exercise named {name!r}"
                        + (f"; did you mean {close[0]!r}?" if close else "")
@@ -141,7 +143,7 @@ def check(name: str, answer, lab=None, time_limit: float | None = None):
     ValueError/TypeError for a missing or wrong `lab` or `time_limit`, LabError for a lab
     that was shut down or that has too few ranks to tell a right answer from a wrong one.
     """
-    from tplab.errors import CellTimeout, LabError
+    # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
     from tplab.exercises.feedback import (
         CHECK_TIME_LIMIT_S,
         Feedback,
@@ -234,6 +236,7 @@ class Workbook:
         return fb
 
     def summary(self):
+        # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
         from IPython.display import Markdown
 
         rows = "".join(f"| `{n}` | {'passed' if fb.passed else 'not yet'} |\n"

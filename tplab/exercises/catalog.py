@@ -10,6 +10,9 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import tplab
+from tplab import cost, models
+from tplab.cost.lab_models import lab_memory
 from tplab.exercises import checks, qk_norm, steps
 from tplab.exercises.feedback import fail, fmt_counts
 from tplab.exercises.training_check import check_clip
@@ -58,9 +61,6 @@ def _counts(name: str, answer, phase: str) -> dict:
 
 
 def _predict_counts(name, answer, lab):
-    import tplab
-    from tplab import models
-
     if not (isinstance(answer, dict) and set(answer) <= {"forward", "backward"}):
         raise fail(name, 'the answer is a dict {"forward": {op: count}, "backward": {op: count}}'
                          f", not {answer!r}")
@@ -86,9 +86,6 @@ def _predict_counts(name, answer, lab):
 def _predict_memory(name, answer, lab=None):
     """Activation bytes of one Block at TP 4 with SP: tplab.cost's model, which equals what
     tplab.memory measures on the ranks byte for byte (tests/test_memory.py)."""
-    from tplab import models
-    from tplab.cost.lab_models import lab_memory
-
     if not (isinstance(answer, dict) and "activation_bytes" in answer):
         raise fail(name, f'the answer is a dict {{"activation_bytes": ...}}, not {answer!r}')
     cfg = models.Config()
@@ -109,8 +106,6 @@ def _predict_memory(name, answer, lab=None):
 
 
 def _predict_cost(name, answer, lab=None):
-    from tplab import cost
-
     if not (isinstance(answer, dict) and {"bytes", "seconds"} <= set(answer)):
         lacks = [repr(k) for k in ("bytes", "seconds") if isinstance(answer, dict)
                  and k not in answer]

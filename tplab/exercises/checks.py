@@ -10,9 +10,11 @@ import inspect
 
 import torch
 
+import tplab
 from tplab import models
 from tplab.exercises import steps
 from tplab.exercises.feedback import close, fail, fmt_counts, max_diff, run_on_ranks, shape, spread
+from tplab.exercises.solutions import BLOCK_SP_PLAN, MLP_PLAN
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -284,8 +286,6 @@ def check_sp_pair(name, answer, lab):
 
 
 def _plan_check(name, plan, lab, build, make_x, reference_plan, what):
-    import tplab
-
     if not (isinstance(plan, dict) or callable(plan)):
         raise fail(name, f"a plan is a dict {{module path: ParallelStyle}}, not "
                          f"{type(plan).__name__}")
@@ -331,16 +331,12 @@ def exercise_config(lab) -> models.Config:
 
 
 def check_mlp_plan(name, plan, lab):
-    from tplab.exercises.solutions import MLP_PLAN
-
     cfg = exercise_config(lab)
     return _plan_check(name, plan, lab, functools.partial(models.MLP, cfg),
                        functools.partial(models.make_input, cfg), MLP_PLAN, "the MLP")
 
 
 def check_block_plan(name, plan, lab):
-    from tplab.exercises.solutions import BLOCK_SP_PLAN
-
     cfg = exercise_config(lab)
     return _plan_check(name, plan, lab, functools.partial(models.Block, cfg),
                        functools.partial(models.make_input, cfg), BLOCK_SP_PLAN,

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from tplab import models
+from tplab.cost.lab_models import lab_memory
 from tplab.exercises import clipping, qk_norm_step
 from tplab.exercises import solutions as ok
 
@@ -214,9 +216,6 @@ NO_SP_PLAN = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel
 
 # name -> [(what the learner did, the answer, a phrase the feedback must contain)]
 def _no_sp_bytes() -> int:
-    from tplab import models
-    from tplab.cost.lab_models import lab_memory
-
     return lab_memory("block", models.Config(), 4)["activation_bytes"]
 
 

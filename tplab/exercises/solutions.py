@@ -20,6 +20,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from tplab import models
+from tplab.cost.lab_models import lab_memory
 from tplab.exercises import clipping
 from tplab.exercises.qk_norm_step import solution as qk_norm_solution
 
@@ -188,9 +190,6 @@ def cost_prediction() -> dict:
 def block_memory() -> dict:
     """tplab's memory model for the Block at TP 4 with SP (notebook 10 derives it; it
     equals what tplab.memory measures on the ranks)."""
-    from tplab import models
-    from tplab.cost.lab_models import lab_memory
-
     return {"activation_bytes": lab_memory("block", models.Config(), 4,
                                            sequence_parallel=True)["activation_bytes"]}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+import tplab
 from tplab import megatron, tracing
 from tplab.mesh import make_mesh
 
@@ -113,8 +114,6 @@ def sequence_step(Gather, ReduceScatter, x: torch.Tensor, w_gather: torch.Tensor
 def plan_counts(build_model, plan, make_input) -> dict:
     """Collective counts and the modules that issue them, for one traced step of
     build_model() under `plan` (a dict, or a callable (model, mesh) -> model)."""
-    import tplab
-
     mesh = make_mesh()
     model = build_model()
     model = plan(model, mesh) if callable(plan) else tplab.apply_plan(model, mesh, plan)

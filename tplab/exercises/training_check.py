@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import functools
 
+import tplab
+from tplab import megatron, models
 from tplab.errors import LabError, RankError
 from tplab.exercises.feedback import fail
+from tplab.training import lm, steps
 
 STEPS = 2
 
 
 def check_clip(name, answer, lab):
-    import tplab
-    from tplab import megatron, models
-    from tplab.training import lm, steps
-
     if not callable(answer):
         raise fail(name, f"the answer is a function clip(model, max_norm), not {answer!r}")
     if lab.world_size < 2:

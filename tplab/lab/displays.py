@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 
+from IPython import get_ipython
+from IPython.display import publish_display_data
+
 from tplab.output import format_rank_list
 
 OUTPUTS_WAIT_S = 1.0  # the display messages of a finished cell follow its reply closely
@@ -49,12 +52,7 @@ def show_rank_displays(ar, ranks: list[int], finished: list[int]) -> None:
     entries = rank_displays(ar, ranks, finished)
     if not entries:
         return
-    try:
-        from IPython import get_ipython
-        from IPython.display import publish_display_data
-    except ImportError:
-        get_ipython = None
-    shell = get_ipython() if get_ipython is not None else None
+    shell = get_ipython()
     for rs, content in entries:
         data = content.get("data", {})
         label = f"[{format_rank_list(rs)}] display:"

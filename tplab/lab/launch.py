@@ -26,6 +26,7 @@ from tplab.lab import joining
 from tplab.lab.cells import Cells
 from tplab.lab.cluster import LabProcesses
 from tplab.lab.engines import kind_for
+from tplab.lab.magics import register_magics
 from tplab.lab.names import RankNames
 from tplab.lab.validate import (
     check_launch_args,
@@ -297,8 +298,6 @@ def launch(world_size: int = 4, backend: str = "auto", engines: str = "local",
     master_addr, cluster_options) and of ipyparallel.Cluster.
     """
     lab = Lab(world_size, backend=backend, engines=engines, timeout=timeout, **cluster_options)
-    from tplab.lab.magics import register_magics
-
     register_magics(lab)
     return lab
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import weakref
 
+from IPython import get_ipython
+from IPython.core.displayhook import DisplayHook
+
 from tplab.errors import LabError
 from tplab.lab.validate import check_timeout, parse_rank_spec
 from tplab.output import format_rank_list
@@ -55,8 +58,6 @@ def _timeout(line: str) -> float | None:
 def quiet(cell: str) -> bool:
     """True when the cell ends in `;`: as in IPython, its value is not shown (IPython's own
     test, DisplayHook.semicolon_at_end_of_expression)."""
-    from IPython.core.displayhook import DisplayHook
-
     try:
         return DisplayHook.semicolon_at_end_of_expression(cell)
     except Exception:  # noqa: BLE001 - code tokenize cannot read: the ranks will say why
@@ -93,10 +94,6 @@ def register_magics(lab=None) -> None:
     if lab is not None:
         _labs[:] = [ref for ref in _labs if ref() is not None]
         _labs.append(weakref.ref(lab))
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
     shell = get_ipython()
     if shell is None:
         return

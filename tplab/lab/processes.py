@@ -8,11 +8,15 @@ import json
 import os
 import queue
 import signal
+import subprocess
+import sys
 import threading
 
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Any, Integer
+
+from tplab.rank.entry import output_paths
 
 
 class RankLauncher(LocalEngineLauncher):
@@ -118,9 +122,6 @@ class ForkServer:
     of a second instead of paying torch's import again (docs/DESIGN.md: about 0.4x the floor)."""
 
     def __init__(self, env: dict[str, str], log_path: str):
-        import subprocess
-        import sys
-
         self.exit_codes: dict[int, int] = {}
         self._replies: queue.Queue = queue.Queue()
         with open(log_path, "ab") as log:
@@ -202,8 +203,6 @@ class ForkedEngineSetLauncher(RankSetLauncher):
 def log_tail(log_dir: str, pid: int, lines: int = 12) -> str:
     """The last lines a rank process `pid` wrote while starting: its err file, then the
     engine logs in `log_dir`."""
-    from tplab.rank.entry import output_paths
-
     found = []
     state_dir = os.path.dirname(os.path.dirname(log_dir))
     candidates = [output_paths(state_dir, pid)[1]]

@@ -35,6 +35,7 @@ Limits (say them in a lesson that uses it):
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import time
@@ -44,10 +45,21 @@ import types
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor
+from torch.distributed._local_tensor import (
+    LocalIntNode,
+    LocalTensor,
+    LocalTensorMode,
+    enabled_local_tensor_mode,
+)
+from torch.distributed.tensor import DTensor, _random
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
+import tplab
+from tplab import mesh
 from tplab.errors import LabError, PlanError, RankError, RankPlanError
+from tplab.lab.validate import check_ranks, check_timeout, check_world_size
+from tplab.output import format_rank_list
 from tplab.pytrees import map_leaves
 from tplab.rank import torch_log
 from tplab.transfer import LocalShard, describe_dtensor
@@ -64,8 +76,6 @@ class Simulation:
     backend = "simulated"
 
     def __init__(self, world_size: int = 4):
-        from tplab.lab.validate import check_world_size
-
         self.world_size = check_world_size(world_size)
         self.pids: list[int] = []
         self._namespace: dict = {}
@@ -114,8 +124,6 @@ class Simulation:
         never fn's), and ignored: nothing here waits on another process. `ranks` selects
         which ranks' results come back; fn still runs once for all of them.
         """
-        from tplab.lab.validate import check_ranks, check_timeout
-
         if not callable(fn):
             raise TypeError(f"sim.run needs a function as its first argument, got {fn!r}")
         check_timeout(timeout, "timeout")
@@ -128,8 +136,6 @@ class Simulation:
         """Run a cell's code on every rank (what `%%ranks` calls) in a namespace kept between
         cells, holding torch, dist, tplab, world_size and rank (a per-rank SymInt);
         item r is the value of the cell's last expression on rank r."""
-        import ast
-
         if not isinstance(code, str):
             raise TypeError(f"sim.execute needs code as a string, got {type(code).__name__}")
         if not self._namespace:
@@ -149,8 +155,6 @@ class Simulation:
     def push(self, mapping: dict, ranks=None) -> None:
         """Set names on every rank (or `ranks`). A name that only some ranks have is not
         visible to code, which runs on every rank at once here; `pull` has it per rank."""
-        from tplab.lab.validate import check_ranks
-
         if not isinstance(mapping, dict):
             raise TypeError(f"sim.push needs a dict of name -> value, got {type(mapping).__name__}")
         bad = [k for k in mapping if not isinstance(k, str) or not k.isidentifier()]
@@ -173,9 +177,6 @@ class Simulation:
                 self._only_on[name] = held
 
     def pull(self, name: str, ranks=None) -> list:
-        from tplab.lab.validate import check_ranks
-        from tplab.output import format_rank_list
-
         if not isinstance(name, str):
             raise TypeError(f"sim.pull needs a name (a string), got {type(name).__name__}")
         ranks = check_ranks(ranks, self.world_size)
@@ -190,8 +191,6 @@ class Simulation:
         return self._per_rank(self._namespace[name], ranks)
 
     def _fill_namespace(self) -> None:
-        import tplab
-
         rank = self._call(lambda: dist.get_rank(), (), {})
         self._namespace.update(torch=torch, dist=dist, tplab=tplab, rank=rank,
                                world_size=self.world_size)
@@ -200,8 +199,6 @@ class Simulation:
 
     def _ensure_process_group(self) -> None:
         # one process has one default group: switch it when another world size is asked for
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
         if dist.is_initialized():
             if dist.get_backend() != "fake":
                 raise LabError("this process already has a real process group "
@@ -209,17 +206,11 @@ class Simulation:
             if dist.get_world_size() == self.world_size:
                 return
             dist.destroy_process_group()
-            from torch.distributed.tensor import _random
-
-            from tplab import mesh
-
             _random._rng_tracker = None  # it remembers the old mesh
             mesh.forget_meshes()
         dist.init_process_group("fake", rank=0, world_size=self.world_size, store=FakeStore())
 
     def _call(self, fn, args, kwargs):
-        from torch.distributed._local_tensor import LocalTensorMode
-
         self._ensure_process_group()
         log = None
         try:
@@ -249,8 +240,6 @@ _GET_RANK = dist.get_rank
 @contextlib.contextmanager
 def _rank_aware_get_rank():
     """`dist.get_rank()` answers for every simulated rank at once (a per-rank SymInt)."""
-    from torch.distributed._local_tensor import LocalIntNode, enabled_local_tensor_mode
-
     original = _GET_RANK
 
     def get_rank(group=None):
@@ -292,8 +281,6 @@ def _settle_tensor(t):
 
 
 def _rank_value(t, rank: int):
-    from torch.distributed._local_tensor import LocalTensor
-
     if isinstance(t, LocalTensor):
         t = t._local_tensors[rank]
     return t.detach()

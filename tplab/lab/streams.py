@@ -17,6 +17,9 @@ import os
 import sys
 import time
 
+import IPython.display
+from IPython import get_ipython
+
 from tplab.output import format_rank_list
 
 WINDOW_S = 0.03  # how long a line waits for the same line from the other ranks
@@ -36,12 +39,7 @@ def in_kernel() -> bool:
     """True inside a Jupyter kernel, where displays can be updated in place (asked once:
     a process does not move in or out of a kernel)."""
     if not _KERNEL:
-        try:
-            from IPython import get_ipython
-
-            shell = get_ipython()
-        except ImportError:
-            shell = None
+        shell = get_ipython()
         _KERNEL.append(shell is not None and getattr(shell, "kernel", None) is not None)
     return _KERNEL[0]
 
@@ -130,11 +128,9 @@ class _Progress:
         self.text = text
         if not self.live or (not final and now - self.shown_at < PROGRESS_EVERY_S):
             return
-        from IPython.display import display
-
         data = {"text/plain": f"{label} {text}"}
         if self.handle is None:
-            self.handle = display(data, raw=True, display_id=True)
+            self.handle = IPython.display.display(data, raw=True, display_id=True)
         else:
             self.handle.update(data, raw=True)
         self.shown_at = now
@@ -311,11 +307,9 @@ class StatusLine:
             return
         self.text = text
         if self.live:
-            from IPython.display import display
-
             data = {"text/plain": f"[tplab] {text}"}
             if self.handle is None:
-                self.handle = display(data, raw=True, display_id=True)
+                self.handle = IPython.display.display(data, raw=True, display_id=True)
             else:
                 self.handle.update(data, raw=True)
         elif time.monotonic() - self.printed_at > 5.0:

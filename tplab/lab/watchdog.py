@@ -23,11 +23,13 @@ import sys
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from tplab.errors import CellTimeout, CollectiveHang, LabError, RankDied, RankError, RankPlanError
 from tplab.lab import diagnose
+from tplab.lab.replay import freed_note, replays
 from tplab.lab.results import RankResults, engine_died, strip_engine_id
 from tplab.lab.streams import LiveOutput, StatusLine
-from tplab.output import format_rank_list
 from tplab.rank import runner as rank_side
 from tplab.rank.collectives import WHERE_KEY
 from tplab.transfer import from_wire, is_wire
@@ -54,8 +56,6 @@ class Watchdog:
     # --- the rendezvous store, where ranks report where they are ------------------------
 
     def connect_store(self, host: str, port: int) -> None:
-        import torch.distributed as dist
-
         self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                     timeout=timedelta(seconds=5))
 
@@ -184,7 +184,7 @@ class Watchdog:
                                 diagnose.table(views, self.world_size))
             state.first_where = {r: v.report for r, v in views.items()}
         freeing = time.monotonic()
-        calls = self._replays(views, debts)
+        calls = replays(views, debts)
         if calls is None or len(state.freed) >= FREE_ROUNDS:
             why = ("the stuck ranks could not be freed" if calls is None
                    else f"the stuck ranks still waited after {FREE_ROUNDS} collectives "
@@ -218,23 +218,6 @@ class Watchdog:
         state.freed.append(sorted(by_peer))
         state.freeing_s += time.monotonic() - freeing
         return True
-
-    @staticmethod
-    def _replays(views, debts) -> dict | None:
-        """(peer, group) -> the calls the peer must make, from a waiting rank's history."""
-        calls = {}
-        for (peer, group), (have, reached) in debts.items():
-            rows = {}
-            for v in views.values():
-                if v.state == "waiting":
-                    for call in (v.report.get("history") or {}).get(group, []):
-                        if call.get("seq") is not None and have < call["seq"] <= reached:
-                            rows[call["seq"]] = dict(call, group=group)
-            if sorted(rows) != list(range(have + 1, reached + 1)) or any(
-                    _unknown_argument(row) for row in rows.values()):
-                return None
-            calls[(peer, group)] = list(rows.values())
-        return calls
 
     # --- when things go wrong ------------------------------------------------------------
 
@@ -337,7 +320,7 @@ class Watchdog:
                 raise LabError(f"the lab could not run the cell on rank {r}: "
                                f"{strip_engine_id(value)}")
         failures = {r: v for r, v in results.items() if isinstance(v, rank_side.RankFailure)}
-        freed = _freed_note(state)
+        freed = freed_note(state.freed)
         if failures:
             if all(f.ename == "KeyboardInterrupt" for f in failures.values()):
                 raise KeyboardInterrupt
@@ -369,26 +352,6 @@ class _CellState:
 def _signature(views) -> tuple:
     return tuple((r, v.state, json.dumps(v.report.get("groups"), sort_keys=True))
                  for r, v in sorted(views.items()))
-
-
-def _unknown_argument(call: dict) -> bool:
-    """True when a call has an argument (other than its group) no placeholder can stand
-    for: a peer could not make the same call."""
-    pos = call.get("group_pos")
-    values = [a for i, a in enumerate(call["args"]) if i != pos]
-    values += [v for k, v in call["kwargs"].items() if k != "group"]
-    return any(isinstance(v, list) and v[:1] == ["?"] for v in values)
-
-
-def _freed_note(state: _CellState) -> str:
-    if not state.freed:
-        return ""
-    peers = sorted({p for round_ in state.freed for p in round_})
-    n = len(state.freed)
-    return (f"The lab freed the waiting ranks by completing {n} collective"
-            f"{'s' if n != 1 else ''} on {format_rank_list(peers)} with placeholder data "
-            "(zeros), so this cell's results are not valid. No restart was needed: names "
-            "defined on the ranks are kept.")
 
 
 class deferred_interrupts:

@@ -21,6 +21,11 @@ import collections
 import functools
 import threading
 
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed import distributed_c10d as c10d
+
 from tplab import ops
 
 WHERE_KEY = "tplab/where/{rank}"
@@ -81,8 +86,6 @@ REPORT = RankReport()
 
 def _describe(value):
     """A JSON-able stand-in for an argument: tensors become ["T", shape, dtype]."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         return ["T", list(value.shape), str(value.dtype).removeprefix("torch.")]
     if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
@@ -96,14 +99,10 @@ def _describe(value):
 
 
 def _group_name(kind: str, group) -> tuple[str | None, object]:
-    import torch.distributed as dist
-
     try:
         if kind == "c10d":
             pg = group if group is not None else dist.distributed_c10d._get_default_group()
             return pg.group_name, pg
-        import torch.distributed._functional_collectives as funcol
-
         name = funcol._resolve_group_name(group)
         return name, dist.distributed_c10d._resolve_process_group(name)
     except Exception:
@@ -133,10 +132,6 @@ def _wrap(kind: str, api: str, fn, group_pos: int):
 
 def note_collectives() -> None:
     """Wrap torch.distributed's collectives (once per process) so each call is noted."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-    from torch.distributed import distributed_c10d as c10d
-
     for api, pos in C10D_CALLS.items():
         fn = getattr(c10d, api, None)
         if fn is None or getattr(fn, "__tplab_noted__", False):
@@ -153,8 +148,6 @@ def note_collectives() -> None:
 
 def groups_now() -> dict[str, dict]:
     """group name -> {"ranks": global ranks, "seq": collectives issued on it so far}."""
-    import torch.distributed as dist
-
     world = dist.distributed_c10d._world
     found = {}
     for pg, name in list(world.pg_names.items()):
@@ -185,15 +178,11 @@ def history() -> dict[str, list]:
 
 
 def _placeholder(desc):
-    import torch
-
     if isinstance(desc, list) and desc and desc[0] == "T":
         return torch.zeros(desc[1], dtype=getattr(torch, desc[2]))
     if isinstance(desc, list) and desc and desc[0] == "L":
         return [_placeholder(d) for d in desc[1]]
     if isinstance(desc, list) and desc and desc[0] == "OP":
-        import torch.distributed as dist
-
         return getattr(dist.ReduceOp, desc[1])
     if isinstance(desc, list) and desc and desc[0] == "?":
         raise ValueError(f"cannot make a placeholder for an argument of type {desc[1]}")
@@ -217,10 +206,6 @@ def _fit_roles(api: str, args: list, kwargs: dict, me: int) -> None:
 def complete_pending(calls: list[dict]) -> int:
     """Run each described collective (from a peer's history) with placeholder zeros on the
     peer's group, so that the peer, blocked in it, is freed. Returns how many ran."""
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-    from torch.distributed import distributed_c10d as c10d
-
     done = 0
     for call in calls:
         group = c10d._resolve_process_group(call["group"])

@@ -12,8 +12,13 @@ Both wrap ipyparallel's own entry points and add two things:
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import random
+import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -44,8 +49,6 @@ def boot_id() -> str:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
     except OSError:
-        import socket
-
         return socket.gethostname()
 
 
@@ -77,8 +80,6 @@ def _watch_owner(token: str) -> None:
     # schedulers), which share its process group.
     state_dir = os.environ.get(STATE_DIR_ENV)
     if state_dir and os.path.basename(state_dir).startswith("tplab-"):
-        import shutil
-
         shutil.rmtree(state_dir, ignore_errors=True)
     try:
         os.killpg(os.getpgrp(), signal.SIGKILL)
@@ -91,8 +92,6 @@ def _heartbeat_url(value: str, wait_s: float = 60.0) -> str | None:
     engine connection file ipyparallel gives every engine (in $IPP_PROFILE_DIR/security)."""
     if value.startswith("tcp://"):
         return value
-    import json
-
     path = os.path.join(os.environ.get("IPP_PROFILE_DIR", ""), "security",
                         f"ipcontroller-{os.environ.get('IPP_CLUSTER_ID', '')}-engine.json")
     deadline = time.monotonic() + wait_s
@@ -115,6 +114,9 @@ def _watch_heartbeat(url: str) -> None:
     HEARTBEAT_LOST_S: the controller is gone, so is the notebook. ipyparallel's own
     engine check runs on the engine's event loop, which a busy cell blocks; this thread
     does not wait for the cell."""
+    # deferred: this module loads in 0.02 s, before the torch-warming thread starts (main);
+    # zmq and psutil would add 0.05 s to that (python -X importtime -c 'import tplab.rank.entry')
+    import psutil
     import zmq
 
     url = _heartbeat_url(url)
@@ -131,8 +133,6 @@ def _watch_heartbeat(url: str) -> None:
             while sub.poll(0):
                 sub.recv_multipart()
             last = time.monotonic()
-    import psutil
-
     for child in psutil.Process().children(recursive=True):
         try:
             child.kill()
@@ -153,6 +153,8 @@ def _start_owner_watch(role: str = "engine") -> None:
 
 
 def _warm_torch() -> None:
+    # deferred: the point of this thread: torch loads while the engine registers (docs/DESIGN.md,
+    # "Facts measured here": 0.88x of the floor; benchmarks/launch.py)
     import torch.distributed.tensor  # noqa: F401
 
 
@@ -190,8 +192,8 @@ def _nanny_logs_to_the_log() -> None:
     """ipyparallel's nanny (with fork=False) inherits fd 2, which is the rank's own output
     now: start it with the process's log as its stderr instead, so that its log lines
     are not shown as the rank's output."""
-    import functools
-
+    # deferred: ipyparallel's engine (0.3 s) loads after the torch-warming thread has started,
+    # so that the two overlap (main); the controller and the fork server load neither
     from ipyparallel.engine import nanny
 
     nanny.Popen = functools.partial(nanny.Popen, stderr=sys.stderr.fileno())
@@ -203,6 +205,7 @@ def _run_engine(argv: list[str]) -> None:
         _nanny_logs_to_the_log()
     stream = "--IPEngine.out_stream_factory=tplab.rank.stream.RankStream"
     sys.argv = ["tplab-engine", *argv, stream]
+    # deferred: as in _nanny_logs_to_the_log: after the torch-warming thread has started
     from ipyparallel.engine.app import main as ipengine
 
     ipengine()
@@ -216,9 +219,8 @@ def _zygote() -> None:
     as subprocess reports it: negative for a signal). Forking before any CUDA call is
     safe; nothing here touches CUDA.
     """
-    import json
-    import random
-
+    # deferred: only the fork server loads torch and the engine before it forks; an engine
+    # and the controller must not pay for it before they start (main)
     import torch.distributed.tensor  # noqa: F401
     from ipyparallel.engine import app  # noqa: F401
 
@@ -290,6 +292,7 @@ def main(argv: list[str]) -> None:
         _zygote()
     else:
         sys.argv = ["tplab-controller", *rest]
+        # deferred: the controller's own entry point, loaded by the controller only
         from ipyparallel.controller.app import main as ipcontroller
 
         ipcontroller()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import socket
 
+import psutil
+
 
 def route_source(destination: str) -> str:
     """The local address this host's routing table uses to reach `destination` (no packet
@@ -25,8 +27,6 @@ def route_source(destination: str) -> str:
 
 def interface_of(address: str) -> str | None:
     """The name of the network interface that holds `address` on this host."""
-    import psutil
-
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.family == socket.AF_INET and a.address == address for a in addrs):
             return name

@@ -13,6 +13,7 @@ rank's reply leaves (tests/test_where_reports.py).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import linecache
 import os
@@ -20,6 +21,8 @@ import signal
 import sys
 import threading
 import time
+
+import torch.distributed as dist
 
 from tplab.rank.collectives import COLLECTIVE_FRAMES, REPORT, WHERE_KEY, groups_now, history
 
@@ -70,8 +73,6 @@ def where_now() -> dict:
 
 def collectives_so_far() -> tuple[int, int]:
     """(groups, collectives issued on all of them so far): what a report must follow."""
-    import torch.distributed as dist
-
     groups = list(dist.distributed_c10d._world.pg_names)
     total = 0
     for pg in groups:
@@ -163,8 +164,6 @@ def report_loop() -> None:
 
 def package_dirs() -> tuple[str, ...]:
     """Folders of code that is not the learner's: a hang is reported at the learner's line."""
-    import importlib.util
-
     dirs = []
     for name in ("torch", "tplab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado"):
         spec = importlib.util.find_spec(name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import faulthandler
+import io
 import linecache
 import os
 import pickle
@@ -25,7 +26,14 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+import cloudpickle
+import torch
+import torch.distributed as dist
+import torch.distributed.tensor  # noqa: F401  (warmed up in the background at start)
+
+import tplab
 from tplab import platforms
 from tplab.output import strip_ansi
 from tplab.rank import collectives, forward, reports, torch_log
@@ -80,6 +88,8 @@ _NAMESPACE: list[dict] = []  # the engine's namespace, looked up once (IPython's
 
 def _user_ns() -> dict:
     if not _NAMESPACE:
+        # deferred: the rank side loads no IPython (tests/test_imports.py); a rank's engine
+        # has loaded it already, a plain process has no shell to ask
         from IPython import get_ipython
 
         shell = get_ipython()
@@ -122,22 +132,13 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     if not isinstance(local_rank, int):
         local_rank = int(next((os.environ[v] for v in local_rank if v in os.environ), 0))
     if backend == "auto":
-        import torch
-
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                       OMP_NUM_THREADS=str(threads))
-    # torch only now: OMP_NUM_THREADS above must be set before torch loads
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.tensor  # noqa: F401  (warmed up in the background at start)
-
-    import tplab
-
+    # torch is loaded already (entry.py warms it while the engine starts): set_num_threads
+    # sizes its pool; OMP_NUM_THREADS above is for the processes this rank starts
     torch.set_num_threads(threads)
-    from datetime import timedelta
-
     if rank != 0:
         _wait_for_port(master_addr, master_port, timeout_s)
     listen_fd = None
@@ -264,8 +265,6 @@ class _RankUnpickler(pickle.Unpickler):
 def _load_with_rank_names(payload: bytes, reply: Reply):
     """Unpickle a function sent from the notebook into the rank's namespace: names it
     brings that the rank already defines keep the rank's value (and are reported)."""
-    import io
-
     ns = _user_ns()
     before = dict(ns)
     loaded = _RankUnpickler(io.BytesIO(payload)).load()
@@ -333,6 +332,7 @@ def execute(code: str, cell: int) -> tuple:
     filename = f"<ranks cell {cell}>"
 
     def body(reply: Reply):
+        # deferred: as in _user_ns (the engine has loaded IPython)
         from IPython import get_ipython
 
         shell = get_ipython()
@@ -350,8 +350,6 @@ def execute(code: str, cell: int) -> tuple:
 
 
 def push_pickled(payload: bytes, cell: int) -> tuple:
-    import cloudpickle
-
     def body(reply: Reply):
         values = cloudpickle.loads(payload)
         for name in values:

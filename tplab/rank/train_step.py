@@ -17,6 +17,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._local_tensor import enabled_local_tensor_mode
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tplab import placements
 from tplab.layouts import tp_layout
@@ -51,9 +54,6 @@ def default_optimizer(params):
 def plain_loss(loss) -> torch.Tensor:
     """The step's loss as a plain 0-d float tensor (a DTensor, an AsyncCollectiveTensor or
     a Python number)."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
-
     if isinstance(loss, (int, float)):
         return torch.tensor(float(loss))
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -79,8 +79,6 @@ def batch_sum(batch) -> torch.Tensor:
 def average_over_dp(model, mesh) -> None:
     """DDP's gradient all-reduce, as hooks: each gradient averaged over the dp replicas as
     soon as backward has accumulated it (before the user's clipping and optimizer step)."""
-    from torch.distributed.tensor import DTensor
-
     group, dp = mesh.get_group("dp"), mesh["dp"].size()
 
     def hook(p):
@@ -95,8 +93,6 @@ def average_over_dp(model, mesh) -> None:
 
 def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
     """This rank's piece of the reference tensor `ref`, laid out as the ranks' parameter."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     if isinstance(param, DTensor):
         return distribute_tensor(ref, param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
@@ -190,8 +186,6 @@ def per_rank_parameters(model) -> None:
     tensors as parameters; an optimizer's in-place update of a plain tensor under
     LocalTensorMode is applied once per simulated rank to the same storage (measured here:
     AdamW's first step moved every weight by 0.66 lr, not lr). Ties are kept."""
-    from torch.distributed._local_tensor import enabled_local_tensor_mode
-
     if enabled_local_tensor_mode() is None:
         return
     made: dict[int, torch.nn.Parameter] = {}
@@ -207,6 +201,4 @@ def per_rank_parameters(model) -> None:
 
 def layout_value(p) -> torch.Tensor:
     """A parameter's local piece (a DTensor's local tensor), detached."""
-    from torch.distributed.tensor import DTensor
-
     return (p.to_local() if isinstance(p, DTensor) else p).detach()

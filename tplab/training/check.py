@@ -53,6 +53,7 @@ from tplab.rank.train_step import (
     train_on_ranks,
 )
 from tplab.training.band import FACTOR, noise_band
+from tplab.training.live import LiveTraining, live_default
 from tplab.training.noise import ReductionOrder
 from tplab.training.report import WORDS, TrainReport
 
@@ -170,8 +171,6 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
 def _train_ranks(lab, build_model, state, plan, make_batch, steps, step, make_optimizer,
                  loss_fn, dp, param_map, ref, shapes, aliases, ref_losses, band, live):
     """The ranks' run (tplab/rank/train_step.py), live or not; returns (results, view)."""
-    from tplab.training.live import LiveTraining, live_default
-
     live = live_default(lab) if live is None else live
     view = LiveTraining(lab.world_size, ref_losses, band) if live else None
     path = None

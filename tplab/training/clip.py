@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from tplab import placements
 from tplab.layouts import tp_layout
@@ -33,8 +34,6 @@ from tplab.megatron import tp_group
 def find_mesh(model: torch.nn.Module):
     """The mesh a parallel model was split over: a DTensor parameter's, or a hand-written
     layer's `mesh` attribute (tplab.megatron's); None for a model on one device."""
-    from torch.distributed.tensor import DTensor
-
     for p in model.parameters():
         if isinstance(p, DTensor):
             return p.device_mesh
@@ -55,8 +54,6 @@ def grad_norm(model: torch.nn.Module, mesh=None, norm_type: float = 2.0) -> torc
     if norm_type != 2.0:
         raise ValueError(f"grad_norm: only the 2-norm is implemented (Megatron's default), "
                          f"got norm_type={norm_type!r}")
-    from torch.distributed.tensor import DTensor
-
     mesh = find_mesh(model) if mesh is None else mesh
     sharded = torch.zeros((), dtype=torch.float32)
     replicated = torch.zeros((), dtype=torch.float32)
@@ -94,8 +91,6 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, mesh=None,
     wrong here."""
     if not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"clip_grad_norm: max_norm must be a positive number, got {max_norm!r}")
-    from torch.distributed.tensor import DTensor
-
     total = grad_norm(model, mesh, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in model.parameters():

@@ -20,6 +20,9 @@ import json
 import math
 import time
 
+import ipywidgets as w
+from IPython.display import display
+
 from tplab.lab import streams
 from tplab.rank.train_step import LIVE_PREFIX, LIVE_SUFFIX
 from tplab.training.report import training_figure
@@ -54,9 +57,6 @@ class LiveTraining:
         self._bundle = None
         self.output = None
         if streams.in_kernel() if widget is None else widget:
-            import ipywidgets as w
-            from IPython.display import display
-
             self.output = w.Output()
             display(self.output)
             self._show()
