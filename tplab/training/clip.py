@@ -47,7 +47,7 @@ def grad_norm(model: torch.nn.Module, mesh=None, norm_type: float = 2.0) -> torc
     """The norm of the WHOLE model's gradient, the same on every tp rank: the sharded
     gradients' squared norms all-reduced over the tp group, the replicated ones counted once.
 
-    A parameter's layout comes from `tplab.pairing.tp_layout` (a DTensor's placements, or
+    A parameter's layout comes from `tplab.layouts.tp_layout` (a DTensor's placements, or
     a hand-written module's `tp_placements`); a plain parameter with neither is taken as a
     replica: declare `tp_placements` on your module for the shards it holds.
     """
