@@ -71,6 +71,21 @@ class JupyterLab:
         # reset: a fresh workspace, not the tabs the last page left open
         return f"http://127.0.0.1:{self.port}/{path}?token={self.token}" + "&reset" * reset
 
+    def shut_kernels(self) -> None:
+        """Shut down every kernel the server runs (DELETE /api/kernels/ID), and wait until
+        the server lists none: a closed page leaves its notebook's kernel running."""
+        for kernel in self._api("api/kernels"):
+            self._api(f"api/kernels/{kernel['id']}", method="DELETE")
+        deadline = time.monotonic() + 30
+        while self._api("api/kernels") and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _api(self, path: str, method: str = "GET"):
+        req = urllib.request.Request(self.url(path), method=method)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
     def stop(self) -> None:
         self.proc.terminate()  # the server shuts its kernels down, and so their labs
         try:
@@ -95,6 +110,20 @@ def prepare(src: pathlib.Path, dest: pathlib.Path, parameters: dict) -> pathlib.
     for extra in src.parent.glob("*.py"):  # helpers a notebook imports, if any
         shutil.copy(extra, dest)
     return out
+
+
+def insert_after(path: pathlib.Path, marker: str, source: str) -> None:
+    """Insert a code cell `source` after the first code cell of notebook `path` that
+    contains `marker` (an error if none does)."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    at = next((i for i, c in enumerate(nb.cells)
+               if c.cell_type == "code" and marker in c.source), None)
+    if at is None:
+        raise ValueError(f"{path.name} has no code cell with {marker!r}")
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(source))
+    nbformat.write(nb, path)
 
 
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook on show
