@@ -131,8 +131,41 @@ PROMPTS = f"() => [...document.querySelectorAll('{PANEL} .jp-CodeCell .jp-InputP
           ".map(e => e.textContent.trim())"
 
 
+def _menu(page, menu: str, item: str) -> None:
+    page.click(f"li.lm-MenuBar-item:has-text('{menu}')")
+    page.click(f"li.lm-Menu-item:has-text('{item}')")
+
+
+def in_lab(page, lab: JupyterLab) -> bool:
+    """Whether the page shows this JupyterLab already (its app loaded)."""
+    return (page.url.startswith(lab.url("lab").split("?")[0])
+            and page.locator("#jp-main-dock-panel").count() > 0)
+
+
+def close_tabs(page) -> None:
+    """File > Close All Tabs, discarding what a widget changed since the last save."""
+    _menu(page, "File", "Close All Tabs")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(200)
+        discard = page.locator(".jp-Dialog button:has-text('Discard')")
+        if discard.count():
+            discard.first.click()
+        elif not page.locator(".jp-Dialog").count() and not page.locator(PANEL).count():
+            return
+    raise TimeoutError("the notebook tabs did not close")
+
+
 def open_notebook(page, lab: JupyterLab, name: str) -> None:
-    page.goto(lab.url(f"lab/tree/{name}", reset=True))
+    """Open notebook `name`: in a fresh page, by its URL; in a page that shows the lab
+    already, as a person does (File > Open from Path...), without loading JupyterLab again
+    (close_tabs first)."""
+    if in_lab(page, lab):
+        _menu(page, "File", "Open from Path")
+        page.fill(".jp-Dialog input", name)
+        page.click(".jp-Dialog .jp-mod-accept")
+    else:
+        page.goto(lab.url(f"lab/tree/{name}", reset=True))
     page.wait_for_selector(f"{PANEL} .jp-CodeCell", timeout=60_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                            timeout=60_000)

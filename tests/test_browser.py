@@ -86,9 +86,21 @@ def chromium():
         b.close()
 
 
+@pytest.fixture(scope="module")
+def pages(chromium):
+    """The page the notebooks open in, one after another (JupyterLab loads once, as for a
+    person who opens the next notebook); a test that fails leaves it for a fresh one."""
+    held = []
+    yield held
+    for page in held:
+        page.close()
+
+
 @pytest.fixture
-def page(chromium, served, request):
-    page = chromium.new_page(viewport={"width": 1400, "height": 1000})
+def page(chromium, served, pages, request):
+    if not pages:
+        pages.append(chromium.new_page(viewport={"width": 1400, "height": 1000}))
+    page = pages[0]
     shot = SHOTS / f"{request.node.name}.png"
     shot.unlink(missing_ok=True)  # a screenshot left from an earlier failure
     failed = request.session.testsfailed
@@ -97,7 +109,10 @@ def page(chromium, served, request):
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(shot), full_page=True)
         print(f"screenshot: {shot}")
-    page.close()
+        pages.remove(page)
+        page.close()
+    else:
+        browser.close_tabs(page)
     served.shut_kernels()  # the notebook's kernel (and any lab it still holds) ends here
 
 
