@@ -14,8 +14,9 @@ notebook in each of its modes at world 2, and at its other sizes in the extended
 The default run opens the notebooks whose page does something papermill cannot see: 00 (a
 plain notebook, ranks in processes), 01 and 08 (their widgets' controls) and 12 (its live
 figure). The other notebooks' Run All in the browser is `extended`: papermill runs them in
-the default run, and the figures they draw are the same plotly figures 00-12 show here.
-Each notebook's kernel is shut down when its test ends (the page is closed).
+the default run, and their figures go through the same plotly renderer that 00, 01, 08 and
+12 check here. The notebooks open one after another in one page (File > Open from Path), as
+a person opens the next lesson; when a test ends its tab is closed and its kernel shut down.
 """
 
 from __future__ import annotations
@@ -111,9 +112,15 @@ def page(chromium, served, pages, request):
         print(f"screenshot: {shot}")
         pages.remove(page)
         page.close()
-    else:
-        browser.close_tabs(page)
-    served.shut_kernels()  # the notebook's kernel (and any lab it still holds) ends here
+    try:
+        if page in pages:
+            browser.close_tabs(page)
+    except Exception:
+        pages.remove(page)  # the next notebook gets a fresh page
+        page.close()
+        raise
+    finally:
+        served.shut_kernels()  # the notebook's kernel (and any lab it still holds) ends here
 
 
 def _errors(nb: dict) -> list[str]:
