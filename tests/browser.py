@@ -71,6 +71,21 @@ class JupyterLab:
         # reset: a fresh workspace, not the tabs the last page left open
         return f"http://127.0.0.1:{self.port}/{path}?token={self.token}" + "&reset" * reset
 
+    def shut_kernels(self) -> None:
+        """Shut down every kernel the server runs (DELETE /api/kernels/ID), and wait until
+        the server lists none: a closed page leaves its notebook's kernel running."""
+        for kernel in self._api("api/kernels"):
+            self._api(f"api/kernels/{kernel['id']}", method="DELETE")
+        deadline = time.monotonic() + 30
+        while self._api("api/kernels") and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _api(self, path: str, method: str = "GET"):
+        req = urllib.request.Request(self.url(path), method=method)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
     def stop(self) -> None:
         self.proc.terminate()  # the server shuts its kernels down, and so their labs
         try:
@@ -97,13 +112,60 @@ def prepare(src: pathlib.Path, dest: pathlib.Path, parameters: dict) -> pathlib.
     return out
 
 
+def insert_after(path: pathlib.Path, marker: str, source: str) -> None:
+    """Insert a code cell `source` after the first code cell of notebook `path` that
+    contains `marker` (an error if none does)."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    at = next((i for i, c in enumerate(nb.cells)
+               if c.cell_type == "code" and marker in c.source), None)
+    if at is None:
+        raise ValueError(f"{path.name} has no code cell with {marker!r}")
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(source))
+    nbformat.write(nb, path)
+
+
 PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook on show
 PROMPTS = f"() => [...document.querySelectorAll('{PANEL} .jp-CodeCell .jp-InputPrompt')]" \
           ".map(e => e.textContent.trim())"
 
 
+def _menu(page, menu: str, item: str) -> None:
+    page.click(f"li.lm-MenuBar-item:has-text('{menu}')")
+    page.click(f"li.lm-Menu-item:has-text('{item}')")
+
+
+def in_lab(page, lab: JupyterLab) -> bool:
+    """Whether the page shows this JupyterLab already (its app loaded)."""
+    return (page.url.startswith(lab.url("lab").split("?")[0])
+            and page.locator("#jp-main-dock-panel").count() > 0)
+
+
+def close_tabs(page) -> None:
+    """File > Close All Tabs, discarding what a widget changed since the last save."""
+    _menu(page, "File", "Close All Tabs")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(200)
+        discard = page.locator(".jp-Dialog button:has-text('Discard')")
+        if discard.count():
+            discard.first.click()
+        elif not page.locator(".jp-Dialog").count() and not page.locator(PANEL).count():
+            return
+    raise TimeoutError("the notebook tabs did not close")
+
+
 def open_notebook(page, lab: JupyterLab, name: str) -> None:
-    page.goto(lab.url(f"lab/tree/{name}", reset=True))
+    """Open notebook `name`: in a fresh page, by its URL; in a page that shows the lab
+    already, as a person does (File > Open from Path...), without loading JupyterLab again
+    (close_tabs first)."""
+    if in_lab(page, lab):
+        _menu(page, "File", "Open from Path")
+        page.fill(".jp-Dialog input", name)
+        page.click(".jp-Dialog .jp-mod-accept")
+    else:
+        page.goto(lab.url(f"lab/tree/{name}", reset=True))
     page.wait_for_selector(f"{PANEL} .jp-CodeCell", timeout=60_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                            timeout=60_000)

@@ -161,72 +161,6 @@ def say_where():
     print(f"rank {os.environ['RANK']} on {os.environ['GLOO_SOCKET_IFNAME']}")
 
 
-def test_mpi_ranks_on_two_hosts(hosts, monkeypatch, capsys):
-    """mpiexec with a hostfile over two hosts: 4 ranks meet over the veths; the store and
-    gloo listen on the hosts' addresses only; only signed messages reach the hub; what the
-    ranks print reaches the notebook; restart()
-    replaces the ranks; after shutdown() nothing is left on either host."""
-    need("mpiexec")
-    pytest.importorskip("mpi4py", reason='engines="mpi" needs mpi4py: pip install "tplab[mpi]"')
-    for k, v in ROOT_MPI.items():
-        monkeypatch.setenv(k, v)
-    lab = tplab.launch(4, engines="mpi", ip=hosts.controller, cluster_options=mpi_options(hosts))
-    try:
-        results = lab.run(sum_of_ranks_and_where)
-        assert [r["sum"] for r in results] == [10.0] * 4
-        assert lab.master_addr in hosts.addresses  # rank 0's host, not loopback
-        assert sorted(r["from"] for r in results) == sorted(hosts.addresses * 2)
-        assert {r["gloo"] for r in results} == {"eth0"}
-        rank_pids = [r["pid"] for r in results]
-        where = {r["pid"]: r["from"] for r in results}
-        socks = listening(rank_pids)
-        assert (rank_pids[0], lab.master_addr, lab.master_port) in socks  # the store
-        for pid, ip, _ in socks:  # gloo on the host's address; ipyparallel on its loopback
-            assert ip in (where[pid], "127.0.0.1"), (pid, ip, socks)
-        hub = [p for p in lab.pids if "tplab.rank.entry controller" in " ".join(
-            psutil.Process(p).cmdline())]  # the controller and its schedulers
-        hub_ips = {ip for _, ip, _ in listening(hub)}
-        assert hosts.controller in hub_ips and hub_ips <= {hosts.controller, "127.0.0.1"}, \
-            hub_ips
-        check_only_signed_messages_run(lab)
-        capsys.readouterr()
-        lab.run(say_where)  # what ranks elsewhere print reaches the notebook, by rank
-        shown = "".join(capsys.readouterr())
-        assert all(f"rank {r} on eth0" in shown for r in range(4)), shown
-        lab.restart()  # the old ranks end on their hosts, new ones start through mpiexec
-        again = lab.run(sum_of_ranks_and_where)
-        assert [r["sum"] for r in again] == [10.0] * 4
-        assert wait_gone(rank_pids, 10) == []
-        rank_pids = [r["pid"] for r in again]
-    finally:
-        lab.shutdown()
-    assert wait_gone(rank_pids, 10) == []
-    deadline = time.monotonic() + 10  # the engines' nannies tell the (gone) hub first
-    while hosts.leftovers() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert hosts.leftovers() == {}
-
-
-def check_only_signed_messages_run(lab) -> None:
-    """A client with the wrong HMAC key gets no answer from the hub and runs nothing; with
-    the lab's key the same steps run code (so the check itself could pass)."""
-    import ipyparallel as ipp
-
-    path = os.path.join(lab.state_dir, "profile", "security", "ipcontroller-tplab-client.json")
-    with open(path) as f:
-        info = json.load(f)
-    marker = os.path.join(lab.state_dir, "ran-by-a-stranger")
-    with pytest.raises(TimeoutError):
-        ipp.Client(dict(info, key="0123-not-the-key"), timeout=3)
-    assert not os.path.exists(marker)
-    client = ipp.Client(info, timeout=10)
-    try:
-        client[:].execute(f"open({marker!r}, 'w').close()").get(timeout=30)
-    finally:
-        client.close()
-    assert os.path.exists(marker)
-
-
 KERNEL = r"""
 import json, sys, time
 import tplab
@@ -439,15 +373,93 @@ def check_live(lab) -> None:
     assert lab.run(lambda: 2) == [2] * n  # restarted
 
 
-def test_mpi_ranks_on_two_hosts_stream_live(hosts, monkeypatch):
+@pytest.fixture(scope="module")
+def mpi_lab(hosts):
+    """One lab of 4 mpi ranks over the two hosts (a start through mpiexec and ssh is the
+    slowest of this file), for the two tests below, in this order: the live-output test,
+    then test_mpi_ranks_on_two_hosts, which ends with the lab's shutdown."""
     need("mpiexec")
     pytest.importorskip("mpi4py", reason='engines="mpi" needs mpi4py: pip install "tplab[mpi]"')
-    for k, v in ROOT_MPI.items():
-        monkeypatch.setenv(k, v)
-    with tplab.launch(4, engines="mpi", ip=hosts.controller,
-                      cluster_options=mpi_options(hosts)) as lab:
-        assert {r["from"] for r in lab.run(sum_of_ranks_and_where)} == set(hosts.addresses)
-        check_live(lab)
+    with pytest.MonkeyPatch.context() as mp:  # mpiexec reads them again at every restart
+        for k, v in ROOT_MPI.items():
+            mp.setenv(k, v)
+        lab = tplab.launch(4, engines="mpi", ip=hosts.controller,
+                           cluster_options=mpi_options(hosts))
+        try:
+            yield lab
+        finally:
+            lab.shutdown()
+
+
+def test_mpi_ranks_on_two_hosts_stream_live(hosts, mpi_lab):
+    lab = mpi_lab
+    assert {r["from"] for r in lab.run(sum_of_ranks_and_where)} == set(hosts.addresses)
+    check_live(lab)
+
+
+def test_mpi_ranks_on_two_hosts(hosts, mpi_lab, capsys):
+    """mpiexec with a hostfile over two hosts: 4 ranks meet over the veths; the store and
+    gloo listen on the hosts' addresses only; only signed messages reach the hub; what the
+    ranks print reaches the notebook; restart()
+    replaces the ranks; after shutdown() nothing is left on either host. (The lab is the
+    one the live-output test above used: this test comes after it, and shuts it down.)"""
+    lab = mpi_lab
+    try:
+        results = lab.run(sum_of_ranks_and_where)
+        assert [r["sum"] for r in results] == [10.0] * 4
+        assert lab.master_addr in hosts.addresses  # rank 0's host, not loopback
+        assert sorted(r["from"] for r in results) == sorted(hosts.addresses * 2)
+        assert {r["gloo"] for r in results} == {"eth0"}
+        rank_pids = [r["pid"] for r in results]
+        where = {r["pid"]: r["from"] for r in results}
+        socks = listening(rank_pids)
+        assert (rank_pids[0], lab.master_addr, lab.master_port) in socks  # the store
+        for pid, ip, _ in socks:  # gloo on the host's address; ipyparallel on its loopback
+            assert ip in (where[pid], "127.0.0.1"), (pid, ip, socks)
+        hub = [p for p in lab.pids if "tplab.rank.entry controller" in " ".join(
+            psutil.Process(p).cmdline())]  # the controller and its schedulers
+        hub_ips = {ip for _, ip, _ in listening(hub)}
+        assert hosts.controller in hub_ips and hub_ips <= {hosts.controller, "127.0.0.1"}, \
+            hub_ips
+        check_only_signed_messages_run(lab)
+        capsys.readouterr()
+        lab.run(say_where)  # what ranks elsewhere print reaches the notebook, by rank
+        shown = "".join(capsys.readouterr())
+        assert all(f"rank {r} on eth0" in shown for r in range(4)), shown
+        lab.restart()  # the old ranks end on their hosts, new ones start through mpiexec
+        again = lab.run(sum_of_ranks_and_where)
+        assert [r["sum"] for r in again] == [10.0] * 4
+        assert wait_gone(rank_pids, 10) == []
+        rank_pids = [r["pid"] for r in again]
+    finally:
+        lab.shutdown()
+    assert wait_gone(rank_pids, 10) == []
+    deadline = time.monotonic() + 10  # the engines' nannies tell the (gone) hub first
+    while hosts.leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hosts.leftovers() == {}
+
+
+def check_only_signed_messages_run(lab) -> None:
+    """A client with the wrong HMAC key gets no answer from the hub and runs nothing; with
+    the lab's key the same steps run code (so the check itself could pass)."""
+    import ipyparallel as ipp
+
+    path = os.path.join(lab.state_dir, "profile", "security", "ipcontroller-tplab-client.json")
+    with open(path) as f:
+        info = json.load(f)
+    marker = os.path.join(lab.state_dir, "ran-by-a-stranger")
+    with pytest.raises(TimeoutError):
+        ipp.Client(dict(info, key="0123-not-the-key"), timeout=3)
+    assert not os.path.exists(marker)
+    client = ipp.Client(info, timeout=10)
+    try:
+        client[:].execute(f"open({marker!r}, 'w').close()").get(timeout=30)
+    finally:
+        client.close()
+    assert os.path.exists(marker)
+
+
 
 
 def test_ssh_ranks_on_two_hosts_stream_live(hosts, monkeypatch):

@@ -75,8 +75,10 @@ def test_messages_name_ranks_and_sizes(labs):
     assert "on ranks 0,1: NameError: name 'y' is not defined" in fb.message
 
 
-def test_in_a_simulation():
-    sim = tplab.simulate(4)
+# world 2 as on real ranks above; 4 in the extended run (twice the time of 2 here)
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.extended)])
+def test_in_a_simulation(world_size):
+    sim = tplab.simulate(world_size)
     for name in exercises.names():
         fb = exercises.check(name, exercises.reference_answer(name, sim), sim)
         assert fb.passed, (name, fb.message)

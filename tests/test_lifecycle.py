@@ -86,7 +86,9 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# world 4 in the extended run: the same owner watch, twice the ranks (and the forced kernel
+# restart below is a SIGKILLed owner too)
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.extended)])
 def test_processes_exit_when_the_owner_is_sigkilled(world_size, tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", OWNER.format(n=world_size)],
                              stdout=subprocess.PIPE, text=True, cwd=tmp_path)

@@ -3,8 +3,9 @@ at every world size it claims (tplab.lessons.SIZES).
 
 A notebook's claims are asserted in its own cells, so a run that ends without error has
 checked the lesson, not only that the cells ran. The default run has world 2 in processes,
-the laptop case, for every notebook (and 06 at 4, for its 2-D mesh); simulated mode at world
-2 runs in the browser test; every other claimed size and mode is `extended` (make
+the laptop case, for every notebook (and 06 at 4, for its 2-D mesh and FSDP2 over dp > 1);
+simulated mode at world 2 runs in the browser test (01 and 08 in the default run, every
+notebook in the extended run); every other claimed size and mode is `extended` (make
 test-extended), which keeps the default run within its 15 minutes on 2 cores.
 """
 
@@ -45,7 +46,8 @@ def sizes(path: pathlib.Path) -> tuple[int, ...]:
 
 def in_default_run(path: pathlib.Path, mode: str, world_size: int) -> bool:
     """World 2 in processes for every notebook; simulated mode at world 2 is the browser
-    test's run (tests/test_browser.py), and 06's 2-D mesh (dp x tp) needs 4 ranks. The other
+    test's run (tests/test_browser.py: 01 and 08 by default), and 06's 2-D mesh (dp x tp)
+    needs 4 ranks. The other
     sizes and modes are extended (`make test-extended`), to keep the default run under 15
     minutes on 2 cores."""
     if mode == "processes" and world_size == DEFAULT_SIZE:

@@ -1,6 +1,11 @@
 """The exercise workbooks (notebooks/exercises/) run by papermill twice: with the reference
 solutions injected, every check passes; with the typical mistakes, every check fails with
-its message (tplab.exercises.Workbook asserts both, cell by cell)."""
+its message (tplab.exercises.Workbook asserts both, cell by cell).
+
+The default run has every workbook with its solutions, and the first with its mistakes; the
+other workbooks' mistakes are `extended`: every typical mistake of every exercise fails
+with its message on real ranks in tests/test_exercises.py::test_on_real_ranks, and the
+first workbook shows that `inject="mistakes"` reaches each check cell of a workbook."""
 
 from __future__ import annotations
 
@@ -47,9 +52,13 @@ def test_workbooks_are_saved_without_outputs():
     assert sorted(names) == sorted(exercises.names())  # every exercise has a workbook cell
 
 
+CASES = [pytest.param(path, inject, id=f"{path.stem}-{inject}",
+                      marks=pytest.mark.extended if inject == "mistakes" and i > 0 else ())
+         for i, path in enumerate(WORKBOOKS) for inject in ("solutions", "mistakes")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("inject", ["solutions", "mistakes"])
-@pytest.mark.parametrize("path", WORKBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize(("path", "inject"), CASES)
 def test_workbook(path, inject, tmp_path):
     started = time.perf_counter()
     out = tmp_path / path.name
