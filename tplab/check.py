@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import torch
 
-from tplab import placements
+from tplab import placements, rng
 from tplab.errors import LabError
 from tplab.pairing import gather, gather_indexed, pair
 from tplab.plans import check_plan
@@ -61,7 +61,16 @@ from tplab.rank.grad_step import call_loss, parallel_step, with_grad
 from tplab.report import GradCheckReport, compare, unpaired, unreadable
 from tplab.transfer import LocalShard
 
-__all__ = ["GradCheckReport", "assemble", "compare", "grad_check", "mesh_shape", "tensor_rows"]
+__all__ = ["TOLERANCES", "GradCheckReport", "assemble", "compare", "grad_check", "mesh_shape",
+           "tensor_rows", "tolerances"]
+
+# (atol, rtol) by the dtype the model computes in, as torch.testing.assert_close picks its
+# defaults by dtype. float32's are grad_check's own (a TP run's gradients differ from one
+# device's by about 16 ulps of the largest); the half types' keep about the same ratio to
+# what their rounding makes (measured here: TinyLM, TP and DTensor plans, world 2: bfloat16
+# up to 0.024 of the largest, float16 up to 0.004; every bug of the lessons is O(1)).
+TOLERANCES = {torch.float64: (1e-5, 1e-4), torch.float32: (1e-5, 1e-4),
+              torch.float16: (1e-4, 2e-2), torch.bfloat16: (1e-3, 1e-1)}
 
 
 def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
@@ -127,6 +136,16 @@ def mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
     return dp, tp
 
 
+def tolerances(tensors, atol: float | None, rtol: float | None):
+    """(atol, rtol, dtype): those given, else TOLERANCES of the least precise floating dtype
+    among `tensors` (the model's parameters and outputs: what it computes in)."""
+    dtypes = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    dtype = max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)
+    default = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+    return (default[0] if atol is None else atol, default[1] if rtol is None else rtol,
+            dtype)
+
+
 def _reference(model, x, loss_fn, dp):
     """The single-device step: (output leaves, loss, input with gradients)."""
     x_ref = with_grad(x)
@@ -140,17 +159,18 @@ def _reference(model, x, loss_fn, dp):
                 raise LabError(f"grad_check: dim 0 of the {path} (shape {tuple(t.shape)}) must "
                                f"divide into dp={dp} equal slices, one per data-parallel "
                                "replica")
-        parts = [map_tensors(lambda t, d=d: t.chunk(dp)[d], x_ref) for d in range(dp)]
-        results = [call_model(model, part) for part in parts]
-        loss = sum(call_loss(loss_fn, o, p) for o, p in zip(results, parts, strict=True)) / dp
-        per = [dict(leaves(o, "output")) for o in results]
-        outs = {k: torch.cat([p[k] for p in per]) for k in per[0]}
+        # one forward on the whole batch, as the replicas' masks (tplab.rng) are drawn for
+        # it; the loss of each replica's slice of it
+        out = call_model(model, x_ref)
+        outs = dict(leaves(out, "output"))
+        loss = sum(call_loss(loss_fn, *map_tensors(lambda t, d=d: t.chunk(dp)[d], (out, x_ref)))
+                   for d in range(dp)) / dp
     loss.backward()
     return outs, loss, x_ref
 
 
-def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1e-5,
-               rtol: float = 1e-4, *, dp: int | None = None, tp: int | None = None,
+def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | None = None,
+               rtol: float | None = None, *, dp: int | None = None, tp: int | None = None,
                average_dp: bool = True, param_map: dict | None = None) -> GradCheckReport:
     """Run the single-device reference here and the parallel model on `lab` (a Lab or a
     Simulation) with identical weights and input; compare every output, input gradient
@@ -165,7 +185,9 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
     if isinstance(plan, dict):  # a PlanError here, before anything is sent to the ranks
         check_plan(model, plan, tp, x)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    rng.reference_tracker(model, tp)  # tplab.rng's "tp" masks drawn as the tp ranks draw them
     out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)
+    atol, rtol, dtype = tolerances([*model.parameters(), *out_ref.values()], atol, rtol)
     results = lab.run(parallel_step, build_model, state, plan, x, loss_fn, dp, average_dp)
     rows: list[dict] = []
 
@@ -181,7 +203,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
             add(name, "input_grad", [r["input_grads"].get(name) for r in results], t.grad)
     notes = _param_rows(model, results, tp, param_map, rows, atol, rtol)
     return GradCheckReport(rows, len(results), atol, rtol, loss_ref.item(),
-                           {"dp": dp, "tp": tp}, notes)
+                           {"dp": dp, "tp": tp}, notes, dtype=str(dtype).removeprefix("torch."))
 
 
 def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
