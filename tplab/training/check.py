@@ -69,8 +69,9 @@ def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order
     [steps + 1, *shape] trajectory}, batch checksums). `cancel` (set by another thread)
     stops it between steps with a LabError. `dp`: the default step's loss is the mean of
     the dp slices' (as the replicas' averaged gradients make it). `batches`: an empty list
-    records each step's batch into it; a filled one is replayed instead of calling
-    make_batch (the band's run takes the very batches of the run it judges)."""
+    records each step's batch into it; a filled one is replayed: the band's run trains on
+    the very batches of the run it judges, and still calls make_batch as that run did, so
+    that the global RNG (a make_batch drawing from it, nn.Dropout's masks) goes alike."""
     optimizer, scheduler = make_training(make_optimizer, model.parameters())
     named = list(model.named_parameters())
     traj = {n: [p.detach().clone()] for n, p in named}
@@ -81,7 +82,8 @@ def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order
         for i in range(steps):
             if cancel is not None and cancel.is_set():
                 raise LabError("train_check: the one-device run was cancelled")
-            batch = batches[i] if replay else batch_of(make_batch, i)
+            batch = batch_of(make_batch, i)
+            batch = batches[i] if replay else batch
             if batches is not None and not replay:
                 batches.append(map_tensors(lambda t: t.clone(), batch))  # a step may edit it
             sums.append(batch_sum(batch))
