@@ -24,8 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(HERE, "..", "tests")
 sys.path.insert(0, TESTS)
 
-import tplab  # noqa: E402
 import verdict_draws  # noqa: E402  (tests/verdict_draws.py)
+
+import tplab  # noqa: E402
 
 
 def main() -> int:
