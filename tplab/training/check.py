@@ -9,19 +9,30 @@
   dp replica d gets slice d of dim 0 of each batch, and every gradient is averaged over
   dp as soon as backward made it (DDP's all-reduce, as hooks).
 - `make_batch(i)` gives step i's batch, the same wherever it is called (the notebook and
-  every rank call it; a checksum of each batch is compared).
+  every rank call it; a checksum of each batch, order included, is compared). Draw from a
+  generator of its own (`torch.Generator().manual_seed(i)`); on simulated ranks it is
+  called with rank-dependent randomness off. A `make_batch()` of no arguments gives the
+  same batch every step.
 - `step(model, optimizer, batch) -> loss` is the user's own step: forward, backward,
   clipping, `optimizer.step()`, `zero_grad()`. It runs unchanged on one device (the
   reference, in this process) and on the ranks. Without it, `loss_fn(output, batch)`
-  (default: grad_check's) is minimised by a plain step.
-- `make_optimizer(params)` builds the optimizer (default AdamW, lr 1e-3, weight decay 0.01).
+  (default: grad_check's) is minimised by a plain step. With dp > 1 the reference's loss is
+  the mean of the dp slices' losses, as the replicas' averaged gradients minimise (your own
+  step sees the whole batch on one device: give it a loss that is a mean over the batch).
+- `make_optimizer(params)` builds the optimizer (default AdamW, lr 1e-3, weight decay 0.01),
+  or returns (optimizer, scheduler): the scheduler is stepped after every step, on both.
 - tplab.rng's dropout: the reference draws its "tp"-region masks as the ranks do
   (`rng.reference_tracker`), so a run with dropout is compared exactly too.
 
-The band (tplab/training/band.py) is measured by running the reference a second time in
-another reduction order (tplab/training/noise.py). `first_bad_step` is the first step
-whose loss, parameter difference or replica spread is outside it; `diverged` says which
-of the loss, a sharded parameter or a replicated one, worst first.
+The band (tplab/training/band.py) is measured by running the reference a second time with
+every matrix product, forward and backward, summed in another order (tplab/training/
+noise.py, `ReorderedProducts`): from the same weights, the same batches and the same
+global RNG state (so torch's own nn.Dropout draws the same masks), so that it differs from
+the first run by rounding alone, and by whatever the optimizer makes of rounding.
+`first_bad_step` is the first step whose loss, parameter difference or replica spread is
+outside it; `diverged` says which of the loss, a sharded parameter or a replicated one,
+worst first. Every step's one-device parameters are kept (the ranks compare with each):
+a run that would keep more than MEMORY_LIMIT bytes is refused before it starts.
 
 With `live=True` (the default in a Jupyter kernel, with a Lab) the figure is drawn while
 the ranks train, from one line per step and rank that the ranks print through the lab's

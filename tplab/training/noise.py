@@ -12,6 +12,13 @@ than one step's rounding.
 contraction dim, added last-first, which is a row-parallel layer's sum over tp ranks in
 another order. The result is the same up to rounding, so running the reference once
 plainly and once under it gives the spread that reduction order alone makes.
+
+`ReorderedProducts(parts)` does the same at the level autograd computes in (`aten.mm`,
+`aten.addmm`, `aten.bmm`), so the backward's products are reordered too: the weight
+gradients' sums over tokens and the input gradients' sums over features, where a TP run
+(f's all-reduce), SP and dp add in another order as well. That is the band's run: an
+optimizer that amplifies rounding (Adam's first step on a gradient that cancels to near
+zero) amplifies this run's rounding as it does the ranks'.
 """
 
 from __future__ import annotations
