@@ -92,6 +92,12 @@ def test_global_rng_batches_and_torch_dropout_give_the_band_of_the_same_run(lab2
     assert bad.first_bad_step == 1 and "emb.weight" in bad.detail, str(bad)
 
 
+def test_torchs_dropout_on_simulated_ranks_is_refused_with_the_fix():
+    with pytest.raises(tplab.LabError, match="drop is torch's Dropout.*tplab.rng.Dropout"):
+        tplab.train_check(tplab.simulate(2), functools.partial(seeded_build, 0.3),
+                          megatron.parallelize, seeded_batch, steps=1, loss_fn=lm_loss)
+
+
 def test_a_band_run_replays_the_batches_and_the_masks_of_the_run_it_judges():
     from tplab.training.check import run_reference
 

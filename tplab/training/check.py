@@ -162,6 +162,24 @@ def _bound_memory(model, steps: int) -> None:
                          f"{MEMORY_LIMIT / 2**30:g} GiB; check at most {fit} steps")
 
 
+TORCH_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                  torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+def _refuse_torch_dropout(lab, model) -> None:
+    """tplab.simulate's ranks draw every random op per rank (LocalTensorMode), so torch's
+    own dropout there cannot draw one device's masks: say so, rather than fail a run."""
+    if getattr(lab, "backend", "") != "simulated":
+        return
+    for name, m in model.named_modules():
+        if isinstance(m, TORCH_DROPOUTS) and m.p > 0 and m.training:
+            raise LabError(f"train_check: {name} is torch's {type(m).__name__}, which draws "
+                           "its mask from the global RNG, and tplab.simulate's ranks draw "
+                           "that per rank. Use tplab.rng.Dropout (region='replicated' outside "
+                           "the TP regions, 'tp' inside them) or check on rank processes "
+                           "(tplab.launch)")
+
+
 def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
                 make_optimizer=None, loss_fn=None, *, dp: int | None = None,
                 tp: int | None = None, param_map: dict | None = None,
@@ -177,6 +195,7 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
         raise TypeError("train_check: param_map is a dict {parallel name: reference name}")
     model = build_model()
     _bound_memory(model, steps)
+    _refuse_torch_dropout(lab, model)
     if isinstance(plan, dict):
         check_plan(model, plan, tp)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
