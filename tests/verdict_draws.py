@@ -38,6 +38,7 @@ from tplab.rank.train_step import per_rank_parameters
 DEBUG = False
 BUGS = ("f omitted", "g omitted", "wrong style", "dropout masks differ per rank",
         "missing dp all-reduce", "wrong batch slicing")
+DP_BUGS = ("missing dp all-reduce", "wrong batch slicing")
 
 
 class Net(nn.Module):
@@ -189,7 +190,8 @@ def draw(r: random.Random, world: int | None = None, check: str | None = None) -
     plan_kind = r.choice(("megatron", "megatron", "dtensor", "gathered"))
     dropout = r.random() < 0.3
     user_step = check == "train" and r.random() < 0.4
-    bugs = [b for b in BUGS if _fits(b, plan_kind, dropout, dp, check, user_step)]
+    bugs = [b for b in BUGS if _fits(b, plan_kind, dropout, dp, check, user_step)
+            and (world // dp > 1 or b in DP_BUGS)]  # at tp=1 a TP bug is none
     bug = r.choice(bugs) if bugs and r.random() < 0.5 else None
     tp = world // dp
     return Draw(seed=r.randrange(10**6), check=check, world=world, dp=dp,
