@@ -362,7 +362,7 @@ def _agree(lab, dr):
 def test_random_draws_agree_with_the_truth_simulated(world):
     r = random.Random(27 + world)
     lab = tplab.simulate(world)
-    seen = [_agree(lab, verdict_draws.draw(r, world=world)) for _ in range(6)]
+    seen = [_agree(lab, verdict_draws.draw(r, world=world)) for _ in range(6 - world // 2)]
     assert "ok" in seen and "bad" in seen, seen  # both kinds were drawn
 
 
