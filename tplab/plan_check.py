@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import inspect
 import threading
 import warnings
 from fnmatch import fnmatch
@@ -56,7 +57,7 @@ from fnmatch import fnmatch
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from tplab.errors import PlanError
 from tplab.handovers import Edge, HandoverHooks, tensors_of
@@ -118,13 +119,84 @@ def _shard_rule(style, module: nn.Module) -> list[tuple[str, int]]:
     return []
 
 
-def check_plan(model: nn.Module, plan: dict, tp: int, example_input=None) -> None:
+PLAN_KINDS = ("a plan is a dict {module path: ParallelStyle()} such as {'w1': "
+              "ColwiseParallel(), 'w2': RowwiseParallel()}, or a (model, mesh) -> model function")
+
+
+def _what(obj) -> str:
+    kind = type(obj).__name__
+    return f"{'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind} ({obj!r:.60})"
+
+
+def _style_error(obj, where: str) -> str | None:
+    """Why `obj` is not a ParallelStyle instance, or None when it is one."""
+    if isinstance(obj, ParallelStyle):
+        return None
+    if inspect.isclass(obj) and issubclass(obj, ParallelStyle):
+        return (f"{where} is the class {obj.__name__}, not a style: write {obj.__name__}() "
+                "(with parentheses)")
+    if isinstance(obj, str):
+        return (f"{where} is the string {obj!r}, not a style: write the style itself, "
+                "ColwiseParallel() or RowwiseParallel() (from torch.distributed.tensor.parallel)")
+    return f"{where} is {_what(obj)}, not a ParallelStyle (ColwiseParallel(), ...)"
+
+
+def check_plan_type(plan, what: str = "plan") -> None:
+    """Raise PlanError (one line) unless `plan` is a dict {str: ParallelStyle instance} or
+    a function of (model, mesh): not None, a string, a list of pairs, a style or a style
+    class where the plan or one of its values belongs."""
+    if isinstance(plan, dict):
+        for key, style in plan.items():
+            if not isinstance(key, str):
+                raise PlanError(f"{what} has a key {key!r} ({type(key).__name__}); keys are "
+                                "module paths such as 'layers.*.attention.wq'")
+            if (why := _style_error(style, f"{what}[{key!r}]")) is not None:
+                raise PlanError(why)
+        return
+    if isinstance(plan, ParallelStyle) or (inspect.isclass(plan) and
+                                           issubclass(plan, ParallelStyle)):
+        raise PlanError(f"{_style_error(plan, what) or f'{what} is one style'}: a plan maps "
+                        "module paths to styles, {'w1': ColwiseParallel(), ...}")
+    if isinstance(plan, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2
+                                               for p in plan):
+        raise PlanError(f"{what} is a {type(plan).__name__} of pairs; {PLAN_KINDS}: "
+                        "dict(pairs) makes one")
+    if not callable(plan):
+        raise PlanError(f"{what} is {_what(plan)}; {PLAN_KINDS}")
+    try:
+        inspect.signature(plan).bind(None, None)
+    except TypeError:
+        raise PlanError(f"{what} {getattr(plan, '__name__', plan)!r:.60} cannot be called "
+                        f"as plan(model, mesh); {PLAN_KINDS}") from None
+    except ValueError:
+        pass  # a signature that cannot be read: called as it is
+
+
+def check_tp(tp, what: str = "check_plan") -> int:
+    """`tp` as the tensor-parallel size: an int >= 1 (PlanError naming it otherwise)."""
+    if tp is None:
+        raise PlanError(f"{what}: give tp=, the number of tensor-parallel ranks (an int >= 1), "
+                        "e.g. check_plan(model, plan, tp=2)")
+    if isinstance(tp, bool) or not isinstance(tp, int):
+        raise PlanError(f"{what}: tp is the number of tensor-parallel ranks, an int >= 1, not "
+                        f"{_what(tp)}")
+    if tp < 1:
+        raise PlanError(f"{what}: tp is the number of tensor-parallel ranks, at least 1, "
+                        f"got {tp}")
+    return tp
+
+
+def check_plan(model: nn.Module, plan: dict, tp: int | None = None,
+               example_input=None) -> None:
     """Raise PlanError if a key matches no module, a style does not fit its module, or a
     sharded dimension (or the number of heads) is not divisible by the tp size; given
     `example_input` (what the model is called with), also if the layouts do not chain
     from one planned module to the next (`check_layouts`)."""
+    check_plan_type(plan)
     if not isinstance(plan, dict):
-        raise PlanError(f"a plan is a dict {{module path: ParallelStyle}}, got {type(plan)}")
+        raise PlanError(f"check_plan checks a dict plan; a (model, mesh) -> model function "
+                        f"is checked by running it (grad_check), got {_what(plan)}")
+    tp = check_tp(tp)
     paths = [path for path, _ in model.named_modules() if path]
     for key, style in plan.items():
         found = match(model, key)

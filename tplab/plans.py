@@ -9,6 +9,8 @@ matches nothing and skips it, and shards an indivisible dimension unevenly witho
 
 from __future__ import annotations
 
+import functools
+
 import torch.nn as nn
 from tabulate import tabulate
 from torch.distributed.tensor import Replicate, Shard
@@ -133,6 +135,17 @@ def apply_plan(model: nn.Module, mesh, plan: dict, example_input=None) -> nn.Mod
     if example_input is None:
         plan_check.check_at_first_call(model, plan)
     return parallelize_module(model, mesh, plan)
+
+
+def parallelizer(plan):
+    """The `(model, mesh) -> model` function for `plan`, checked first: a dict gives
+    `apply_plan` with it, a function is itself. PlanError (one line) for anything else:
+    None, a string, a list of pairs, a style class where a style belongs
+    (ColwiseParallel, not ColwiseParallel()), a style name as a value."""
+    plan_check.check_plan_type(plan)
+    if isinstance(plan, dict):
+        return functools.partial(apply_plan, plan=plan)
+    return plan
 
 
 # --- describing --------------------------------------------------------------------------
