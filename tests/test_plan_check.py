@@ -14,6 +14,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     parallelize_module,
 )
@@ -21,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 import tplab
 from tplab import models, plans
 from tplab.mesh import make_mesh
-from tplab.plan_check import Edge, check_layouts
+from tplab.plan_check import Edge, PlanCheckSkipped, check_layouts
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=4,
                     batch_size=2)
@@ -209,7 +210,38 @@ def test_a_model_that_cannot_run_on_meta_is_not_checked():
             scale = float(x.sum().item() > 0)  # a value from the data: none on meta
             return self.w2(self.w1(x)) * scale
 
-    assert check_layouts(Item(), {"w1": ColwiseParallel(), "w2": ColwiseParallel()}, X) is None
+    with pytest.warns(PlanCheckSkipped, match="data-dependent control flow") as seen:
+        assert check_layouts(Item(), {"w1": ColwiseParallel(), "w2": ColwiseParallel()},
+                             X) is None
+    assert "the layouts were not checked" in str(seen[0].message)
+
+
+def test_a_wrong_input_shape_says_the_check_was_skipped():
+    with pytest.warns(PlanCheckSkipped, match="is its shape what the model takes"):
+        assert check_layouts(models.MLP(CFG), plans.mlp(), torch.randn(2, 4, 8)) is None
+
+
+def _prepared_step(plan, x):
+    model = parallelize_module(models.MLP(CFG), make_mesh(tp=2)["tp"], plan)
+    return model(x)
+
+
+def test_a_prepare_module_input_of_equal_layouts_hands_its_module_a_shard():
+    """PrepareModuleInput(Shard(-1) -> Shard(-1)) on an unsplit w2 moves nothing: w2's whole
+    weight meets a local shard. The ranks fail, and the check says so first."""
+    plan = {"w1": ColwiseParallel(), "w2": PrepareModuleInput(
+        input_layouts=Shard(-1), desired_input_layouts=Shard(-1), use_local_output=True)}
+    with pytest.raises(tplab.RankError):
+        tplab.simulate(2).run(_prepared_step, plan, X)
+    raises(models.MLP(CFG), plan, X, "w1 (ColwiseParallel",
+           "w2 (nn.Linear, whose weights PrepareModuleInput leaves whole)",
+           "give w1 output_layouts=Replicate()")
+    # one that gathers first is right, on the ranks and here
+    ok = {"w1": ColwiseParallel(), "w2": PrepareModuleInput(
+        input_layouts=Shard(-1), desired_input_layouts=Replicate(), use_local_output=True)}
+    outs = tplab.simulate(2).run(_prepared_step, ok, X)
+    assert all(torch.allclose(o, models.MLP(CFG)(X), atol=1e-5) for o in outs)
+    assert check_layouts(models.MLP(CFG), ok, X) is not None
 
 
 class DeclaredColwise(ParallelStyle):

@@ -295,14 +295,44 @@ def check_layouts(model: nn.Module, plan: dict, example_input) -> list[Edge] | N
     model(*x); a dict: model(**x), as `grad_check`'s make_input gives). Returns the
     hand-overs checked (producer, consumer, layout, expected) in dataflow order; None when
     the model could not run on the meta device (then nothing is checked: the plan is
-    neither passed nor failed) or is parallelised already."""
+    neither passed nor failed, and a PlanCheckSkipped warning says why) or is parallelised
+    already."""
     if any(isinstance(p, DTensor) for p in model.parameters()):
+        warnings.warn("plan check skipped: the model is parallelised already (its parameters "
+                      "are DTensors); check the plan on the model as build_model() returns it",
+                      PlanCheckSkipped, stacklevel=2)
         return None
     if isinstance(example_input, dict):
-        return _trace(_meta_copy(model), plan, (), example_input)
-    if isinstance(example_input, (tuple, list)) and not hasattr(example_input, "_fields"):
-        return _trace(_meta_copy(model), plan, tuple(example_input), {})
-    return _trace(_meta_copy(model), plan, (example_input,), {})
+        args, kwargs = (), example_input
+    elif isinstance(example_input, (tuple, list)) and not hasattr(example_input, "_fields"):
+        args, kwargs = tuple(example_input), {}
+    else:
+        args, kwargs = (example_input,), {}
+    edges = _trace(_meta_copy(model), plan, args, kwargs)
+    if isinstance(edges, Exception):
+        warnings.warn(skipped_because(edges), PlanCheckSkipped, stacklevel=2)
+        return None
+    return edges
+
+
+class PlanCheckSkipped(UserWarning):
+    """The layouts were not checked (the reason is in the message); nothing was judged."""
+
+
+def skipped_because(exc: Exception) -> str:
+    """Why the meta forward could not run, in words (for PlanCheckSkipped)."""
+    text = (str(exc).strip().splitlines() or [""])[0][:160]
+    said = f"{type(exc).__name__}: {text}"
+    head = "plan check skipped, the layouts were not checked (grad_check still compares values)"
+    if any(w in text for w in ("item() cannot be called on meta", "Cannot copy out of meta",
+                               "data-independent", "data-dependent")):
+        return (f"{head}: the model reads a value out of a tensor (data-dependent control "
+                f"flow: .item(), `if tensor:`, a shape made of values), which a meta-device "
+                f"forward cannot give ({said})")
+    if any(w in text for w in ("shape", "size", "dim", "must match", "expected")):
+        return (f"{head}: the model did not run on the example input; is its shape what the "
+                f"model takes? ({said})")
+    return f"{head}: the model did not run on the meta device ({said})"
 
 
 def check_at_first_call(model: nn.Module, plan: dict) -> None:
@@ -322,13 +352,13 @@ def check_at_first_call(model: nn.Module, plan: dict) -> None:
         # what the ranks pass in may be their own shards (a sequence-parallel block fed
         # local Shard(1) pieces): the inputs' layout is unknown, only what planned modules
         # hand on is followed
-        _trace(meta, plan, args, kwargs, whole_inputs=False)
+        _trace(meta, plan, args, kwargs, whole_inputs=False)  # not run on meta: not checked
 
     handle = model.register_forward_pre_hook(first_call, prepend=True, with_kwargs=True)
 
 
 def _trace(meta: nn.Module, plan: dict, args: tuple, kwargs: dict,
-           whole_inputs: bool = True) -> list[Edge] | None:
+           whole_inputs: bool = True) -> list[Edge] | Exception:
     """One forward of the meta copy with the tracer, in a thread of its own: torch's mode
     stacks (dispatch and function modes: LocalTensorMode, CommDebugMode, tplab.trace) and
     grad mode are per thread, so nothing the caller has switched on sees this forward."""
@@ -349,7 +379,8 @@ def _trace(meta: nn.Module, plan: dict, args: tuple, kwargs: dict,
     return result["edges"]
 
 
-def _trace_here(meta, plan, args, kwargs, whole_inputs: bool) -> list[Edge] | None:
+def _trace_here(meta, plan, args, kwargs, whole_inputs: bool) -> list[Edge] | Exception:
+    """The hand-overs checked, or the exception that stopped the meta forward."""
     planned = styles_by_module(meta, plan)
     edges: list[Edge] = []
     tracer = Tracer({})
@@ -362,6 +393,6 @@ def _trace_here(meta, plan, args, kwargs, whole_inputs: bool) -> list[Edge] | No
                 meta(*args, **kwargs)
         except PlanError:
             raise
-        except Exception:  # noqa: BLE001 - a model that does not run on meta: not checked
-            return None
+        except Exception as exc:  # noqa: BLE001 - a model that does not run on meta: not checked
+            return exc
     return edges
