@@ -135,6 +135,17 @@ def _required(fn) -> int | None:
                for p in params)
 
 
+def _takes(fn, n: int) -> bool:
+    """Whether `fn` can be called with n positional arguments (True: unreadable)."""
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:
+        pass
+    return True
+
+
 def _a(obj) -> str:
     kind = type(obj).__name__
     return f"{'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
@@ -236,9 +247,17 @@ def validate(args: argparse.Namespace) -> Targets:
         _callable(make_input, "make_batch", args.make_input,
                   "the step i (or of nothing) that returns the batch")
         make_input = batches(make_input)
+    if args.step and args.loss:
+        raise BadArgument(f"--loss {args.loss} with --step {args.step}: the step computes its "
+                          "own loss (forward, loss, backward, optimizer.step()), so --loss "
+                          "would be ignored; give one of them")
     step = resolve(args.step, "--step") if args.step else None
     if step is not None:
         _callable(step, "--step", args.step, "(model, optimizer, batch) that returns the loss")
+        if not _takes(step, 3):
+            raise BadArgument(f"--step: {args.step} takes {_required(step)} arguments; a step "
+                              "is a function of (model, optimizer, batch) that returns the "
+                              "loss")
     loss = resolve(args.loss, "--loss") if args.loss else None
     if loss is not None:
         _callable(loss, "--loss", args.loss, "(output[, input]) that returns a scalar")
@@ -290,7 +309,7 @@ def run(t: Targets) -> int:
     try:
         if t.train is not None:
             report = _user("train_check", functools.partial(
-                tplab.train_check, step=t.step, loss_fn=None if t.step else t.loss, live=False),
+                tplab.train_check, step=t.step, loss_fn=t.loss, live=False),
                 lab, t.build, t.plan, t.make_input, t.train)
         else:
             report = _user("grad_check", tplab.grad_check, lab, t.build, t.plan, t.make_input,
