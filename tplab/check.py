@@ -55,7 +55,7 @@ import torch
 from tplab import placements
 from tplab.errors import LabError
 from tplab.pairing import gather, gather_indexed, pair
-from tplab.plans import check_plan, parallelizer
+from tplab.plans import parallelizer
 from tplab.pytrees import call_model, leaves, map_tensors
 from tplab.rank.grad_step import call_loss, parallel_step, with_grad
 from tplab.report import GradCheckReport, compare, unpaired, unreadable
@@ -162,9 +162,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
                        "{parallel name: (reference name, shard dim or None)}")
     model = build_model()
     x = make_input()
-    parallelizer(plan)  # a PlanError here, before anything is sent to the ranks
-    if isinstance(plan, dict):
-        check_plan(model, plan, tp, x)
+    parallelizer(plan, model, tp, x)  # a PlanError here, before anything reaches the ranks
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)
     results = lab.run(parallel_step, build_model, state, plan, x, loss_fn, dp, average_dp)

@@ -48,7 +48,7 @@ from tplab.errors import LabError, PlanError, RankError
 from tplab.lab.engines.local import LocalKind
 from tplab.lab.validate import MAX_LOCAL_RANKS, check_launch_args
 from tplab.output import format_rank_list
-from tplab.plans import check_plan
+from tplab.plans import parallelizer
 from tplab.pytrees import call_model
 from tplab.rank.grad_step import call_loss
 
@@ -296,8 +296,7 @@ def preflight(t: Targets) -> None:
     model = _user("build()", t.build)
     x = (_user("make_input()", t.make_input) if t.train is None
          else _user("make_batch(0)", t.make_input, 0))
-    if isinstance(t.plan, dict):
-        check_plan(model, t.plan, t.world_size, x)  # a PlanError: exit 1, its one line
+    parallelizer(t.plan, model, t.world_size, x)  # a PlanError: exit 1, its one line
     out = _user("the model's forward on one device", call_model, model, x)
     if t.loss is not None and t.step is None:
         _user("--loss", call_loss, t.loss, out, x)

@@ -44,7 +44,7 @@ from tplab import placements, rng
 from tplab.check import mesh_shape
 from tplab.errors import LabError
 from tplab.pairing import gather
-from tplab.plans import check_plan, parallelizer
+from tplab.plans import parallelizer
 from tplab.rank.train_step import (
     batch_sum,
     default_optimizer,
@@ -125,10 +125,8 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
     dp, tp = mesh_shape(lab.world_size, dp, tp)
     if param_map is not None and not isinstance(param_map, dict):
         raise TypeError("train_check: param_map is a dict {parallel name: reference name}")
-    parallelizer(plan)  # a PlanError here, before anything is sent to the ranks
     model = build_model()
-    if isinstance(plan, dict):
-        check_plan(model, plan, tp)
+    parallelizer(plan, model, tp)  # a PlanError here, before anything reaches the ranks
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     aliases = {n: ref for n, p in model.named_parameters(remove_duplicate=False)
