@@ -9,7 +9,10 @@ and broadcasting, batched matmuls and scaled-dot-product attention (their batch 
 dims), repeat_interleave (GQA). An op whose effect on the sharded dim is not one of these
 drops the tag: what follows is not judged. A local shard combined with a whole tensor of
 full size along the shard (a residual add after a column-parallel layer left sharded)
-raises a PlanError at once: on the ranks their shapes differ.
+raises a PlanError at once: on the ranks their shapes differ. So does an op that reduces
+over (or scans along) the sharded dim (`reduced_dims`: F.layer_norm, softmax, norm,
+mean/sum/var/std/amax/max, logsumexp, cumsum, cross_entropy, ...): each rank would reduce
+its own shard, wrong values without an error; over another dim the shard follows.
 """
 
 from __future__ import annotations

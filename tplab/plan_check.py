@@ -42,7 +42,8 @@ Mistakes found: a local shard read as another layout (Colwise into Colwise: Shar
 as Replicate(); a whole tensor into a Rowwise: Replicate() read as Shard(-1); a sequence
 shard into a Colwise); a local shard of the dim a module needs whole (an unplanned
 nn.Linear on its last dim, a norm over its normalized dims); a local shard combined with
-a whole tensor in an op (a residual add after a Colwise left sharded).
+a whole tensor in an op (a residual add after a Colwise left sharded); an op that reduces
+over the sharded dim (F.layer_norm, softmax, h.norm(dim=-1), mean over it).
 """
 
 from __future__ import annotations
