@@ -34,6 +34,7 @@ _LAZY = {
     "plans": None,
     "hf": None,
     "parallel_styles": None,
+    "plan_check": None,
     "cost": None,
     "viz": None,
     "widgets": None,

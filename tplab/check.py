@@ -55,7 +55,7 @@ import torch
 from tplab import placements, rng
 from tplab.errors import LabError
 from tplab.pairing import gather, gather_indexed, pair
-from tplab.plans import check_plan
+from tplab.plans import parallelizer
 from tplab.pytrees import call_model, leaves, map_tensors
 from tplab.rank.grad_step import call_loss, parallel_step, with_grad
 from tplab.report import GradCheckReport, compare, unpaired, unreadable
@@ -182,8 +182,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | N
                        "{parallel name: (reference name, shard dim or None)}")
     model = build_model()
     x = make_input()
-    if isinstance(plan, dict):  # a PlanError here, before anything is sent to the ranks
-        check_plan(model, plan, tp, x)
+    parallelizer(plan, model, tp, x)  # a PlanError here, before anything reaches the ranks
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rng.reference_tracker(model, tp)  # tplab.rng's "tp" masks drawn as the tp ranks draw them
     out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)

@@ -48,7 +48,7 @@ from tplab.errors import LabError, PlanError, RankError
 from tplab.lab.engines.local import LocalKind
 from tplab.lab.validate import MAX_LOCAL_RANKS, check_launch_args
 from tplab.output import format_rank_list
-from tplab.plans import check_plan
+from tplab.plans import parallelizer
 from tplab.pytrees import call_model
 from tplab.rank.grad_step import call_loss
 
@@ -133,6 +133,17 @@ def _required(fn) -> int | None:
         return None
     return sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                for p in params)
+
+
+def _takes(fn, n: int) -> bool:
+    """Whether `fn` can be called with n positional arguments (True: unreadable)."""
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:
+        pass
+    return True
 
 
 def _a(obj) -> str:
@@ -236,9 +247,17 @@ def validate(args: argparse.Namespace) -> Targets:
         _callable(make_input, "make_batch", args.make_input,
                   "the step i (or of nothing) that returns the batch")
         make_input = batches(make_input)
+    if args.step and args.loss:
+        raise BadArgument(f"--loss {args.loss} with --step {args.step}: the step computes its "
+                          "own loss (forward, loss, backward, optimizer.step()), so --loss "
+                          "would be ignored; give one of them")
     step = resolve(args.step, "--step") if args.step else None
     if step is not None:
         _callable(step, "--step", args.step, "(model, optimizer, batch) that returns the loss")
+        if not _takes(step, 3):
+            raise BadArgument(f"--step: {args.step} takes {_required(step)} arguments; a step "
+                              "is a function of (model, optimizer, batch) that returns the "
+                              "loss")
     loss = resolve(args.loss, "--loss") if args.loss else None
     if loss is not None:
         _callable(loss, "--loss", args.loss, "(output[, input]) that returns a scalar")
@@ -277,8 +296,7 @@ def preflight(t: Targets) -> None:
     model = _user("build()", t.build)
     x = (_user("make_input()", t.make_input) if t.train is None
          else _user("make_batch(0)", t.make_input, 0))
-    if isinstance(t.plan, dict):
-        check_plan(model, t.plan, t.world_size, x)  # a PlanError: exit 1, its one line
+    parallelizer(t.plan, model, t.world_size, x)  # a PlanError: exit 1, its one line
     out = _user("the model's forward on one device", call_model, model, x)
     if t.loss is not None and t.step is None:
         _user("--loss", call_loss, t.loss, out, x)
@@ -290,7 +308,7 @@ def run(t: Targets) -> int:
     try:
         if t.train is not None:
             report = _user("train_check", functools.partial(
-                tplab.train_check, step=t.step, loss_fn=None if t.step else t.loss, live=False),
+                tplab.train_check, step=t.step, loss_fn=t.loss, live=False),
                 lab, t.build, t.plan, t.make_input, t.train)
         else:
             report = _user("grad_check", tplab.grad_check, lab, t.build, t.plan, t.make_input,

@@ -131,21 +131,24 @@ def time_bounded(lab, limit: float):
     """Bound how long an answer may compute during one check (grad_check included): rank
     processes get `cell_timeout=limit` on every call (the watchdog interrupts them, and
     the lab stays usable); a Simulation runs in this process, where the learner's own
-    Python code is stopped between bytecodes instead (tplab/lab/time_limit.py). Yields,
+    Python code is stopped between bytecodes instead (tplab/lab/time_limit.py), as is,
+    with rank processes, any of the answer that runs in this process. Yields,
     in a Simulation, the limit (its `.reached` says it stopped the answer); else None."""
     if isinstance(lab, Simulation):
         with stop_after(limit) as watch:
             yield watch
         return
-    if not hasattr(lab, "cell_timeout"):  # a lab that cannot bound a cell
-        yield None
-        return
-    before = lab.cell_timeout
-    lab.cell_timeout = limit  # the check's own bound, whatever the lab's cells have
-    try:
-        yield None
-    finally:
-        lab.cell_timeout = before
+    # whatever of the answer runs here (no checker runs it here on purpose) is bounded too
+    with stop_after(limit):
+        if not hasattr(lab, "cell_timeout"):  # a lab that cannot bound a cell
+            yield None
+            return
+        before = lab.cell_timeout
+        lab.cell_timeout = limit  # the check's own bound, whatever the lab's cells have
+        try:
+            yield None
+        finally:
+            lab.cell_timeout = before
 
 
 def too_long(name: str, limit: float, lab, err=None) -> Stop:

@@ -25,7 +25,7 @@ from tplab import placements
 from tplab.errors import LabError
 from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh
-from tplab.plans import apply_plan
+from tplab.plans import parallelizer
 from tplab.pytrees import call_model, leaves, map_tensors
 
 __all__ = ["call_loss", "loss_context", "parallel_step", "replica_slice", "with_grad"]
@@ -85,7 +85,7 @@ def parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     mesh = make_mesh(tp=world) if dp == 1 else make_mesh(dp=dp, tp=world // dp)
     model = build_model()
     model.load_state_dict(state)
-    model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
+    model = parallelizer(plan)(model, mesh)
     if dp > 1:
         x = map_tensors(lambda t: replica_slice(t, mesh), x)
     x = with_grad(x)

@@ -26,7 +26,7 @@ from tplab import placements
 from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh, split, tp_group
 from tplab.pairing import pair
-from tplab.plans import apply_plan
+from tplab.plans import parallelizer
 from tplab.pytrees import call_model, leaves, map_tensors
 from tplab.rank.grad_step import call_loss, loss_context, replica_slice
 from tplab.rng import rank_free_randomness
@@ -188,7 +188,7 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     model = build_model()
     model.load_state_dict(state)
     per_rank_parameters(model)
-    model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
+    model = parallelizer(plan)(model, mesh)
     if dp > 1:
         average_over_dp(model, mesh)
     optimizer, scheduler = make_training(make_optimizer, model.parameters())

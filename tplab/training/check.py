@@ -56,7 +56,7 @@ from tplab.check import mesh_shape
 from tplab.errors import LabError
 from tplab.lab.contract import Ranks
 from tplab.pairing import gather
-from tplab.plans import check_plan
+from tplab.plans import parallelizer
 from tplab.pytrees import map_tensors
 from tplab.rank.train_step import (
     batch_of,
@@ -196,8 +196,7 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
     model = build_model()
     _bound_memory(model, steps)
     _refuse_torch_dropout(lab, model)
-    if isinstance(plan, dict):
-        check_plan(model, plan, tp)
+    parallelizer(plan, model, tp)  # a PlanError here, before anything reaches the ranks
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     aliases = {n: ref for n, p in model.named_parameters(remove_duplicate=False)
