@@ -135,7 +135,7 @@ SIDES = {
                      "tplab.handovers", "tplab.layout_contracts", "tplab.layout_flow",
                      "tplab.parallel_styles",
                      "tplab.hf", "tplab.tracing", "tplab.causes", "tplab.explain",
-                     "tplab.layouts", "tplab.pairing", "tplab.report", "tplab.memory_use",
+                     "tplab.layouts", "tplab.fsdp", "tplab.pairing", "tplab.report", "tplab.memory_use",
                      "tplab.lessons", "tplab.platforms", "tplab.training",
                      "tplab.training.clip", "tplab.training.noise", "tplab.training.band",
                      "tplab.training.lm", "tplab.training.steps", "tplab.exercises",

@@ -22,6 +22,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tplab import placements
+from tplab.fsdp import managed, refuse_in_simulation
 from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh, split, tp_group
 from tplab.pairing import pair
@@ -78,8 +79,10 @@ def batch_sum(batch) -> torch.Tensor:
 
 def average_over_dp(model, mesh) -> None:
     """DDP's gradient all-reduce, as hooks: each gradient averaged over the dp replicas as
-    soon as backward has accumulated it (before the user's clipping and optimizer step)."""
+    soon as backward has accumulated it (before the user's clipping and optimizer step).
+    Not the parameters FSDP2 manages: FSDP2 reduce-scatters and averages those itself."""
     group, dp = mesh.get_group("dp"), mesh["dp"].size()
+    fsdp = managed(model)
 
     def hook(p):
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
@@ -87,14 +90,20 @@ def average_over_dp(model, mesh) -> None:
         g.div_(dp)
 
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in fsdp:
             p.register_post_accumulate_grad_hook(hook)
 
 
-def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
-    """This rank's piece of the reference tensor `ref`, laid out as the ranks' parameter."""
-    if isinstance(param, DTensor):
+def expected_local(ref: torch.Tensor, info: dict, param, mesh, piece: bool = False
+                   ) -> torch.Tensor:
+    """This rank's piece of the reference tensor `ref`, laid out as the ranks' parameter
+    (FSDP2's dp shard of a hand-written TP piece: the TP piece, then FSDP's shard of it)."""
+    if isinstance(param, DTensor) and not piece:
         return distribute_tensor(ref, param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()
+    if isinstance(param, DTensor):
+        piece = expected_local(ref, info, None, mesh)
+        return distribute_tensor(piece.contiguous(), param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
     dim = placements.shard_dim(info["placement"])
     if dim is None:
@@ -128,6 +137,7 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     model.load_state_dict(state)
     per_rank_parameters(model)
     model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
+    refuse_in_simulation(model)
     if dp > 1:
         average_over_dp(model, mesh)
     optimizer = (make_optimizer or default_optimizer)(model.parameters())
@@ -136,18 +146,19 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     pairs, lone_ranks, lone_ref, problems = pair(ref_info["shapes"], described, tp, param_map,
                                                  ref_info["aliases"])
     params = dict(model.named_parameters())
-    kept = [p for p in pairs if p["placement"] != placements.MESH]
-    if len(kept) < len(pairs):
-        raise TypeError("train_check compares parameters laid out on the tp dim; FSDP2 "
-                        "(fully_shard) parameters on the whole mesh are not supported")
-    copies = [p["ranks"] for p in kept if dp > 1 or not (p["placement"] or "").startswith(
-        ("Shard", "Partial"))]
+    kept = pairs
+    # FSDP2's shards differ across dp by design: each rank's piece is compared with the
+    # reference's piece instead (every element is held by some rank)
+    copies = [p["ranks"] for p in kept if (dp > 1 or not (p["placement"] or "").startswith(
+        ("Shard", "Partial"))) and not described[p["ranks"]].get("fsdp")
+        and p["placement"] != placements.MESH]
 
     def measure():
         diffs = {}
         for p in kept:
             local = layout_value(params[p["ranks"]])
-            want = expected_local(reference[p["ref"]][len(losses)], p, params[p["ranks"]], mesh)
+            want = expected_local(reference[p["ref"]][len(losses)], p, params[p["ranks"]], mesh,
+                                  "dp_placement" in described[p["ranks"]])
             diffs[p["ranks"]] = (local.float() - want.float()).abs().max() if local.numel() \
                 else torch.zeros(())
         for name in copies:

@@ -43,6 +43,7 @@ import torch
 from tplab import placements, rng
 from tplab.check import mesh_shape
 from tplab.errors import LabError
+from tplab.fsdp import tp_placement
 from tplab.pairing import gather
 from tplab.plans import check_plan
 from tplab.rank.train_step import (
@@ -202,7 +203,8 @@ def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_gr
     first = results[0]
     pairs = first["pairs"]
     names = [p["ranks"] for p in pairs]
-    sharded = {p["ranks"]: placements.is_shard(p["placement"]) for p in pairs}
+    sharded = {p["ranks"]: placements.is_shard(tp_placement(p["placement"], first["layout"].get(
+        p["ranks"]))) for p in pairs}
     diffs = torch.stack([res["diffs"] for res in results])  # rank, step, parameter
     steps = len(ref_losses)
     losses = torch.stack([res["losses"] for res in results])  # rank, step
