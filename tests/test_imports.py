@@ -150,7 +150,7 @@ SIDES = {
     **dict.fromkeys(["tplab.__main__", "tplab.check", "tplab.cli_check", "tplab.doctor",
                      "tplab.smoke", "tplab.hf_models", "tplab.testing", "tplab.widgets",
                      "tplab.training.check", "tplab.training.report", "tplab.training.live",
-                     "tplab.exercises.catalog", "tplab.exercises.checks",
+                     "tplab.exercises.catalog", "tplab.exercises.checks", "tplab.fsdp_report",
                      "tplab.exercises.feedback", "tplab.exercises.qk_norm",
                      "tplab.exercises.training_check",
                      "tplab.cost.explorer", "tplab.cost.figures"], NOTEBOOK),

@@ -40,6 +40,7 @@ _LAZY = {
     "exercises": None,
     "platforms": None,
     "training": None,
+    "fsdp": None,
 }
 
 __all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",

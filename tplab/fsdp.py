@@ -39,8 +39,8 @@ from tplab.errors import PlanError
 from tplab.placements import MESH
 from tplab.plans import apply_plan
 
-__all__ = ["SIMULATE_REASON", "accumulate_step", "apply_fsdp_tp", "fsdp_tp", "managed", "over_piece",
-           "refuse_in_simulation", "tp_placement", "tp_view"]
+__all__ = ["SIMULATE_REASON", "accumulate_step", "apply_fsdp_tp", "fsdp_tp", "managed",
+           "over_piece", "refuse_in_simulation", "tp_placement", "tp_view"]
 
 SIMULATE_REASON = (
     "FSDP2 (fully_shard) does not run under tplab.simulate: after each forward FSDP2 frees "
@@ -51,11 +51,13 @@ SIMULATE_REASON = (
 
 
 def apply_fsdp_tp(model, mesh, tp_plan=None, per_module=(), on: str = "dp",
-                  reshard_after_forward: bool = True, batch: str = "dp"):
+                  reshard_after_forward: bool = True, batch: str = "dp", reduce: str = "mean"):
     """TP (`tp_plan`) on mesh["tp"], then fully_shard per submodule and on the root over
     mesh[on]. See the module docstring."""
     if batch not in ("dp", "global"):
         raise PlanError(f"fsdp_tp: batch is 'dp' or 'global' (the bug), not {batch!r}")
+    if reduce not in ("mean", "sum"):
+        raise PlanError(f"fsdp_tp: reduce is 'mean' or 'sum' (the bug), not {reduce!r}")
     names = getattr(mesh, "mesh_dim_names", None) or ()
     if "dp" not in names or "tp" not in names:
         raise PlanError(f"fsdp_tp needs a (dp, tp) mesh (grad_check/train_check with dp=); got "
@@ -71,6 +73,9 @@ def apply_fsdp_tp(model, mesh, tp_plan=None, per_module=(), on: str = "dp",
         if name and (type(m).__name__ in wanted or name in wanted):
             fully_shard(m, mesh=mesh[on], reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh[on], reshard_after_forward=reshard_after_forward)
+    if reduce == "sum":  # gloo has no PREMUL_SUM: a plain SUM, and no divide
+        model.set_gradient_divide_factor(1.0)
+        model.set_force_sum_reduction_for_comms(True)
     if batch == "global":
         model.register_forward_pre_hook(functools.partial(_global_rank_rows, mesh=mesh),
                                         prepend=True)
@@ -96,16 +101,17 @@ def _global_rank_rows(module, args, mesh):
 
 
 def fsdp_tp(tp_plan=None, per_module=(), on: str = "dp", reshard_after_forward: bool = True,
-            batch: str = "dp"):
+            batch: str = "dp", reduce: str = "mean"):
     """A `(model, mesh) -> model` plan: TP, then FSDP2 over dp (see the module docstring).
     Bugs to plant: `on="tp"` (FSDP2 shards over the TP dim), `batch="global"` (each rank
-    takes the rows of its global rank, not of its dp rank)."""
+    takes the rows of its global rank, not of its dp rank), `reduce="sum"` (FSDP2 sums the
+    replicas' gradients instead of averaging them)."""
     if tp_plan is not None and not isinstance(tp_plan, dict) and not callable(tp_plan):
         raise PlanError(f"fsdp_tp: tp_plan is a dict for tplab.apply_plan or a (model, mesh) "
                         f"-> model function, not {type(tp_plan).__name__}")
     return functools.partial(apply_fsdp_tp, tp_plan=tp_plan, per_module=tuple(per_module),
                              on=on, reshard_after_forward=reshard_after_forward,
-                             batch=batch)
+                             batch=batch, reduce=reduce)
 
 
 def managed(model: torch.nn.Module) -> set[int]:

@@ -55,7 +55,8 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
                     "value": tp_view(value), "placement": _named(placement, p.ndim),
                     "shape": tuple(p.shape), "global_shape": None,
                     "requires_grad": p.requires_grad, "index": None, "unreadable": None,
-                    "fsdp": True, "dp_placement": placements.name(p.placements[0])}
+                    "fsdp": True, "dp_placement": placements.name(p.placements[0]),
+                    "mesh_placements": _mesh_placements(p)}
                 continue
             if isinstance(p, DTensor):
                 global_shape = tuple(p.shape)
@@ -88,8 +89,8 @@ def _named(placement, ndim: int):
 
 
 def _mesh_placements(p) -> dict[str, str] | None:
-    """{mesh dim name: placement} of a DTensor on a mesh of more than one dim, else None."""
-    if not isinstance(p, DTensor) or p.device_mesh.ndim < 2:
+    """{mesh dim name: placement} of a DTensor, else None."""
+    if not isinstance(p, DTensor):
         return None
     names = p.device_mesh.mesh_dim_names or tuple(map(str, range(p.device_mesh.ndim)))
     return {n: placements.name(q) for n, q in zip(names, p.placements, strict=True)}

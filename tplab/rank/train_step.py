@@ -22,7 +22,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tplab import placements
-from tplab.fsdp import managed, refuse_in_simulation
+from tplab.fsdp import managed, refuse_in_simulation, tp_view
 from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh, split, tp_group
 from tplab.pairing import pair
@@ -94,16 +94,11 @@ def average_over_dp(model, mesh) -> None:
             p.register_post_accumulate_grad_hook(hook)
 
 
-def expected_local(ref: torch.Tensor, info: dict, param, mesh, piece: bool = False
-                   ) -> torch.Tensor:
+def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
     """This rank's piece of the reference tensor `ref`, laid out as the ranks' parameter
-    (FSDP2's dp shard of a hand-written TP piece: the TP piece, then FSDP's shard of it)."""
-    if isinstance(param, DTensor) and not piece:
-        return distribute_tensor(ref, param.device_mesh, param.placements,
-                                 src_data_rank=None).to_local()
+    (`param=None`: its TP piece, for FSDP2's shards of a hand-written TP piece)."""
     if isinstance(param, DTensor):
-        piece = expected_local(ref, info, None, mesh)
-        return distribute_tensor(piece.contiguous(), param.device_mesh, param.placements,
+        return distribute_tensor(ref, param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
     dim = placements.shard_dim(info["placement"])
     if dim is None:
@@ -156,9 +151,13 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     def measure():
         diffs = {}
         for p in kept:
-            local = layout_value(params[p["ranks"]])
-            want = expected_local(reference[p["ref"]][len(losses)], p, params[p["ranks"]], mesh,
-                                  "dp_placement" in described[p["ranks"]])
+            param = params[p["ranks"]]
+            if "dp_placement" in described[p["ranks"]]:  # FSDP2 over a hand-written piece:
+                param = None  # the TP piece FSDP2 all-gathers for the forward
+                local = tp_view(params[p["ranks"]].detach())
+            else:
+                local = layout_value(param)
+            want = expected_local(reference[p["ref"]][len(losses)], p, param, mesh)
             diffs[p["ranks"]] = (local.float() - want.float()).abs().max() if local.numel() \
                 else torch.zeros(())
         for name in copies:
