@@ -41,6 +41,7 @@ _LAZY = {
     "platforms": None,
     "training": None,
     "fsdp": None,
+    "checkpointing": None,
 }
 
 __all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",

@@ -7,9 +7,9 @@
 - `fsdp_tp(tp_plan, per_module=(), on="dp", reshard_after_forward=True)` returns a plan
   (picklable: it travels to the ranks) that applies `tp_plan` (a dict for `tplab.apply_plan`
   on `mesh["tp"]`, or a hand-written `(model, mesh) -> model` such as
-  `tplab.megatron.parallelize`), then `fully_shard` on each submodule whose class name or
-  module name is in `per_module` (torchtitan shards every transformer block), then on the
-  root, all on `mesh[on]`. `on="tp"` is the bug of sharding over the TP dim.
+  `tplab.megatron.parallelize`), then `fully_shard` on each submodule whose class name (a
+  subclass's too) or module name is in `per_module` (torchtitan shards every transformer
+  block), then on the root, all on `mesh[on]`. `on="tp"` is the bug of sharding over the TP dim.
 - `managed(model)`: the parameters FSDP2 manages (public API: every parameter under an
   `FSDPModule`). Their gradients are FSDP's (reduce-scattered and averaged over dp), so
   tplab averages them no second time.
@@ -70,7 +70,7 @@ def apply_fsdp_tp(model, mesh, tp_plan=None, per_module=(), on: str = "dp",
         model = tp_plan(model, mesh)
     wanted = set(per_module)
     for name, m in list(model.named_modules()):
-        if name and (type(m).__name__ in wanted or name in wanted):
+        if name and ({c.__name__ for c in type(m).__mro__} & wanted or name in wanted):
             fully_shard(m, mesh=mesh[on], reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh[on], reshard_after_forward=reshard_after_forward)
     if reduce == "sum":  # gloo has no PREMUL_SUM: a plain SUM, and no divide
