@@ -248,3 +248,37 @@ def test_fsdp2_under_simulate_is_refused_with_torchs_reason():
     with pytest.raises(tplab.PlanError, match=r"resize_\(\) on an invalid python storage"):
         tplab.grad_check(sim, TINY, CORRECT["DTensor TP + FSDP2 per block"], TOKENS,
                          models.lm_loss, dp=2)
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "tplab", "check", *args],
+                          cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                          text=True, timeout=240)
+
+
+@pytest.mark.slow
+def test_the_cli_checks_an_fsdp2_tp_plan_with_dp():
+    ok = _cli("fsdp_targets:build", "fsdp_targets:fsdp_tp", "fsdp_targets:make_input",
+              "--world-size", "4", "--dp", "2", "--loss", "fsdp_targets:loss")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "(dp=2 x tp=2)" in ok.stdout and ": ok," in ok.stdout
+    bad = _cli("fsdp_targets:build", "fsdp_targets:fsdp_on_tp", "fsdp_targets:make_input",
+               "--world-size", "4", "--dp", "2")
+    assert bad.returncode == 1 and "overlapping meshes" in bad.stderr, bad.stdout + bad.stderr
+
+
+def test_the_cli_refuses_a_dp_that_does_not_divide_the_world_size():
+    bad = _cli("fsdp_targets:build", "fsdp_targets:fsdp_tp", "fsdp_targets:make_input",
+               "--world-size", "4", "--dp", "3", "--simulated")
+    assert bad.returncode == 2 and "--dp 3 must be a positive int that divides --world-size 4" \
+        in bad.stderr, bad.stderr
+    sim = _cli("fsdp_targets:build", "fsdp_targets:fsdp_tp", "fsdp_targets:make_input",
+               "--world-size", "4", "--dp", "2", "--simulated")
+    assert sim.returncode == 1 and "resize_()" in sim.stderr, sim.stdout + sim.stderr

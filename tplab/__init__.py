@@ -42,6 +42,7 @@ _LAZY = {
     "training": None,
     "fsdp": None,
     "checkpointing": None,
+    "compiling": None,
 }
 
 __all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",
