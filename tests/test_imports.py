@@ -155,7 +155,7 @@ SIDES = {
                      "tplab.training.check", "tplab.training.report", "tplab.training.live",
                      "tplab.exercises.catalog", "tplab.exercises.checks", "tplab.fsdp_report",
                      "tplab.exercises.feedback", "tplab.exercises.qk_norm",
-                     "tplab.exercises.training_check",
+                     "tplab.exercises.training_check", "tplab.exercises.fsdp_placements",
                      "tplab.cost.explorer", "tplab.cost.figures"], NOTEBOOK),
 }
 

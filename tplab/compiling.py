@@ -23,10 +23,11 @@ from __future__ import annotations
 import torch
 
 from tplab.errors import PlanError
+from tplab.mesh import make_mesh
 from tplab.plans import apply_plan
 from tplab.tracing import trace
 
-__all__ = ["collectives", "compiled", "why_not_inductor"]
+__all__ = ["collectives", "compiled", "eager_and_compiled", "why_not_inductor"]
 
 
 def why_not_inductor() -> str | None:
@@ -64,3 +65,20 @@ def collectives(fn, *args) -> dict[str, dict[str, int]]:
     with trace() as t:
         fn(*args)
     return t.counts()
+
+
+def eager_and_compiled(build_model, plan, x) -> tuple[dict, dict]:
+    """Rank side, for a lesson: `collectives` of one forward and backward of the planned
+    model on `x` (with its gradient), eager and then compiled (after a call that compiles)."""
+    def step(model, inp):
+        model(inp).pow(2).sum().backward()
+
+    out = []
+    for make in (lambda m, mesh: apply_plan(m, mesh, plan) if isinstance(plan, dict)
+                 else plan(m, mesh),
+                 lambda m, mesh: compiled(m, mesh, plan)):
+        model = make(build_model(), make_mesh(tp=torch.distributed.get_world_size()))
+        inp = x.clone().requires_grad_()
+        step(model, inp)
+        out.append(collectives(step, model, inp))
+    return out[0], out[1]

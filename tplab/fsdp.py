@@ -36,11 +36,13 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tplab.errors import PlanError
+from tplab.mesh import make_mesh
 from tplab.placements import MESH
 from tplab.plans import apply_plan
 
 __all__ = ["SIMULATE_REASON", "accumulate_step", "apply_fsdp_tp", "fsdp_tp", "managed",
-           "over_piece", "refuse_in_simulation", "tp_placement", "tp_view"]
+           "over_piece", "placements_after", "refuse_in_simulation", "tp_placement",
+           "traced_step", "tp_view"]
 
 SIMULATE_REASON = (
     "FSDP2 (fully_shard) does not run under tplab.simulate: after each forward FSDP2 frees "
@@ -177,3 +179,35 @@ def refuse_in_simulation(model) -> None:
     of `model` (its first forward would fail on `resize_()`)."""
     if enabled_local_tensor_mode() is not None and managed(model):
         raise PlanError(SIMULATE_REASON)
+
+
+def placements_after(build_model, plan, dp: int) -> dict[str, dict[str, str]]:
+    """Rank side, for a lesson: {parameter: {mesh dim: placement}} of `build_model()` after
+    `plan` on a (dp, tp) mesh of the whole world."""
+    from tplab.layouts import tp_layout  # deferred: tplab.layouts imports this module
+
+    mesh = make_mesh(dp=dp, tp=dist.get_world_size() // dp)
+    model = plan(build_model(), mesh)
+    return {n: i["mesh_placements"] for n, i in tp_layout(model, of="param").items()}
+
+
+def traced_step(build_model, plan, dp: int, x, loss_fn=None) -> list[dict]:
+    """Rank side, for a lesson: tplab.trace's records of one forward and backward of the
+    planned model on this replica's slice of `x` (FSDP2's all-gathers and reduce-scatters
+    on "dp" among TP's collectives on "tp"), after one untraced step (FSDP2's lazy init)."""
+    from tplab.rank.grad_step import call_loss, loss_context  # deferred: it imports us
+    from tplab.tracing import trace
+
+    mesh = make_mesh(dp=dp, tp=dist.get_world_size() // dp)
+    model = plan(build_model(), mesh)
+    mine = x.chunk(dp)[mesh.get_local_rank("dp")]
+
+    def step():
+        out = model(mine)
+        with loss_context(out):
+            call_loss(loss_fn, out, mine).backward()
+
+    step()
+    with trace() as t:
+        step()
+    return [{k: r[k] for k in ("seq", "phase", "module", "op", "group")} for r in t.records]

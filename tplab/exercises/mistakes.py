@@ -254,4 +254,8 @@ MISTAKES = {
                      ("the gradient averaged", qk_norm_step.average_it, "an average")],
     "clip_grad": [("torch's clip_grad_norm_", clipping.clip_per_rank, "its own norm"),
                   ("replicas counted per rank", clipping.clip_counts_replicas, "counted once")],
+    "fsdp_placements": [("FSDP2's shard taken as plain Shard(0)", {
+        "attention.wq.weight": {"dp": "Shard(0)", "tp": "Shard(0)"},
+        "attention.wo.weight": {"dp": "Shard(0)", "tp": "Shard(1)"},
+        "attention_norm.weight": {"dp": "Shard(0)"}}, "strided shard")],
 }
