@@ -39,6 +39,8 @@ from tplab.errors import PlanError
 from tplab.mesh import make_mesh
 from tplab.placements import MESH
 from tplab.plans import apply_plan
+from tplab.pytrees import call_model, map_tensors
+from tplab.tracing import trace
 
 __all__ = ["SIMULATE_REASON", "accumulate_step", "apply_fsdp_tp", "fsdp_tp", "managed",
            "over_piece", "placements_after", "refuse_in_simulation", "tp_placement",
@@ -147,9 +149,9 @@ def accumulate_step(model, optimizer, batch, micro: int = 2, loss_fn=None,
     after every backward (`sync_each=True`), or, torchtitan's way, keeps unsharded gradients
     under `set_requires_gradient_sync(False)` until the last one. On one device (no FSDP) the
     same arithmetic: the loss of each micro-batch divided by `micro`."""
-    # deferred: tplab.rank.grad_step imports this module (a cycle at the top)
-    from tplab.pytrees import call_model, map_tensors
+    # deferred: tplab.rank.grad_step imports this module
     from tplab.rank.grad_step import call_loss, loss_context
+
     parts = [map_tensors(lambda t, i=i: t.chunk(micro)[i], batch) for i in range(micro)]
     fsdp = isinstance(model, FSDPModule)
     total = 0.0
@@ -195,8 +197,9 @@ def traced_step(build_model, plan, dp: int, x, loss_fn=None) -> list[dict]:
     """Rank side, for a lesson: tplab.trace's records of one forward and backward of the
     planned model on this replica's slice of `x` (FSDP2's all-gathers and reduce-scatters
     on "dp" among TP's collectives on "tp"), after one untraced step (FSDP2's lazy init)."""
-    from tplab.rank.grad_step import call_loss, loss_context  # deferred: it imports us
-    from tplab.tracing import trace
+    # deferred: tplab.rank.grad_step imports this module
+    from tplab.rank.grad_step import call_loss, loss_context
+
 
     mesh = make_mesh(dp=dp, tp=dist.get_world_size() // dp)
     model = plan(build_model(), mesh)
