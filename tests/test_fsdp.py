@@ -32,6 +32,8 @@ CORRECT = {
     "DTensor TP + FSDP2 per block": fsdp.fsdp_tp(plans.lm(), per_module=("Block",)),
     "hand-written TP + FSDP2 per block": fsdp.fsdp_tp(MEG, per_module=("Block",)),
     "DTensor TP + FSDP2 on the root only": fsdp.fsdp_tp(plans.lm()),
+    "DTensor TP, logits gathered (no loss_parallel)": fsdp.fsdp_tp(
+        plans.lm(loss_parallel=False), per_module=("Block",)),
 }
 BUGS = {  # name: (plan, the mesh dim grad_check names)
     "batch sliced by the global rank": (
@@ -155,6 +157,22 @@ def test_the_parameters_end_with_strided_placements_on_both_mesh_dims(lab4):
     assert wo == {"dp": "Shard(0)", "tp": "Shard(1)"}
     norm, managed = got["norm.weight"]  # not in the TP plan: FSDP2's dp mesh alone
     assert norm == {"dp": "Shard(0)"} and managed
+
+
+@pytest.mark.slow
+def test_vocab_sharded_logits_take_their_loss_under_loss_parallel(lab4):
+    def logits(plan):
+        import contextlib
+
+        from tplab.mesh import make_mesh
+
+        mesh = make_mesh(dp=2, tp=2)
+        out = plan(TINY(), mesh)(TOKENS().chunk(2)[mesh.get_local_rank("dp")])
+        return (not isinstance(loss_context(out), contextlib.nullcontext),
+                [placements.name(p) for p in out.placements])
+
+    sharded = lab4.run(logits, CORRECT["DTensor TP + FSDP2 per block"])[0]
+    assert sharded == (True, ["Shard(2)"])  # the vocab dim, on mesh["tp"]: loss_parallel()
 
 
 # --- train_check ----------------------------------------------------------------------------

@@ -214,3 +214,24 @@ def traced_step(build_model, plan, dp: int, x, loss_fn=None) -> list[dict]:
     with trace() as t:
         step()
     return [{k: r[k] for k in ("seq", "phase", "module", "op", "group")} for r in t.records]
+
+
+def apply_hsdp(model, mesh, replicate: int = 2):
+    """HSDP (FSDP2 on a 2-D mesh: replicas of shards): the dp dim split into
+    (dp_replicate, dp_shard); parameters replicated over the first, sharded over the second.
+    torch needs a tp of 1 here (HSDP x TP would need a 3-D mesh: 8 ranks at least)."""
+    from torch.distributed.device_mesh import init_device_mesh  # deferred: HSDP only
+
+    dp = mesh["dp"].size()
+    if mesh["tp"].size() != 1 or dp % replicate:
+        raise PlanError(f"hsdp: a (dp, tp=1) mesh with dp divisible by {replicate} (HSDP x TP "
+                        f"needs a 3-D mesh), got dp={dp}, tp={mesh['tp'].size()}")
+    hsdp = init_device_mesh(mesh.device_type, (replicate, dp // replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    fully_shard(model, mesh=hsdp)
+    return model
+
+
+def hsdp(replicate: int = 2):
+    """A `(model, mesh) -> model` plan: `apply_hsdp` (see there)."""
+    return functools.partial(apply_hsdp, replicate=replicate)

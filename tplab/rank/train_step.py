@@ -152,12 +152,18 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
         diffs = {}
         for p in kept:
             param = params[p["ranks"]]
-            if "dp_placement" in described[p["ranks"]]:  # FSDP2 over a hand-written piece:
-                param = None  # the TP piece FSDP2 all-gathers for the forward
-                local = tp_view(params[p["ranks"]].detach())
-            else:
+            ref = reference[p["ref"]][len(losses)]
+            if "dp_placement" not in described[p["ranks"]]:
+                local, want = layout_value(param), expected_local(ref, p, param, mesh)
+            elif "tp" in (param.device_mesh.mesh_dim_names or ()):
+                # FSDP2 given the tp dim over hand-written pieces: the TP piece it gathers
+                # for the forward (a mixture of the tp ranks' pieces), all-gathered here
+                local, want = tp_view(param.detach()), expected_local(ref, p, None, mesh)
+            else:  # FSDP2's shard of this rank's TP piece: no communication
                 local = layout_value(param)
-            want = expected_local(reference[p["ref"]][len(losses)], p, param, mesh)
+                want = distribute_tensor(expected_local(ref, p, None, mesh).contiguous(),
+                                         param.device_mesh, param.placements,
+                                         src_data_rank=None).to_local()
             diffs[p["ranks"]] = (local.float() - want.float()).abs().max() if local.numel() \
                 else torch.zeros(())
         for name in copies:
