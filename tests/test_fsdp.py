@@ -300,3 +300,32 @@ def test_the_cli_refuses_a_dp_that_does_not_divide_the_world_size():
     sim = _cli("fsdp_targets:build", "fsdp_targets:fsdp_tp", "fsdp_targets:make_input",
                "--world-size", "4", "--dp", "2", "--simulated")
     assert sim.returncode == 1 and "resize_()" in sim.stderr, sim.stdout + sim.stderr
+
+
+# --- HSDP ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_hsdp_replicas_of_shards_pass_against_one_device(lab4):
+    """HSDP at world 4: dp=4 split into 2 replicas x 2 shards (tp=1; HSDP x TP needs 8)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, batch_size=4)
+    mlp = functools.partial(models.MLP, cfg)
+
+    def mean(out, x):
+        return out.pow(2).mean()
+
+    report = tplab.grad_check(lab4, mlp, fsdp.hsdp(), functools.partial(models.make_input, cfg),
+                              mean, dp=4)
+    assert report.ok, str(report)
+    run = tplab.train_check(lab4, mlp, fsdp.hsdp(), functools.partial(_seeded, cfg), steps=3,
+                            dp=4, loss_fn=mean, live=False)
+    assert run.ok, str(run)
+    with pytest.raises(tplab.PlanError, match="HSDP x TP needs a 3-D mesh"):
+        tplab.grad_check(lab4, mlp, fsdp.hsdp(), functools.partial(models.make_input, cfg),
+                         mean, dp=2)
+
+
+def _seeded(cfg, i):
+    return models.make_input(cfg, seed=i)

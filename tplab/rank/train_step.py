@@ -110,6 +110,21 @@ def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
     return split(ref, size, rank, dim)
 
 
+def local_and_expected(param, pair: dict, ref: torch.Tensor, mesh, piece: bool):
+    """(this rank's piece of `param`, the same piece of the reference `ref`). `piece`: FSDP2
+    sharded a hand-written TP piece (tplab.layouts' "dp_placement")."""
+    if not piece:
+        return layout_value(param), expected_local(ref, pair, param, mesh)
+    if "tp" in (param.device_mesh.mesh_dim_names or ()):
+        # FSDP2 given the tp dim over hand-written pieces: the TP piece it gathers for the
+        # forward (a mixture of the tp ranks' pieces), all-gathered here
+        return tp_view(param.detach()), expected_local(ref, pair, None, mesh)
+    # FSDP2's shard of this rank's TP piece: no communication
+    want = distribute_tensor(expected_local(ref, pair, None, mesh).contiguous(),
+                             param.device_mesh, param.placements, src_data_rank=None)
+    return layout_value(param), want.to_local()
+
+
 def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> None:
     """One line per step for the notebook's live figure (see tplab/training/live.py)."""
     record = {"rank": rank, "step": step, "loss": float(loss),
@@ -151,19 +166,9 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     def measure():
         diffs = {}
         for p in kept:
-            param = params[p["ranks"]]
-            ref = reference[p["ref"]][len(losses)]
-            if "dp_placement" not in described[p["ranks"]]:
-                local, want = layout_value(param), expected_local(ref, p, param, mesh)
-            elif "tp" in (param.device_mesh.mesh_dim_names or ()):
-                # FSDP2 given the tp dim over hand-written pieces: the TP piece it gathers
-                # for the forward (a mixture of the tp ranks' pieces), all-gathered here
-                local, want = tp_view(param.detach()), expected_local(ref, p, None, mesh)
-            else:  # FSDP2's shard of this rank's TP piece: no communication
-                local = layout_value(param)
-                want = distribute_tensor(expected_local(ref, p, None, mesh).contiguous(),
-                                         param.device_mesh, param.placements,
-                                         src_data_rank=None).to_local()
+            local, want = local_and_expected(params[p["ranks"]], p,
+                                             reference[p["ref"]][len(losses)], mesh,
+                                             "dp_placement" in described[p["ranks"]])
             diffs[p["ranks"]] = (local.float() - want.float()).abs().max() if local.numel() \
                 else torch.zeros(())
         for name in copies:
