@@ -41,6 +41,9 @@ _LAZY = {
     "exercises": None,
     "platforms": None,
     "training": None,
+    "fsdp": None,
+    "checkpointing": None,
+    "compiling": None,
 }
 
 __all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",

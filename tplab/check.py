@@ -54,6 +54,7 @@ import torch
 
 from tplab import placements, rng
 from tplab.errors import LabError
+from tplab.fsdp_report import name_mesh_dims, replica_grads
 from tplab.pairing import gather, gather_indexed, pair
 from tplab.plans import parallelizer
 from tplab.pytrees import call_model, leaves, map_tensors
@@ -200,18 +201,25 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | N
     for name, t in leaves(x_ref, "input"):
         if t.grad is not None:
             add(name, "input_grad", [r["input_grads"].get(name) for r in results], t.grad)
-    notes = _param_rows(model, results, tp, param_map, rows, atol, rtol)
+    wholes: dict = {}
+    notes = _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes)
+    if dp > 1 and any(r["kind"] == "param_grad" and not r["ok"] for r in rows):
+        # which mesh dim a wrong gradient comes from (tplab/fsdp_report.py)
+        name_mesh_dims(rows, wholes, replica_grads(build_model, state, x, loss_fn, dp), dp,
+                       atol, rtol)
     return GradCheckReport(rows, len(results), atol, rtol, loss_ref.item(),
                            {"dp": dp, "tp": tp}, notes, dtype=str(dtype).removeprefix("torch."))
 
 
-def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
-    """Pair the ranks' parameters with the reference's; a row per pair (see tplab.pairing)."""
+def _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes=None) -> list[str]:
+    """Pair the ranks' parameters with the reference's; a row per pair (see tplab.pairing).
+    `wholes` (a dict) gets each assembled gradient."""
     ref = dict(model.named_parameters())
     aliases = {n: ref_name for n, p in model.named_parameters(remove_duplicate=False)
                for ref_name, q in ref.items() if p is q and n != ref_name}
     buffers = [n for n, _ in model.named_buffers()]
     ranks = results[0]["params"]
+    assembled = wholes
     pairs, lone_ranks, lone_ref, problems = pair({n: tuple(p.shape) for n, p in ref.items()},
                                                  ranks, tp, param_map, aliases)
     notes = []
@@ -272,6 +280,8 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
             notes.append(f"{name}: no gradient on either side (not used by the loss)")
             continue
         full = None if any(w is None for w in wholes) else sum(wholes[1:], wholes[0])
+        if assembled is not None:
+            assembled[name] = full
         rows.append(compare(name, "param_grad", full, p.grad, atol, rtol, note, label))
         spread = max((s for s in spreads if s is not None), default=None)
         if spread is not None:

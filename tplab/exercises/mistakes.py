@@ -258,4 +258,8 @@ MISTAKES = {
                   ("every gradient halved", clipping.halve, "not with one device"),
                   ("max_norm ignored", clipping.ignore_max_norm, "not with one device"),
                   ("no norm returned", clipping.returns_none, "must return the total norm")],
+    "fsdp_placements": [("FSDP2's shard taken as plain Shard(0)", {
+        "attention.wq.weight": {"dp": "Shard(0)", "tp": "Shard(0)"},
+        "attention.wo.weight": {"dp": "Shard(0)", "tp": "Shard(1)"},
+        "attention_norm.weight": {"dp": "Shard(0)"}}, "strided shard")],
 }

@@ -23,6 +23,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tplab import placements
+from tplab.fsdp import managed, refuse_in_simulation, tp_view
 from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh, split, tp_group
 from tplab.pairing import pair
@@ -139,8 +140,10 @@ def batch_sum(batch) -> torch.Tensor:
 
 def average_over_dp(model, mesh) -> None:
     """DDP's gradient all-reduce, as hooks: each gradient averaged over the dp replicas as
-    soon as backward has accumulated it (before the user's clipping and optimizer step)."""
+    soon as backward has accumulated it (before the user's clipping and optimizer step).
+    Not the parameters FSDP2 manages: FSDP2 reduce-scatters and averages those itself."""
     group, dp = mesh.get_group("dp"), mesh["dp"].size()
+    fsdp = managed(model)
 
     def hook(p):
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
@@ -148,12 +151,13 @@ def average_over_dp(model, mesh) -> None:
         g.div_(dp)
 
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in fsdp:
             p.register_post_accumulate_grad_hook(hook)
 
 
 def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
-    """This rank's piece of the reference tensor `ref`, laid out as the ranks' parameter."""
+    """This rank's piece of the reference tensor `ref`, laid out as the ranks' parameter
+    (`param=None`: its TP piece, for FSDP2's shards of a hand-written TP piece)."""
     if isinstance(param, DTensor):
         return distribute_tensor(ref, param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
@@ -165,6 +169,21 @@ def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
         pad = [0, 0] * (ref.ndim - dim - 1) + [0, info["padded"] - ref.shape[dim]]
         ref = torch.nn.functional.pad(ref, pad)
     return split(ref, size, rank, dim)
+
+
+def local_and_expected(param, pair: dict, ref: torch.Tensor, mesh, piece: bool):
+    """(this rank's piece of `param`, the same piece of the reference `ref`). `piece`: FSDP2
+    sharded a hand-written TP piece (tplab.layouts' "dp_placement")."""
+    if not piece:
+        return layout_value(param), expected_local(ref, pair, param, mesh)
+    if "tp" in (param.device_mesh.mesh_dim_names or ()):
+        # FSDP2 given the tp dim over hand-written pieces: the TP piece it gathers for the
+        # forward (a mixture of the tp ranks' pieces), all-gathered here
+        return tp_view(param.detach()), expected_local(ref, pair, None, mesh)
+    # FSDP2's shard of this rank's TP piece: no communication
+    want = distribute_tensor(expected_local(ref, pair, None, mesh).contiguous(),
+                             param.device_mesh, param.placements, src_data_rank=None)
+    return layout_value(param), want.to_local()
 
 
 def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> None:
@@ -189,6 +208,7 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     model.load_state_dict(state)
     per_rank_parameters(model)
     model = parallelizer(plan)(model, mesh)
+    refuse_in_simulation(model)
     if dp > 1:
         average_over_dp(model, mesh)
     optimizer, scheduler = make_training(make_optimizer, model.parameters())
@@ -197,18 +217,19 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     pairs, lone_ranks, lone_ref, problems = pair(ref_info["shapes"], described, tp, param_map,
                                                  ref_info["aliases"])
     params = dict(model.named_parameters())
-    kept = [p for p in pairs if p["placement"] != placements.MESH]
-    if len(kept) < len(pairs):
-        raise TypeError("train_check compares parameters laid out on the tp dim; FSDP2 "
-                        "(fully_shard) parameters on the whole mesh are not supported")
-    copies = [p["ranks"] for p in kept if dp > 1 or not (p["placement"] or "").startswith(
-        ("Shard", "Partial"))]
+    kept = pairs
+    # FSDP2's shards differ across dp by design: each rank's piece is compared with the
+    # reference's piece instead (every element is held by some rank)
+    copies = [p["ranks"] for p in kept if (dp > 1 or not (p["placement"] or "").startswith(
+        ("Shard", "Partial"))) and not described[p["ranks"]].get("fsdp")
+        and p["placement"] != placements.MESH]
 
     def measure():
         diffs = {}
         for p in kept:
-            local = layout_value(params[p["ranks"]])
-            want = expected_local(reference[p["ref"]][len(losses)], p, params[p["ranks"]], mesh)
+            local, want = local_and_expected(params[p["ranks"]], p,
+                                             reference[p["ref"]][len(losses)], mesh,
+                                             "dp_placement" in described[p["ranks"]])
             diffs[p["ranks"]] = (local.float() - want.float()).abs().max() if local.numel() \
                 else torch.zeros(())
         for name in copies:

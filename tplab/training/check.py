@@ -54,6 +54,7 @@ import torch
 from tplab import placements, rng
 from tplab.check import mesh_shape
 from tplab.errors import LabError
+from tplab.fsdp import tp_placement
 from tplab.lab.contract import Ranks
 from tplab.pairing import gather
 from tplab.plans import parallelizer
@@ -283,7 +284,8 @@ def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_gr
     first = results[0]
     pairs = first["pairs"]
     names = [p["ranks"] for p in pairs]
-    sharded = {p["ranks"]: placements.is_shard(p["placement"]) for p in pairs}
+    sharded = {p["ranks"]: placements.is_shard(tp_placement(p["placement"], first["layout"].get(
+        p["ranks"]))) for p in pairs}
     diffs = torch.stack([res["diffs"] for res in results])  # rank, step, parameter
     steps = len(ref_losses)
     losses = torch.stack([res["losses"] for res in results])  # rank, step
