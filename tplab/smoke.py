@@ -13,6 +13,7 @@ import torch.distributed as dist
 import tplab
 from tplab import megatron, models
 from tplab.doctor import SMOKE_WORLD, Check
+from tplab.lab.contract import Ranks
 
 
 def _mlp_step(cfg):
@@ -30,9 +31,9 @@ def _all_reduce():
     return x.tolist()
 
 
-def _rank_memory(lab) -> int | None:
+def _rank_memory(lab: Ranks) -> int | None:
     """Bytes one rank holds of its own (USS: pages shared with the fork server not counted)."""
-    pids = getattr(lab, "rank_pids", None) or []
+    pids = lab.rank_pids
     sizes = []
     for pid in pids:
         try:

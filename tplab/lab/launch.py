@@ -7,6 +7,8 @@ One `Lab` object owns the processes' whole life: start, restart, shutdown.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -21,7 +23,7 @@ import ipyparallel as ipp
 from traitlets.config import Config
 
 from tplab import platforms
-from tplab.errors import LabError
+from tplab.errors import CellTimeout, LabError
 from tplab.lab import joining
 from tplab.lab.cells import Cells
 from tplab.lab.cluster import LabProcesses
@@ -49,12 +51,25 @@ DEFAULT_TIMEOUT_S = 60.0  # a cell that runs longer than this in a workshop is a
 ENGINE_IDS_PER_START = 1024  # start g of the ranks asks the hub for ids g*1024 + rank
 
 
+@dataclasses.dataclass
+class CellLimit:
+    """What `Lab.time_limit` yields (tplab/lab/contract.py, TimeLimit)."""
+
+    seconds: float
+    reached: bool = False
+
+
 class Lab(Cells):
     """N rank processes, each an ipyparallel engine with torch.distributed initialised.
 
     Use `tplab.launch(...)` to make one. `run`, `execute`, `push` and `pull` return one
     item per rank, in rank order. See docs/DESIGN.md for the whole contract.
     """
+
+    world_size: int
+    in_process = False  # rank processes (tplab/lab/contract.py, Ranks)
+    backend: str  # "gloo" or "nccl" ("auto": the ranks decide, when the kind cannot)
+    threads_per_rank: int  # torch threads of each rank (OMP_NUM_THREADS)
 
     def __init__(self, world_size: int = 4, backend: str = "auto", engines: str = "local",
                  timeout: float | None = None, cell_timeout: float | None = None,
@@ -120,6 +135,30 @@ class Lab(Cells):
     def rank_pids(self) -> list[int]:
         """The pid of each rank process (on its own host), in rank order."""
         return list(self.processes.pids)
+
+    @property
+    def shared_dir(self) -> str | None:
+        """A folder the ranks read as this process does: the lab's own, when the ranks run
+        on this machine; None for ranks elsewhere."""
+        return self._state_dir if self.processes.local else None
+
+    @contextlib.contextmanager
+    def time_limit(self, seconds: float):
+        """Every cell in the block gets `cell_timeout=seconds` (the watchdog interrupts the
+        ranks, a CellTimeout, and the lab stays usable), whatever the lab's own is. Yields
+        the limit (`.reached`: a cell ran past it)."""
+        seconds = check_timeout(seconds, "time_limit")
+        if seconds is None:
+            raise ValueError("time_limit needs a positive number of seconds, got None")
+        limit, before = CellLimit(seconds), self.cell_timeout
+        self.cell_timeout = seconds
+        try:
+            yield limit
+        except CellTimeout:
+            limit.reached = True
+            raise
+        finally:
+            self.cell_timeout = before
 
     @property
     def _client(self):
