@@ -71,7 +71,7 @@ class Lab(Cells):
     backend: str  # "gloo" or "nccl" ("auto": the ranks decide, when the kind cannot)
     threads_per_rank: int  # torch threads of each rank (OMP_NUM_THREADS)
 
-    def __init__(self, world_size: int = 4, backend: str = "auto", engines: str = "local",
+    def __init__(self, world_size: int = 4, backend: str = "auto", engines="local",
                  timeout: float | None = None, cell_timeout: float | None = None,
                  ip: str = "127.0.0.1", threads_per_rank: int | None = None,
                  fork: bool | None = None, master_addr: str | None = None,
@@ -80,7 +80,7 @@ class Lab(Cells):
         # The fork server is the default on Linux only: on macOS forking after torch is
         # imported crashes the child (tplab/platforms.py says why).
         fork = platforms.default_fork() if fork is None else fork
-        check_launch_args(world_size, backend, engines, ip, fork)
+        check_launch_args(world_size, backend, ip, fork)
         if cluster_options is not None and not isinstance(cluster_options, dict):
             raise TypeError(f"cluster_options must be a dict of ipyparallel.Cluster options, "
                             f"got {type(cluster_options).__name__}")
@@ -323,16 +323,17 @@ def launch_keywords() -> list[str]:
             if name != "self" and p.kind is not p.VAR_KEYWORD]
 
 
-def launch(world_size: int = 4, backend: str = "auto", engines: str = "local",
+def launch(world_size: int = 4, backend: str = "auto", engines="local",
            timeout: float | None = None, **cluster_options) -> Lab:
     """Start `world_size` ranks and return the `Lab` that owns them.
 
     backend: "auto" (NCCL with one GPU per rank when there are enough GPUs, else gloo),
-    "gloo" or "nccl". engines: an engine kind ("local", "mpi", "ssh", "slurm"; see
-    tplab/lab/engines/) or another ipyparallel engine launcher ("pbs", ...; pass an ip=
-    that remote engines can reach). timeout: seconds the unfinished ranks may all wait
-    in collectives, none computing, before tplab reports a hang (default 60); a rank that
-    computes is never timed out (cell_timeout=, off by default, is a wall-clock limit).
+    "gloo" or "nccl". engines: an engine kind's file name in tplab/lab/engines/ ("local",
+    "mpi", "ssh", "slurm", "batch"), an EngineKind object, or another ipyparallel engine
+    launcher ("pbs", ...; pass an ip= that remote engines can reach). timeout: seconds
+    the unfinished ranks may all wait in collectives, none computing, before tplab reports
+    a hang (default 60); a rank that computes is never timed out (cell_timeout=, off by
+    default, is a wall-clock limit).
     Other keywords: those of `Lab` (cell_timeout, ip, threads_per_rank, fork,
     master_addr, cluster_options) and of ipyparallel.Cluster.
     """
