@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import tplab
 from tplab.lab import engines
-from tplab.lab.engines import kind_for, kind_names
+from tplab.lab.engines import EngineKind, kind_for, kind_names
 from tplab.lab.engines.batch import BatchKind
 from tplab.lab.engines.local import LocalKind
 from tplab.lab.engines.mpi import MPIKind
@@ -87,3 +87,56 @@ def test_a_new_kind_file_runs_ranks_with_no_other_edit(flux):
         assert lab.run(dist.get_rank) == [0, 1]
         lab.restart()
         assert type(lab.kind).starts == 2 and lab.run(dist.get_rank) == [0, 1]
+
+
+def spin_forever():
+    while True:
+        pass
+
+
+def exit_on_rank_1():
+    import os
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_ranks_of_a_generic_launcher_are_reached_through_the_remote_transport(capsys):
+    # ipyparallel's own local launcher has no kind of tplab's: the generic kind, whose
+    # ranks might be anywhere (output forwarded, signals through ipyparallel, no pid
+    # killed here), here on this machine, so that the remote transport runs without hosts
+    from ipyparallel.cluster.launcher import LocalEngineSetLauncher
+
+    from tplab.lab.transports import RemoteTransport
+
+    with tplab.launch(2, engines=LocalEngineSetLauncher) as lab:
+        assert type(lab.kind) is EngineKind and isinstance(lab.processes.transport,
+                                                           RemoteTransport)
+        assert lab.shared_dir is None and lab.processes.transport.killable(lab.rank_pids) == []
+        lab.run(print, "forwarded", flush=True)
+        assert "forwarded" in capsys.readouterr().out
+        with pytest.raises(tplab.CellTimeout):  # interrupted through ipyparallel
+            lab.run(spin_forever, cell_timeout=2)
+        assert lab.run(dist.get_rank) == [0, 1]
+        with pytest.raises(tplab.RankDied, match="rank 1"):  # its forwarded stream closed
+            lab.run(exit_on_rank_1, timeout=30)
+
+
+def test_lab_processes_is_the_kinds_only_caller():
+    # every other module of the lab reaches the kind through LabProcesses (cluster.py)
+    import ast
+    import pathlib
+
+    lab_dir = pathlib.Path(tplab.__file__).parent / "lab"
+    callers = {}
+    for path in lab_dir.glob("*.py"):
+        if path.name == "cluster.py":
+            continue
+        calls = [n.lineno for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+                 and n.value.attr == "kind"]
+        if calls:
+            callers[path.name] = calls
+    assert not callers, f"calls on the engine kind outside cluster.py: {callers}"

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
 import logging
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -25,9 +25,10 @@ from traitlets.config import Config
 from tplab import platforms
 from tplab.errors import CellTimeout, LabError
 from tplab.lab import joining
+from tplab.lab.addresses import address
 from tplab.lab.cells import Cells
-from tplab.lab.cluster import LabProcesses
-from tplab.lab.engines import kind_for
+from tplab.lab.cluster import LabProcesses, choose_kind
+from tplab.lab.joining import Rendezvous
 from tplab.lab.magics import register_magics
 from tplab.lab.names import RankNames
 from tplab.lab.validate import (
@@ -87,20 +88,20 @@ class Lab(Cells):
         self._cluster_options = split_cluster_options(
             {**(cluster_options or {}), **more_cluster_options}, launch_keywords())
         self.world_size = world_size
-        self.kind = kind_for(engines, fork=fork)  # how ranks start, stop, are heard
-        self.kind.check_size(world_size, backend)
-        self.backend = self.kind.resolve_backend(backend, world_size)
+        # how ranks start, stop, are heard (LabProcesses is the kind's only caller)
+        self.kind, self.backend = choose_kind(engines, fork, world_size, backend)
         self.engines = engines
         self.timeout = check_timeout(timeout, "timeout") or DEFAULT_TIMEOUT_S
         self.cell_timeout = check_timeout(cell_timeout, "cell_timeout")
         self.ip = ip
+        self.address = address(ip)  # what ip= means: where to listen, what others reach
         self.threads_per_rank = check_threads(threads_per_rank) or max(
             1, (os.cpu_count() or 1) // world_size)
         # Where rank 0's rendezvous store listens: the lab's ip, or this host's name when
         # the lab listens on every interface (so that ranks elsewhere can reach it).
-        self._master_addr = master_addr or (
-            ip if ip not in ("0.0.0.0", "*", "") else socket.gethostname())
+        self._master_addr = master_addr or self.address.contact
         self._master_addr_given = master_addr is not None  # else: rank 0's, for remote ranks
+        self.rendezvous: Rendezvous | None = None  # where the running ranks met
         self.fork = fork  # local ranks forked from a process that imported torch once
         self._cells = itertools.count(1)
         self._starts = itertools.count(1)  # how many times ranks were started
@@ -140,7 +141,16 @@ class Lab(Cells):
     def shared_dir(self) -> str | None:
         """A folder the ranks read as this process does: the lab's own, when the ranks run
         on this machine; None for ranks elsewhere."""
-        return self._state_dir if self.processes.local else None
+        return self.processes.shared_dir()
+
+    @property
+    def master_addr(self) -> str:
+        """Where rank 0's store listens (this start of the ranks)."""
+        return self.rendezvous.master_addr if self.rendezvous else self._master_addr
+
+    @property
+    def master_port(self) -> int | None:
+        return self.rendezvous.master_port if self.rendezvous else None
 
     @contextlib.contextmanager
     def time_limit(self, seconds: float):
@@ -179,7 +189,7 @@ class Lab(Cells):
             "OMP_NUM_THREADS": str(self.threads_per_rank),
             "PYTHONUNBUFFERED": "1",
         }
-        if self.ip.startswith("127."):  # gloo on loopback, not the hostname's address
+        if self.address.loopback:  # gloo on loopback, not the hostname's address
             env.update(platforms.rank_env())
         config = Config()
         config.BaseLauncher.environment = env
@@ -187,9 +197,9 @@ class Lab(Cells):
         config.EngineLauncher.engine_cmd = [python, "-m", "tplab.rank.entry", "engine"]
         config.ControllerLauncher.controller_cmd = [
             python, "-m", "tplab.rank.entry", "controller"]
-        self.kind.configure(config, env, self._state_dir)
+        launcher = self.processes.configure(config, env)
         options = dict(
-            n=self.world_size, engines=self.kind.launcher, controller_ip=self.ip,
+            n=self.world_size, engines=launcher, controller_ip=self.ip,
             controller_args=["--HeartMonitor.period=100", "--log-level=ERROR"],
             profile_dir=os.path.join(self._state_dir, "profile"), cluster_id="tplab",
             cluster_file="",  # not needed: this Lab object is the only handle on the cluster
@@ -213,25 +223,23 @@ class Lab(Cells):
         self._init_ranks()
 
     def _init_ranks(self) -> None:
-        port = network.free_port(self.ip if self.ip != "0.0.0.0" else "127.0.0.1")
-        self.master_addr, self.master_port = self._master_addr, port
+        planned = Rendezvous(self._master_addr, network.free_port(self.address.bind),
+                             self._master_addr_given, self.address.contact)
         # where rank 0's store listens, and where the ranks' output goes: the kind's
-        self.master_addr, port, output_to = self.kind.rendezvous(
-            self.processes, self.ip, self.master_addr, port, self._master_addr_given,
-            self._generation, self._wait_for_init)
-        ids, client = self._engine_ids, self._client
-        self.master_port = port  # what a rank that does not join tried (joining.py)
+        agreed = self.processes.rendezvous(planned, self._generation, self.address.bind,
+                                           functools.partial(self._wait_for_init, planned))
         ars = [
-            client[eid].apply_async(
-                rank_side.init_rank, r, self.world_size, self.backend, self.master_addr, port,
-                self.threads_per_rank, self.kind.local_rank(r), 120.0, output_to)
-            for r, eid in enumerate(ids)
+            self._client[eid].apply_async(
+                rank_side.init_rank, r, self.world_size, self.backend, agreed.master_addr,
+                agreed.master_port, self.threads_per_rank, self.processes.local_rank(r),
+                120.0, agreed.output_to)
+            for r, eid in enumerate(self._engine_ids)
         ]
-        self.processes.joined(self._wait_for_init(ars))
+        self.processes.joined(self._wait_for_init(agreed, ars))
+        self.rendezvous = agreed
         self.names.reset()
         self._paths_sent, self._paths_absent = None, {}  # fresh ranks: sys.path not sent
-        self.master_port = port
-        self.watchdog.connect_store(self.master_addr, port)
+        self.watchdog.connect_store(agreed.master_addr, agreed.master_port)
 
     def _start_limit_s(self) -> float:
         """How long ranks may take to register and join: 8 s per rank per core, counting
@@ -241,9 +249,11 @@ class Lab(Cells):
 
     def _starting_pids(self) -> list[int]:
         """The rank processes being started, in rank order (local engines only)."""
-        return list(self.processes.exit_codes()) if self.kind.ranks_are_local else []
+        return self.processes.starting_pids()
 
-    def _wait_for_init(self, ars: list) -> list[dict]:
+    def _wait_for_init(self, rendezvous: Rendezvous, ars: list) -> list[dict]:
+        """Each rank's reply to `ars`, waiting as a start does; a rank that does not answer
+        is reported with where it was to meet (`rendezvous`)."""
         wait = joining.StartWait(self._start_limit_s(), self._starting_pids)
         infos = []
         for r, ar in enumerate(ars):
@@ -252,7 +262,8 @@ class Lab(Cells):
                 if wait.expired():
                     raise LabError(joining.join_report(
                         r, self._starting_pids(), self._state_dir, self.backend,
-                        self.master_addr, self.master_port, wait.elapsed, self.world_size))
+                        rendezvous.master_addr, rendezvous.master_port, wait.elapsed,
+                        self.world_size))
                 ar.wait(0.05)
             try:
                 infos.append(ar.get(0))

@@ -10,6 +10,7 @@ import socket
 import psutil
 
 from tplab.errors import LabError
+from tplab.lab.addresses import EVERY_INTERFACE
 
 BACKENDS = ("auto", "gloo", "nccl")
 # Memory a local rank holds (PSS: a shared page counts 1/k to each of its k sharers), from
@@ -73,7 +74,7 @@ def check_ip(ip) -> None:
     """The address the lab listens on must be one of this machine's (or every interface)."""
     if not isinstance(ip, str) or not ip:
         raise LabError(f"ip must be an address string such as '127.0.0.1', got {ip!r}")
-    if ip in ("0.0.0.0", "*"):
+    if ip in EVERY_INTERFACE:
         return
     try:
         address = socket.gethostbyname(ip)
