@@ -28,11 +28,10 @@ import torch.distributed as dist
 from tplab.errors import CellTimeout, CollectiveHang, LabError, RankDied, RankError, RankPlanError
 from tplab.lab import diagnose
 from tplab.lab.replay import freed_note, replays
-from tplab.lab.results import RankResults, engine_died, strip_engine_id
+from tplab.lab.results import RankResults, decode, engine_died, strip_engine_id
 from tplab.lab.streams import LiveOutput, StatusLine
 from tplab.rank import runner as rank_side
 from tplab.rank.collectives import WHERE_KEY
-from tplab.transfer import from_wire, is_wire
 
 POLL_S = 0.01  # how often output is read and replies are looked at
 CHECK_S = 0.1  # how often the ranks' reports are read
@@ -208,8 +207,7 @@ class Watchdog:
         for ar in pending:
             try:
                 message = ar.get()
-                failure = getattr(from_wire(message) if is_wire(message) else message,
-                                  "value", None)
+                failure = getattr(decode(message), "value", None)
             except Exception as exc:  # noqa: BLE001 - e.g. the peer's engine died
                 failure = rank_side.RankFailure(type(exc).__name__, str(exc), "")
             if isinstance(failure, rank_side.RankFailure):
