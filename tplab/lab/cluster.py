@@ -12,18 +12,24 @@ caller. The Watchdog sees the ranks through it (`dead`, `interrupt`, `read_outpu
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 import shutil
 import signal
 import time
 
 import ipyparallel as ipp
+from traitlets.config import Config
 
+from tplab import platforms
 from tplab.errors import LabError
 from tplab.lab import processes
 from tplab.lab.engines import EngineKind, EngineWatch, kind_for
 from tplab.lab.joining import Rendezvous
+from tplab.rank.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
 
 HUB_CHECK_S = 2.0  # how often a start still waiting asks the hub which engines registered
+ENGINE_IDS_PER_START = 1024  # start g of the ranks asks the hub for ids g*1024 + rank
 
 
 def choose_kind(engines, fork: bool, world_size: int, backend: str) -> tuple[EngineKind, str]:
@@ -49,11 +55,9 @@ class LabProcesses:
         self.transport = kind.transport()  # how the running ranks are reached
         self.files = self.transport.output  # their output, as it arrives
         self.watch: EngineWatch | None = None  # while ranks start: the kind's checks
-
-    def configure(self, config, env: dict):
-        """The kind's settings for its launcher; returns the launcher (Cluster's engines=)."""
-        self.kind.configure(config, env, self.state_dir)
-        return self.kind.launcher
+        self._starts = itertools.count(1)
+        self.generation = 0  # which start of the ranks runs (a restart makes a new one)
+        self._requests = itertools.count(1)  # the number of the next request to the ranks
 
     def local_rank(self, rank: int):
         """`rank`'s GPU index on its host, or the launcher's variables that say it."""
@@ -65,6 +69,43 @@ class LabProcesses:
 
     # --- starting ------------------------------------------------------------------------
 
+    def rank_environment(self, threads: int, loopback: bool) -> dict:
+        """The environment every rank process starts with (gloo on loopback if `loopback`)."""
+        env = {
+            OWNER_ENV: owner_token(),
+            STATE_DIR_ENV: self.state_dir,
+            "IPYTHONDIR": os.path.join(self.state_dir, "ipython"),
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if loopback:  # gloo on loopback, not the hostname's address
+            env.update(platforms.rank_env())
+        return env
+
+    def cluster_options(self, n: int, ip: str, env: dict, user: dict, log) -> tuple[dict, dict]:
+        """ipyparallel.Cluster's options for the lab (the user's `user` options win, the
+        lab's config stays under theirs), and the environment the engines get."""
+        config = Config()
+        config.BaseLauncher.environment = env
+        python = platforms.engine_python()  # the kernel's own Python (JupyterHub, venvs)
+        config.EngineLauncher.engine_cmd = [python, "-m", "tplab.rank.entry", "engine"]
+        config.ControllerLauncher.controller_cmd = [
+            python, "-m", "tplab.rank.entry", "controller"]
+        self.kind.configure(config, env, self.state_dir)
+        options = dict(
+            n=n, engines=self.kind.launcher, controller_ip=ip,
+            controller_args=["--HeartMonitor.period=100", "--log-level=ERROR"],
+            profile_dir=os.path.join(self.state_dir, "profile"), cluster_id="tplab",
+            cluster_file="",  # not needed: the Lab object is the only handle on the cluster
+            delay=0.0, send_engines_connection_env=False, shutdown_atexit=False,
+            load_profile=False, log=log, config=config,
+        )
+        options.update(user)
+        if "config" in user:  # the user's settings win, the lab's stay
+            config.merge(Config(user["config"]))
+            options["config"] = config
+        return options, {**env, **dict(config.BaseLauncher.environment)}
+
     def start_controller(self, options: dict, env: dict, timeout: float) -> None:
         self.extra_roots = self.kind.prepare(env, self.state_dir)
         self.cluster = ipp.Cluster(**options)
@@ -72,9 +113,11 @@ class LabProcesses:
         self._remember_roots()
         self.kind.ready(timeout)
 
-    def start_engines(self, n: int, first_id: int, env: dict, wait) -> list[int]:
-        """Start n engines; returns their engine ids, in rank order, once all registered
-        (`wait`, a joining.StartWait, says when to give up)."""
+    def start_engines(self, n: int, env: dict, wait) -> list[int]:
+        """Start n engines, a new generation of ranks; returns their engine ids, in rank
+        order, once all registered (`wait`, a joining.StartWait, says when to give up)."""
+        self.generation = next(self._starts)
+        first_id = self.generation * ENGINE_IDS_PER_START
         # The client connects BEFORE the engines start: it learns of engines that register
         # after it connected from the hub's notifications, which a subscriber only gets once
         # its subscription is through (zmq's slow joiner). Connected while 32 engines
@@ -123,8 +166,7 @@ class LabProcesses:
             old, self.client = self.client, self.cluster.connect_client_sync()
             old.close()
 
-    def rendezvous(self, planned: Rendezvous, generation: int, listen: str,
-                   wait) -> Rendezvous:
+    def rendezvous(self, planned: Rendezvous, listen: str, wait) -> Rendezvous:
         """Where this start of the ranks meets (the kind agrees the lab's plan) and where
         their output goes (the transport's); `wait(async results)` waits as the start does."""
         def ask(fn, *args, ranks=None):
@@ -133,7 +175,7 @@ class LabProcesses:
 
         agreed = self.kind.rendezvous(planned, ask)
         return dataclasses.replace(agreed, output_to=self.transport.output_to(
-            listen, agreed.contact, generation))
+            listen, agreed.contact, self.generation))
 
     def joined(self, infos: list[dict]) -> None:
         """The ranks joined the process group: their pids, hosts and output."""
@@ -141,6 +183,15 @@ class LabProcesses:
         self.hosts = [info["host"] for info in infos]
         self.transport.joined(infos)
         self.watch = None  # started: what engines log from now on is the user's
+
+    def next_request(self) -> int:
+        """A new request's number (the ranks tell a cell's reports by it)."""
+        return next(self._requests)
+
+    def send(self, ranks: list[int], remote_fn, *args):
+        """A request to some ranks, outside a cell's watch; its AsyncResult."""
+        view = self.client.direct_view([self.engine_ids[r] for r in ranks])
+        return view.apply_async(remote_fn, *args, self.next_request())
 
     def starting_pids(self) -> list[int]:
         """The rank processes being started that this machine runs, in rank order."""

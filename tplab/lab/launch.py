@@ -11,16 +11,15 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import itertools
 import logging
 import os
 import sys
 import tempfile
 import time
+import types
 import weakref
 
 import ipyparallel as ipp
-from traitlets.config import Config
 
 from tplab import platforms
 from tplab.errors import CellTimeout, LabError
@@ -41,7 +40,6 @@ from tplab.lab.watchdog import Watchdog, deferred_interrupts
 from tplab.output import strip_ansi
 from tplab.rank import network
 from tplab.rank import runner as rank_side
-from tplab.rank.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
 
 _log = logging.getLogger("tplab.ipyparallel")
 _log.setLevel(logging.ERROR)  # keep ipyparallel's log noise out of notebook outputs
@@ -49,7 +47,6 @@ _log.propagate = False
 _log.addHandler(logging.StreamHandler(sys.stderr))
 
 DEFAULT_TIMEOUT_S = 60.0  # a cell that runs longer than this in a workshop is a hang
-ENGINE_IDS_PER_START = 1024  # start g of the ranks asks the hub for ids g*1024 + rank
 
 
 @dataclasses.dataclass
@@ -60,7 +57,7 @@ class CellLimit:
     reached: bool = False
 
 
-class Lab(Cells):
+class Lab:
     """N rank processes, each an ipyparallel engine with torch.distributed initialised.
 
     Use `tplab.launch(...)` to make one. `run`, `execute`, `push` and `pull` return one
@@ -103,19 +100,15 @@ class Lab(Cells):
         self._master_addr_given = master_addr is not None  # else: rank 0's, for remote ranks
         self.rendezvous: Rendezvous | None = None  # where the running ranks met
         self.fork = fork  # local ranks forked from a process that imported torch once
-        self._cells = itertools.count(1)
-        self._starts = itertools.count(1)  # how many times ranks were started
-        self._generation = 0
-        self._view = None  # a DirectView on every rank, made once per set of ranks
         self._closed = False
         self._broken = ""  # why the ranks need a restart before the next cell (or "")
-        self._paths_sent, self._paths_absent = None, {}
         self.names = RankNames(world_size)  # which names each rank defines itself
         self._state_dir = tempfile.mkdtemp(prefix="tplab-")  # mode 0700: owner only
         self.processes = LabProcesses(self.kind, self._state_dir)
         self._finalizer = weakref.finalize(self, LabProcesses.close, self.processes)
-        self.watchdog = Watchdog(world_size, self.processes, self._send, self._restart_ranks,
+        self.watchdog = Watchdog(world_size, self.processes, self._restart_ranks,
                                  self.names.lost)
+        self.cells = Cells(world_size, self.processes, self.names, self.watchdog, self._ready)
         try:
             self._start()
         except BaseException:
@@ -170,75 +163,39 @@ class Lab(Cells):
         finally:
             self.cell_timeout = before
 
-    @property
-    def _client(self):
-        return self.processes.client
-
-    @property
-    def _engine_ids(self) -> list[int]:
-        return self.processes.engine_ids
-
     # --- life ------------------------------------------------------------------------
 
     def _start(self) -> None:
         started = time.monotonic()
-        env = {
-            OWNER_ENV: owner_token(),
-            STATE_DIR_ENV: self._state_dir,
-            "IPYTHONDIR": os.path.join(self._state_dir, "ipython"),
-            "OMP_NUM_THREADS": str(self.threads_per_rank),
-            "PYTHONUNBUFFERED": "1",
-        }
-        if self.address.loopback:  # gloo on loopback, not the hostname's address
-            env.update(platforms.rank_env())
-        config = Config()
-        config.BaseLauncher.environment = env
-        python = platforms.engine_python()  # the kernel's own Python (JupyterHub, venvs)
-        config.EngineLauncher.engine_cmd = [python, "-m", "tplab.rank.entry", "engine"]
-        config.ControllerLauncher.controller_cmd = [
-            python, "-m", "tplab.rank.entry", "controller"]
-        launcher = self.processes.configure(config, env)
-        options = dict(
-            n=self.world_size, engines=launcher, controller_ip=self.ip,
-            controller_args=["--HeartMonitor.period=100", "--log-level=ERROR"],
-            profile_dir=os.path.join(self._state_dir, "profile"), cluster_id="tplab",
-            cluster_file="",  # not needed: this Lab object is the only handle on the cluster
-            delay=0.0, send_engines_connection_env=False, shutdown_atexit=False,
-            load_profile=False, log=_log, config=config,
-        )
-        options.update(self._cluster_options)
-        if "config" in self._cluster_options:  # the user's settings win, the lab's stay
-            config.merge(Config(self._cluster_options["config"]))
-            options["config"] = config
-        self._engine_env = {**env, **dict(config.BaseLauncher.environment)}
+        env = self.processes.rank_environment(self.threads_per_rank, self.address.loopback)
+        options, self._engine_env = self.processes.cluster_options(
+            self.world_size, self.ip, env, self._cluster_options, _log)
         self.processes.start_controller(options, env, max(60.0, self.timeout))
         self._start_ranks()
         self.startup_s = time.monotonic() - started
 
     def _start_ranks(self) -> None:
-        self._generation = next(self._starts)
-        first_id = self._generation * ENGINE_IDS_PER_START
         wait = joining.StartWait(self._start_limit_s(), self._starting_pids)
-        self.processes.start_engines(self.world_size, first_id, self._engine_env, wait)
+        self.processes.start_engines(self.world_size, self._engine_env, wait)
         self._init_ranks()
 
     def _init_ranks(self) -> None:
         planned = Rendezvous(self._master_addr, network.free_port(self.address.bind),
                              self._master_addr_given, self.address.contact)
         # where rank 0's store listens, and where the ranks' output goes: the kind's
-        agreed = self.processes.rendezvous(planned, self._generation, self.address.bind,
+        agreed = self.processes.rendezvous(planned, self.address.bind,
                                            functools.partial(self._wait_for_init, planned))
         ars = [
-            self._client[eid].apply_async(
+            self.processes.client[eid].apply_async(
                 rank_side.init_rank, r, self.world_size, self.backend, agreed.master_addr,
                 agreed.master_port, self.threads_per_rank, self.processes.local_rank(r),
                 120.0, agreed.output_to)
-            for r, eid in enumerate(self._engine_ids)
+            for r, eid in enumerate(self.processes.engine_ids)
         ]
         self.processes.joined(self._wait_for_init(agreed, ars))
         self.rendezvous = agreed
         self.names.reset()
-        self._paths_sent, self._paths_absent = None, {}  # fresh ranks: sys.path not sent
+        self.cells.forget_ranks()  # fresh ranks: no view on them, sys.path not sent
         self.watchdog.connect_store(agreed.master_addr, agreed.master_port)
 
     def _start_limit_s(self) -> float:
@@ -297,7 +254,7 @@ class Lab(Cells):
             self._broken = "the last restart did not finish"
             self.watchdog.disconnect_store()
             self.processes.stop_ranks()
-            self._view = None
+            self.cells.forget_ranks()
             self.names.clear()
             self._start_ranks()
             self._broken = ""
@@ -316,6 +273,51 @@ class Lab(Cells):
     def _check_open(self) -> None:
         if self._closed:
             raise LabError("this lab was shut down; start a new one with tplab.launch(...)")
+
+    def _ready(self) -> int:
+        """Before a request: the lab open and its ranks started (a restart that did not
+        finish is redone first); returns the generation of the running ranks."""
+        self._check_open()
+        if self._broken:
+            print(f"[tplab] {self._broken}: restarting the ranks first (names defined on them "
+                  "are gone)", file=sys.stderr, flush=True)
+            self._restart_ranks()
+        return self.processes.generation
+
+    # --- cells (cells.py does the work; these are the contract, tplab/lab/contract.py) ---
+
+    def run(self, fn, *args, timeout: float | None = None, ranks=None,
+            cell_timeout: float | None = None, **kwargs) -> list:
+        """Call fn(*args, **kwargs) on every rank (or on `ranks`, in that order); item i is
+        the result of the i-th rank asked. A function defined in the notebook runs with the
+        rank's namespace as its globals: the rank's own names (rank, world_size, pushed
+        values...) win over the notebook's, and `global` assignments stay on the rank."""
+        return self.cells.run(fn, args, kwargs, *self._limits(timeout, cell_timeout, ranks))
+
+    def execute(self, code: str, timeout: float | None = None, ranks=None,
+                cell_timeout: float | None = None) -> list:
+        """Run code on every rank (what %%ranks does); item r is the last expression's value."""
+        return self.cells.execute(code, *self._limits(timeout, cell_timeout, ranks))
+
+    def push(self, mapping: dict, ranks=None) -> None:
+        """Set names in every rank's namespace (they are the ranks' own names from then on)."""
+        self.cells.push(mapping, ranks, self.timeout, self.cell_timeout)
+
+    def pull(self, name: str, ranks=None) -> list:
+        """The value of `name` on every rank; a LabError names the ranks that lack it."""
+        return self.cells.pull(name, ranks, self.timeout, self.cell_timeout)
+
+    def reload(self, module: types.ModuleType) -> types.ModuleType:
+        """Reload an edited module here and on every rank that imported it (importlib.reload
+        on each); functions from it that later cells send run the new code. Returns the
+        reloaded module, as importlib.reload does."""
+        return self.cells.reload(module)
+
+    def _limits(self, timeout, cell_timeout, ranks) -> tuple:
+        """(timeout, ranks, cell_timeout) of one call: the call's, else the lab's."""
+        timeout = check_timeout(timeout, "timeout")
+        cell_timeout = check_timeout(cell_timeout, "cell_timeout")
+        return timeout or self.timeout, ranks, cell_timeout or self.cell_timeout
 
     def __enter__(self) -> Lab:
         return self

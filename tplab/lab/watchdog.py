@@ -42,13 +42,12 @@ INTERRUPT_GRACE_S = 3.0
 
 class Watchdog:
     """Runs the rules above for a Lab. What it needs of the lab is narrow: `processes`
-    (exit codes, pids, output files of the ranks), `send` (a request to some ranks),
-    `restart` (fresh ranks, returns seconds) and `rank_names` (names lost on a restart)."""
+    (exit codes, pids, output files of the ranks, requests to some of them), `restart`
+    (fresh ranks, returns seconds) and `rank_names` (names lost on a restart)."""
 
-    def __init__(self, world_size: int, processes, send, restart, rank_names):
+    def __init__(self, world_size: int, processes, restart, rank_names):
         self.world_size = world_size
-        self.processes, self.send, self._restart, self.rank_names = (
-            processes, send, restart, rank_names)
+        self.processes, self._restart, self.rank_names = processes, restart, rank_names
         self._store = None
         self.last_restart_s: float | None = None
 
@@ -195,7 +194,7 @@ class Watchdog:
         pending = []
         for peer, rows in sorted(by_peer.items()):
             rows.sort(key=lambda c: c["seq"])
-            pending.append(self.send([peer], rank_side.complete_pending, rows))
+            pending.append(self.processes.send([peer], rank_side.complete_pending, rows))
         deadline = time.monotonic() + 10.0
         while any(not ar.ready() for ar in pending):
             self._pump(live)
