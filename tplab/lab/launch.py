@@ -25,6 +25,7 @@ from tplab import platforms
 from tplab.errors import CellTimeout, LabError
 from tplab.lab import joining
 from tplab.lab.addresses import address
+from tplab.lab.cell_watch import deferred_interrupts
 from tplab.lab.cells import Cells
 from tplab.lab.cluster import LabProcesses, choose_kind
 from tplab.lab.joining import Rendezvous
@@ -36,7 +37,7 @@ from tplab.lab.validate import (
     check_timeout,
     split_cluster_options,
 )
-from tplab.lab.watchdog import Watchdog, deferred_interrupts
+from tplab.lab.watchdog import Watchdog
 from tplab.output import strip_ansi
 from tplab.rank import network
 from tplab.rank import runner as rank_side
