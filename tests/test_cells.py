@@ -138,11 +138,11 @@ def test_cell_timeout_interrupts_and_keeps_names(lab, out):
 
 
 def test_status_line_while_a_rank_waits_for_a_computing_peer(lab, monkeypatch):
-    from tplab.lab import streams, watchdog
+    from tplab.lab import cell_watch, streams
 
     lines = []
     monkeypatch.setattr(streams.StatusLine, "show", lambda self, text: lines.append(text))
-    monkeypatch.setattr(watchdog, "STATUS_AFTER_S", 0.5)
+    monkeypatch.setattr(cell_watch, "STATUS_AFTER_S", 0.5)
     code = "import time\nif rank == 1:\n    time.sleep(2)\ndist.barrier()"
     lab.execute(code)
     assert any("waiting in barrier" in t and "for rank 1, computing at" in t

@@ -163,8 +163,9 @@ def test_a_start_catches_up_with_engines_whose_registration_the_client_missed(tm
     from types import SimpleNamespace
 
     from tplab.lab.cluster import LabProcesses
+    from tplab.lab.transports import LocalTransport
 
-    procs = LabProcesses(SimpleNamespace(ranks_are_local=True), str(tmp_path))
+    procs = LabProcesses(SimpleNamespace(transport=LocalTransport), str(tmp_path))
     missed = _Client(ids=[0, 1], hub=[0, 1, 2])
     procs.client = missed
     procs.cluster = SimpleNamespace(connect_client_sync=lambda: _Client(ids=[0, 1, 2]))

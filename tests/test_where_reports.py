@@ -100,7 +100,7 @@ def test_a_reply_that_arrives_after_the_reports_are_read_is_not_a_mismatch():
         res.arrived = True
         return stored
 
-    dog = Watchdog(2, processes=None, send=None, restart=None, rank_names=list)
+    dog = Watchdog(2, processes=None, restart=None, rank_names=list)
     dog.where = where
     views = dog.views_now(res, 9)
     assert views[1].state != "finished"

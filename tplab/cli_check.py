@@ -175,7 +175,7 @@ def _check_world_size(world_size: int, simulated: bool) -> None:
                               f"{MAX_LOCAL_RANKS} ranks")
         return
     try:
-        check_launch_args(world_size, "auto", "local", "127.0.0.1")
+        check_launch_args(world_size, "auto", "127.0.0.1")
         LocalKind().check_size(world_size, "auto")
     except (LabError, TypeError, ValueError) as exc:  # more than this machine can run
         raise BadArgument(f"--world-size {world_size}: {exc}") from exc

@@ -124,8 +124,8 @@ def diagnose(run_smoke: bool = True) -> dict:
         # deferred: the smoke test loads torch; `--no-smoke` reports without it (machine())
         from tplab.smoke import smoke_test
 
-        smoke, facts = smoke_test()
-        checks += smoke
+        smoke, facts = smoke_test(SMOKE_WORLD)
+        checks += [Check(**r) for r in smoke]
     available = info["machine"]["available_gib"] * GiB
     info["largest_world_size"] = largest_world_size(available, facts.get("rank_bytes"))
     info["suggested_world_size"] = min(platforms.suggested_world_size(p),

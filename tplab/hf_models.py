@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from tplab import hf
 from tplab.check import grad_check
+from tplab.lab.contract import Ranks
 from tplab.mesh import make_mesh
 from tplab.plans import parallelizer
 from tplab.tracing import trace
@@ -124,7 +125,7 @@ def _short(counts: dict) -> str:
     return ", ".join(f"{n} {op}" for op, n in sorted(counts.items())) or "none"
 
 
-def check_family(lab, name: str, trace_layer: bool = True) -> dict:
+def check_family(lab: Ranks, name: str, trace_layer: bool = True) -> dict:
     """Check model type `name` on `lab` both ways. A row: family, styles, `own` and
     `from_hf` verdicts ("ok", "WRONG: ...", or "cannot run: ..."), and the layer's
     collectives under transformers' own plan; `buildable` False with the reason when the

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import tplab
 from tplab import megatron, models
-from tplab.doctor import SMOKE_WORLD, Check
+from tplab.lab.contract import Ranks
 
 
 def _mlp_step(cfg):
@@ -30,9 +30,9 @@ def _all_reduce():
     return x.tolist()
 
 
-def _rank_memory(lab) -> int | None:
+def _rank_memory(lab: Ranks) -> int | None:
     """Bytes one rank holds of its own (USS: pages shared with the fork server not counted)."""
-    pids = getattr(lab, "rank_pids", None) or []
+    pids = lab.rank_pids
     sizes = []
     for pid in pids:
         try:
@@ -44,41 +44,47 @@ def _rank_memory(lab) -> int | None:
     return max(sizes) if sizes else None
 
 
-def smoke_test(world_size: int = SMOKE_WORLD, timeout: float = 30) -> tuple[list[Check], dict]:
-    """Launch `world_size` ranks, all-reduce, a traced Megatron MLP step and its grad_check."""
+def row(name: str, ok: bool, detail: str, fix: str = "") -> dict:
+    """One line of the doctor's report (tplab.doctor.Check's fields)."""
+    return {"name": name, "ok": ok, "detail": detail, "fix": fix}
+
+
+def smoke_test(world_size: int, timeout: float = 30) -> tuple[list[dict], dict]:
+    """Launch `world_size` ranks, all-reduce, a traced Megatron MLP step and its grad_check;
+    returns the report's rows (tplab.doctor makes them Checks) and the facts measured."""
     checks, facts = [], {}
     started = time.perf_counter()
     try:
         lab = tplab.launch(world_size, timeout=timeout)
     except Exception as err:
-        checks.append(Check("launch", False, f"{type(err).__name__}: {err}",
+        checks.append(row("launch", False, f"{type(err).__name__}: {err}",
                             "see the platform notes above; `python -m tplab doctor` again "
                             "after fixing; report the message to the teacher"))
         return checks, facts
     try:
         facts["launch_s"] = round(time.perf_counter() - started, 2)
-        checks.append(Check("launch", True, f"{world_size} ranks ({lab.backend}) in "
+        checks.append(row("launch", True, f"{world_size} ranks ({lab.backend}) in "
                                             f"{facts['launch_s']} s"))
         got = lab.run(_all_reduce)
         want = [float(world_size * (world_size + 1) / 2)] * 4
         ok = all(r == want for r in got)
-        checks.append(Check("all_reduce", ok, f"every rank got {got[0]}" if ok else
+        checks.append(row("all_reduce", ok, f"every rank got {got[0]}" if ok else
                             f"ranks got {got}, expected {want}",
                             "" if ok else "the ranks cannot sum: check the network notes"))
         cfg = models.Config(dim=16, hidden_dim=32 * world_size)
         step = lab.run(_mlp_step, cfg)
         want_counts = {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
         ok = all(s["counts"] == want_counts and s["finite"] for s in step)
-        checks.append(Check("megatron_step", ok, f"traced {step[0]['counts']}",
+        checks.append(row("megatron_step", ok, f"traced {step[0]['counts']}",
                             "" if ok else "tracing or the MLP step is broken: reinstall tplab"))
         report = tplab.grad_check(lab, functools.partial(models.MLP, cfg), megatron.parallelize,
                                   functools.partial(models.make_input, cfg))
-        checks.append(Check("grad_check", report.ok, report.summary(),
+        checks.append(row("grad_check", report.ok, report.summary(),
                             "" if report.ok else "gradients differ from one device: "
                                                  "reinstall tplab and torch"))
         facts["rank_bytes"] = _rank_memory(lab)
     except Exception as err:
-        checks.append(Check("smoke_test", False, f"{type(err).__name__}: {err}",
+        checks.append(row("smoke_test", False, f"{type(err).__name__}: {err}",
                             "the ranks started but a step failed: send this output to the "
                             "teacher"))
     finally:

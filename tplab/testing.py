@@ -24,6 +24,7 @@ import os
 import pytest
 
 import tplab
+from tplab.lab.contract import Ranks
 
 
 def pytest_addoption(parser):
@@ -46,7 +47,7 @@ def tplab_lab(request):
     lab.shutdown()
 
 
-def assert_grad_check(lab, build_model, plan, make_input, **kwargs):
+def assert_grad_check(lab: Ranks, build_model, plan, make_input, **kwargs):
     """`tplab.grad_check(...)`, asserting it passes; the report is the failure message."""
     report = tplab.grad_check(lab, build_model, plan, make_input, **kwargs)
     assert report.ok, str(report)

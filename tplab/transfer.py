@@ -171,7 +171,7 @@ def to_wire(obj, rank: int = -1) -> tuple:
     return (WIRE_TAG, out.getvalue(), *(np.frombuffer(b.raw(), dtype=np.uint8) for b in buffers))
 
 
-class _FastPickler(__import__("pickle").Pickler):
+class _FastPickler(pickle.Pickler):
     """The standard C pickler, with tensors sent as arrays (see _reduce_tensor)."""
 
     rank = -1
@@ -182,7 +182,7 @@ class _FastPickler(__import__("pickle").Pickler):
         if isinstance(value, type | types.FunctionType) and value.__module__ == "__main__":
             # defined in a cell: the notebook's __main__ may not have it; cloudpickle sends
             # it by value
-            raise __import__("pickle").PicklingError("a class or function from __main__")
+            raise pickle.PicklingError("a class or function from __main__")
         return NotImplemented
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,6 +22,9 @@ from tplab import ops
 from tplab.cost.collectives import collective_terms
 from tplab.cost.hardware import Hardware, Link
 from tplab.errors import LabError
+
+if TYPE_CHECKING:  # the ranks load this module: tplab.lab is the notebook's side
+    from tplab.lab.contract import Ranks
 
 KiB, MiB = 1024, 1024 * 1024
 DEFAULT_SIZES = tuple(KiB * 2**k for k in range(15))   # 1 KiB .. 16 MiB
@@ -129,18 +133,13 @@ class Calibration:
         return statistics.median(r["rel_error"] for r in self.held_out(min_bytes))
 
 
-def _check_real(lab) -> None:
-    try:
-        # deferred: as in _rank_timings (tplab.lab.simulate loads torch)
-        from tplab.lab.simulate import Simulation
-    except ImportError:
-        Simulation = ()
-    if isinstance(lab, Simulation) or getattr(lab, "backend", None) == "fake":
+def _check_real(lab: Ranks) -> None:
+    if lab.in_process:
         raise LabError("calibrate needs real rank processes (tplab.launch): the simulated "
                        "lab's fake process group moves no bytes, so there is nothing to time")
 
 
-def calibrate(lab, sizes=DEFAULT_SIZES, ops=DEFAULT_OPS, repeats: int = 7,
+def calibrate(lab: Ranks, sizes=DEFAULT_SIZES, ops=DEFAULT_OPS, repeats: int = 7,
               warmup: int = 2, holdout: int = 2, matmul_n: int = 512) -> Calibration:
     """Time `ops` on the lab's ranks at each of `sizes` (bytes), fit alpha and beta per op
     on all but every `holdout`-th size (from the second; 0 holds out nothing), and report
@@ -149,8 +148,6 @@ def calibrate(lab, sizes=DEFAULT_SIZES, ops=DEFAULT_OPS, repeats: int = 7,
     _check_real(lab)
     sizes = sorted(sizes)
     results = lab.run(_rank_timings, tuple(ops), tuple(sizes), repeats, warmup, matmul_n)
-    if results[0]["backend"] == "fake":
-        raise LabError("calibrate needs real rank processes: the process group is fake")
     n = lab.world_size
     held = set(sizes[1::holdout]) if holdout else set()
     cal = Calibration(n, results[0]["backend"],

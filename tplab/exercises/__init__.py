@@ -151,6 +151,7 @@ def check(name: str, answer, lab=None, time_limit: float | None = None):
         time_bounded,
         too_long,
     )
+    from tplab.lab.contract import Ranks
     from tplab.lab.time_limit import TimeLimitReached
     from tplab.lab.validate import check_timeout
 
@@ -158,9 +159,9 @@ def check(name: str, answer, lab=None, time_limit: float | None = None):
     limit = check_timeout(time_limit, "time_limit") or CHECK_TIME_LIMIT_S
     if e.needs_lab and lab is None:
         raise ValueError(f"exercise {name!r} runs on ranks: check({name!r}, answer, lab)")
-    if e.needs_lab and not (hasattr(lab, "run") and hasattr(lab, "world_size")):
+    if e.needs_lab and not isinstance(lab, Ranks):
         raise TypeError(f"lab must be a tplab.launch(...) or tplab.simulate(...), not {lab!r}")
-    if e.needs_lab and getattr(lab, "closed", False):
+    if e.needs_lab and lab.closed:
         raise LabError(f"the lab was shut down, so exercise {name!r} cannot run: start a new "
                        "one with tplab.launch(2) (or tplab.simulate(2)) and check again")
     if e.needs_lab and lab.world_size < e.min_world_size:

@@ -7,7 +7,6 @@ went wrong, where and on which rank, while the lab stays usable.
 
 from __future__ import annotations
 
-import contextlib
 import html
 import inspect
 import linecache
@@ -17,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tplab.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
-from tplab.lab.simulate import Simulation
-from tplab.lab.time_limit import stop_after
+from tplab.lab.contract import Ranks
 from tplab.output import format_rank_list
 
 CHECK_TIMEOUT_S = 10.0  # an answer that waits longer than this in a collective is stuck
@@ -126,38 +124,22 @@ def _user_line(tb: str, sources=()) -> str:
     return f" at {where}, line {line}: {code}" if code else f" at {where}, line {line}"
 
 
-@contextlib.contextmanager
-def time_bounded(lab, limit: float):
-    """Bound how long an answer may compute during one check (grad_check included): rank
-    processes get `cell_timeout=limit` on every call (the watchdog interrupts them, and
-    the lab stays usable); a Simulation runs in this process, where the learner's own
-    Python code is stopped between bytecodes instead (tplab/lab/time_limit.py), as is,
-    with rank processes, any of the answer that runs in this process. Yields,
-    in a Simulation, the limit (its `.reached` says it stopped the answer); else None."""
-    if isinstance(lab, Simulation):
-        with stop_after(limit) as watch:
-            yield watch
-        return
-    # whatever of the answer runs here (no checker runs it here on purpose) is bounded too
-    with stop_after(limit):
-        if not hasattr(lab, "cell_timeout"):  # a lab that cannot bound a cell
-            yield None
-            return
-        before = lab.cell_timeout
-        lab.cell_timeout = limit  # the check's own bound, whatever the lab's cells have
-        try:
-            yield None
-        finally:
-            lab.cell_timeout = before
+def time_bounded(lab: Ranks, limit: float):
+    """Bound how long an answer may compute during one check (grad_check included): the
+    lab's `time_limit` (rank processes get `cell_timeout=limit` on every call, the watchdog
+    interrupts them and the lab stays usable; a Simulation runs in this process, where the
+    learner's own Python code is stopped between bytecodes instead). Yields the limit (its
+    `.reached` says it stopped the answer)."""
+    return lab.time_limit(limit)
 
 
-def too_long(name: str, limit: float, lab, err=None) -> Stop:
+def too_long(name: str, limit: float, lab: Ranks, err=None) -> Stop:
     """The feedback for an answer stopped by its time limit."""
     where = ""
     if isinstance(err, CellTimeout):
         where = f"\n{str(err).split(chr(10), 1)[-1]}"
     kind = ("its Python code was stopped (the simulation runs in this process)"
-            if isinstance(lab, Simulation) else "the ranks were interrupted")
+            if lab.in_process else "the ranks were interrupted")
     return fail(name, f"your answer was still computing after {limit:g} s, so it was stopped "
                       f"({kind}): a loop that never ends? Every step of an exercise takes "
                       f"well under a second; the lab is ready for the next try.{where}")

@@ -2,29 +2,42 @@
 
 It holds everything the lab started and knows of it: the ipyparallel cluster (controller
 and engine sets), the engine kind (tplab/lab/engines/) that says how ranks start and stop,
-the local pids the lab may kill, the ranks' pids and engine ids in rank order, and where
-their output comes from (files read here for local ranks, forwarded output for ranks
-elsewhere). The Watchdog sees the ranks through it (`dead`, `interrupt`, `read_output`,
+the local pids the lab may kill, the ranks' pids and engine ids in rank order, and the
+kind's transport (tplab/lab/transports.py: where the output comes from, how ranks are
+interrupted, how a death is noticed, which pids are this machine's). It is the kind's only
+caller. The Watchdog sees the ranks through it (`dead`, `interrupt`, `read_output`,
 `log_tail`, `catch_up`, `settle`); `close` is the lab's finalizer (it needs no Lab).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import shutil
 import signal
-import socket
 import time
 
 import ipyparallel as ipp
+from traitlets.config import Config
 
+from tplab import platforms
 from tplab.errors import LabError
 from tplab.lab import processes
-from tplab.lab.engines import EngineWatch
-from tplab.lab.forwarded import ForwardedOutput
-from tplab.lab.streams import RankFiles
+from tplab.lab.engines import EngineKind, EngineWatch, kind_for
+from tplab.lab.joining import Rendezvous
+from tplab.rank.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
 
 HUB_CHECK_S = 2.0  # how often a start still waiting asks the hub which engines registered
+ENGINE_IDS_PER_START = 1024  # start g of the ranks asks the hub for ids g*1024 + rank
+
+
+def choose_kind(engines, fork: bool, world_size: int, backend: str) -> tuple[EngineKind, str]:
+    """The kind for `engines=` (engines.kind_for), once it said it can run `world_size`
+    ranks on `backend`, and the backend it resolves "auto" to (before anything starts)."""
+    kind = kind_for(engines, fork=fork)
+    kind.check_size(world_size, backend)
+    return kind, kind.resolve_backend(backend, world_size)
 
 
 class LabProcesses:
@@ -39,15 +52,59 @@ class LabProcesses:
         self.engine_ids: list[int] = []  # ipyparallel engine id of each rank, in rank order
         self.pids: list[int] = []  # each rank's pid (on its own host), in rank order
         self.hosts: list[str] = []  # each rank's host name
-        self.files = RankFiles() if kind.ranks_are_local else ForwardedOutput()
-        self.watch: EngineWatch | None = None  # while ranks start, for other launchers
+        self.transport = kind.transport()  # how the running ranks are reached
+        self.files = self.transport.output  # their output, as it arrives
+        self.watch: EngineWatch | None = None  # while ranks start: the kind's checks
+        self._starts = itertools.count(1)
+        self.generation = 0  # which start of the ranks runs (a restart makes a new one)
+        self._requests = itertools.count(1)  # the number of the next request to the ranks
 
-    @property
-    def local(self) -> bool:
-        """True when rank pids are processes of this machine."""
-        return self.kind.ranks_are_local
+    def local_rank(self, rank: int):
+        """`rank`'s GPU index on its host, or the launcher's variables that say it."""
+        return self.kind.local_rank(rank)
+
+    def shared_dir(self) -> str | None:
+        """The lab's folder when the ranks read it as this process does, else None."""
+        return self.transport.shared_dir(self.state_dir)
 
     # --- starting ------------------------------------------------------------------------
+
+    def rank_environment(self, threads: int, loopback: bool) -> dict:
+        """The environment every rank process starts with (gloo on loopback if `loopback`)."""
+        env = {
+            OWNER_ENV: owner_token(),
+            STATE_DIR_ENV: self.state_dir,
+            "IPYTHONDIR": os.path.join(self.state_dir, "ipython"),
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if loopback:  # gloo on loopback, not the hostname's address
+            env.update(platforms.rank_env())
+        return env
+
+    def cluster_options(self, n: int, ip: str, env: dict, user: dict, log) -> tuple[dict, dict]:
+        """ipyparallel.Cluster's options for the lab (the user's `user` options win, the
+        lab's config stays under theirs), and the environment the engines get."""
+        config = Config()
+        config.BaseLauncher.environment = env
+        python = platforms.engine_python()  # the kernel's own Python (JupyterHub, venvs)
+        config.EngineLauncher.engine_cmd = [python, "-m", "tplab.rank.entry", "engine"]
+        config.ControllerLauncher.controller_cmd = [
+            python, "-m", "tplab.rank.entry", "controller"]
+        self.kind.configure(config, env, self.state_dir)
+        options = dict(
+            n=n, engines=self.kind.launcher, controller_ip=ip,
+            controller_args=["--HeartMonitor.period=100", "--log-level=ERROR"],
+            profile_dir=os.path.join(self.state_dir, "profile"), cluster_id="tplab",
+            cluster_file="",  # not needed: the Lab object is the only handle on the cluster
+            delay=0.0, send_engines_connection_env=False, shutdown_atexit=False,
+            load_profile=False, log=log, config=config,
+        )
+        options.update(user)
+        if "config" in user:  # the user's settings win, the lab's stay
+            config.merge(Config(user["config"]))
+            options["config"] = config
+        return options, {**env, **dict(config.BaseLauncher.environment)}
 
     def start_controller(self, options: dict, env: dict, timeout: float) -> None:
         self.extra_roots = self.kind.prepare(env, self.state_dir)
@@ -56,9 +113,11 @@ class LabProcesses:
         self._remember_roots()
         self.kind.ready(timeout)
 
-    def start_engines(self, n: int, first_id: int, env: dict, wait) -> list[int]:
-        """Start n engines; returns their engine ids, in rank order, once all registered
-        (`wait`, a joining.StartWait, says when to give up)."""
+    def start_engines(self, n: int, env: dict, wait) -> list[int]:
+        """Start n engines, a new generation of ranks; returns their engine ids, in rank
+        order, once all registered (`wait`, a joining.StartWait, says when to give up)."""
+        self.generation = next(self._starts)
+        first_id = self.generation * ENGINE_IDS_PER_START
         # The client connects BEFORE the engines start: it learns of engines that register
         # after it connected from the hub's notifications, which a subscriber only gets once
         # its subscription is through (zmq's slow joiner). Connected while 32 engines
@@ -73,8 +132,7 @@ class LabProcesses:
             raise self.kind.start_error(exc, self.state_dir) from None
         self.engine_sets = [self.cluster.engines[set_id]]
         self._remember_roots()
-        if not self.kind.ranks_are_local:
-            self.watch = EngineWatch(self.kind, self.engine_sets, self.state_dir)
+        self.watch = EngineWatch(self.kind, self.engine_sets, self.state_dir)
         wanted = self.kind.engine_ids(first_id, n)
         asked = time.monotonic()
         while True:
@@ -108,14 +166,36 @@ class LabProcesses:
             old, self.client = self.client, self.cluster.connect_client_sync()
             old.close()
 
+    def rendezvous(self, planned: Rendezvous, listen: str, wait) -> Rendezvous:
+        """Where this start of the ranks meets (the kind agrees the lab's plan) and where
+        their output goes (the transport's); `wait(async results)` waits as the start does."""
+        def ask(fn, *args, ranks=None):
+            ranks = range(len(self.engine_ids)) if ranks is None else ranks
+            return wait([self.client[self.engine_ids[r]].apply_async(fn, *args) for r in ranks])
+
+        agreed = self.kind.rendezvous(planned, ask)
+        return dataclasses.replace(agreed, output_to=self.transport.output_to(
+            listen, agreed.contact, self.generation))
+
     def joined(self, infos: list[dict]) -> None:
         """The ranks joined the process group: their pids, hosts and output."""
         self.pids = [info["pid"] for info in infos]
         self.hosts = [info["host"] for info in infos]
-        if self.kind.ranks_are_local:
-            for r, info in enumerate(infos):
-                self.files.attach(r, *info["output"])
+        self.transport.joined(infos)
         self.watch = None  # started: what engines log from now on is the user's
+
+    def next_request(self) -> int:
+        """A new request's number (the ranks tell a cell's reports by it)."""
+        return next(self._requests)
+
+    def send(self, ranks: list[int], remote_fn, *args):
+        """A request to some ranks, outside a cell's watch; its AsyncResult."""
+        view = self.client.direct_view([self.engine_ids[r] for r in ranks])
+        return view.apply_async(remote_fn, *args, self.next_request())
+
+    def starting_pids(self) -> list[int]:
+        """The rank processes being started that this machine runs, in rank order."""
+        return self.transport.killable(self.exit_codes())
 
     def fail_if_a_rank_exited(self) -> None:
         failed = self.watch.check() if self.watch is not None else None
@@ -144,12 +224,7 @@ class LabProcesses:
 
     def all_pids(self) -> list[int]:
         """Every local process of the lab still running, with its descendants."""
-        ranks = self.pids if self.kind.ranks_are_local else []
-        return processes.tree(self.roots + self.extra_roots + ranks)
-
-    def contact(self, ip: str) -> str:
-        """The address of this machine that ranks elsewhere reach (the controller's)."""
-        return ip if ip not in ("0.0.0.0", "*", "") else socket.gethostname()
+        return processes.tree(self.roots + self.extra_roots + self.transport.killable(self.pids))
 
     # --- stopping ------------------------------------------------------------------------
 
@@ -157,7 +232,7 @@ class LabProcesses:
         """End every rank process (the controller stays)."""
         self.kind.stop(self.engine_sets)  # ssh engines, batch jobs
         old = [pid for pid in self.roots if pid != self.controller_pid()]
-        ranks = self.pids if self.kind.ranks_are_local else []  # pids elsewhere mean nothing
+        ranks = self.transport.killable(self.pids)  # pids elsewhere mean nothing here
         processes.kill_trees(old + ranks, timeout=0)  # they die on their own
         for set_id in list(self.cluster.engines):
             self.cluster.engines.pop(set_id)
@@ -197,28 +272,17 @@ class LabProcesses:
             if code is not None:
                 out[self.pids.index(pid) if pid in self.pids else -1] = \
                     processes.how_it_ended(code)
-        if not self.kind.ranks_are_local:
-            for r in self.files.ended():
-                out[r] = f"exited on {self.hosts[r] if r < len(self.hosts) else 'its host'}"
+        out.update(self.transport.ended(self.hosts))
         return out
 
     def interrupt(self, ranks: list[int], sig: int = signal.SIGINT) -> None:
-        """A signal to these ranks: by pid here; through ipyparallel (the engines' nannies)
-        for ranks elsewhere, whose pids mean nothing here."""
-        if not ranks:
-            return
-        if not self.kind.ranks_are_local:
-            try:
-                self.client.send_signal(sig, targets=[self.engine_ids[r] for r in ranks],
-                                        block=False)
-            except Exception:  # noqa: BLE001 - an engine without a nanny: nothing to do
-                pass
-            return
-        for r in ranks:
-            try:
-                os.kill(self.pids[r], sig)
-            except (OSError, IndexError):
-                pass
+        """A signal to these ranks, as the transport sends it: by pid here; through
+        ipyparallel (the engines' nannies) for ranks elsewhere."""
+        if ranks:
+            self.transport.interrupt(ranks, sig, self.pids, self._signal_engines)
+
+    def _signal_engines(self, sig: int, ranks: list[int]) -> None:
+        self.client.send_signal(sig, targets=[self.engine_ids[r] for r in ranks], block=False)
 
     def read_output(self) -> list[tuple[int, str, str]]:
         return self.files.read()

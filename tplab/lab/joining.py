@@ -14,6 +14,7 @@ last output lines), where rank 0's store was to listen, and what to do.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -25,6 +26,20 @@ S_PER_RANK_PER_CORE = 8.0
 MIN_START_S = 60.0
 PROGRESS_WINDOW_S = 10.0  # CPU used within this long counts as progress
 MAX_STRETCH = 3.0  # a progressing start may take this many times the limit
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendezvous:
+    """Where a start of the ranks meets: rank 0's store (`master_addr:master_port`), and
+    how the ranks reach this machine. The lab plans one (its address, a free port); the
+    engine kind agrees it (`EngineKind.rendezvous`: ranks elsewhere put the store on rank 0's
+    host), and the transport adds where the output goes (`output_to`)."""
+
+    master_addr: str
+    master_port: int
+    addr_given: bool = False  # the user's master_addr=: kept for ranks elsewhere too
+    contact: str = ""  # the address of this machine that ranks elsewhere reach
+    output_to: dict | None = None  # where ranks forward their output (None: files read here)
 
 
 def cores() -> int:

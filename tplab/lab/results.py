@@ -35,12 +35,18 @@ class RankResults:
                 message = self._futures[r].result()
             except Exception as exc:  # noqa: BLE001 - e.g. an EngineError
                 message = exc
-            self._replies[r] = from_wire(message) if is_wire(message) else message
+            self._replies[r] = decode(message)
         return self._replies[r]
 
     def value(self, r: int):
         reply = self.reply(r)
         return reply.value if isinstance(reply, rank_side.Reply) else reply
+
+
+def decode(message):
+    """A rank's reply as the notebook reads it: tplab's wire format decoded (transfer.py),
+    anything else (an ipyparallel error...) as it came."""
+    return from_wire(message) if is_wire(message) else message
 
 
 def engine_died(value) -> bool:

@@ -58,6 +58,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import tplab
 from tplab import mesh
 from tplab.errors import LabError, PlanError, RankError, RankPlanError
+from tplab.lab.time_limit import stop_after
 from tplab.lab.validate import check_ranks, check_timeout, check_world_size
 from tplab.output import format_rank_list
 from tplab.pytrees import map_leaves
@@ -73,7 +74,11 @@ def simulate(world_size: int = 4) -> Simulation:
 class Simulation:
     """Runs fn once, SPMD over `world_size` simulated ranks; see the module docstring."""
 
+    world_size: int
     backend = "simulated"
+    in_process = True  # the ranks are this process (tplab/lab/contract.py, Ranks)
+    threads_per_rank = None  # this process's own torch threads
+    shared_dir = None  # nothing to share through files: the ranks see this process's objects
 
     def __init__(self, world_size: int = 4):
         self.world_size = check_world_size(world_size)
@@ -97,9 +102,25 @@ class Simulation:
         """True once shut down (a simulation can still run: nothing was started)."""
         return self._closed
 
+    @property
+    def rank_pids(self) -> list[int]:
+        """No rank processes: []."""
+        return []
+
     def shutdown(self) -> None:
         """Nothing to stop: no processes were started."""
         self._closed = True
+
+    @contextlib.contextmanager
+    def time_limit(self, seconds: float):
+        """The learner's own Python code in the block is stopped between bytecodes once
+        `seconds` have passed (a TimeLimitReached; tplab/lab/time_limit.py): nobody else is
+        there to interrupt it. Yields the limit (`.reached`)."""
+        seconds = check_timeout(seconds, "time_limit")
+        if seconds is None:
+            raise ValueError("time_limit needs a positive number of seconds, got None")
+        with stop_after(seconds) as limit:
+            yield limit
 
     def restart(self) -> float:
         """Forget every name defined on the ranks (as fresh rank processes would)."""

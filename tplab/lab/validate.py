@@ -6,11 +6,11 @@ import difflib
 import numbers
 import re
 import socket
-from importlib.metadata import entry_points
 
 import psutil
 
 from tplab.errors import LabError
+from tplab.lab.addresses import EVERY_INTERFACE
 
 BACKENDS = ("auto", "gloo", "nccl")
 # Memory a local rank holds (PSS: a shared page counts 1/k to each of its k sharers), from
@@ -74,7 +74,7 @@ def check_ip(ip) -> None:
     """The address the lab listens on must be one of this machine's (or every interface)."""
     if not isinstance(ip, str) or not ip:
         raise LabError(f"ip must be an address string such as '127.0.0.1', got {ip!r}")
-    if ip in ("0.0.0.0", "*"):
+    if ip in EVERY_INTERFACE:
         return
     try:
         address = socket.gethostbyname(ip)
@@ -133,25 +133,12 @@ def parse_rank_spec(line: str, world_size: int) -> list[int]:
     return list(dict.fromkeys(ranks))
 
 
-def check_launch_args(world_size, backend, engines, ip, fork: bool = True) -> None:
+def check_launch_args(world_size, backend, ip, fork: bool = True) -> None:
+    """What `tplab.launch` checks before it resolves `engines=` (engines.kind_for does that,
+    and the kind checks what it can run)."""
     check_world_size(world_size)
     if backend not in BACKENDS:
         raise LabError(f"unknown backend {backend!r}: use one of {', '.join(map(repr, BACKENDS))}")
-    if isinstance(engines, str):
-        # deferred: `import tplab` in a notebook loads this module (tplab.lab.magics)
-        # and takes 0.014 s; ipyparallel would add 0.07 s there (0.45 s without IPython)
-        from ipyparallel.cluster.launcher import find_launcher_class
-
-        if engines.lower() != "local":
-            try:
-                find_launcher_class(engines, "engine")
-            except Exception:
-                names = sorted(e.name for e in entry_points(group="ipyparallel.engine_launchers"))
-                raise LabError(f"unknown engines {engines!r}: use 'local' or one of "
-                               f"ipyparallel's engine launchers: {', '.join(names)}") from None
-    elif not isinstance(engines, type):
-        raise LabError(f"engines must be a launcher name such as 'local' or 'mpi', "
-                       f"got {engines!r}")
     check_ip(ip)
     if not isinstance(fork, bool):
         raise TypeError(f"fork must be True or False, got {fork!r}")

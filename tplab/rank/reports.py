@@ -1,7 +1,7 @@
 """Rank side: where this rank is, written to the rendezvous store for the notebook.
 
 A reporter thread (`report_loop`) writes `where_now()` every REPORT_INTERVAL_S while a cell
-runs: computing or in which collective (tplab/lab/collectives.py notes every call), at
+runs: computing or in which collective (tplab/rank/collectives.py notes every call), at
 which line of the learner's code, and every group's collective count. At the end of a cell
 that changed the counts, `end_cell` writes a final report: the notebook's word on a
 finished rank's counts (tplab/lab/diagnose.py `owed`). So that word is never stale, the

@@ -38,7 +38,7 @@ from tplab import platforms
 from tplab.output import strip_ansi
 from tplab.rank import collectives, forward, reports, torch_log
 from tplab.rank.collectives import REPORT
-from tplab.rank.entry import output_paths
+from tplab.rank.entry import STATE_DIR_ENV, output_paths
 from tplab.transfer import to_wire, unsendable_part
 
 NAMESPACE_PID = "tplab:rank-namespace"  # the persistent id of the rank's globals (names.py)
@@ -169,7 +169,7 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, tplab=tplab)
     threading.Thread(target=reports.report_loop, daemon=True, name="tplab-reporter").start()
     reports.report_now()  # a first report: every group's count, for idle ranks
-    state_dir = os.environ.get("TPLAB_STATE_DIR") or "/tmp"
+    state_dir = os.environ.get(STATE_DIR_ENV) or "/tmp"
     paths = output_paths(state_dir, os.getpid())
     # torch's log of a failed sharding propagation: the rank's own file, not the notebook
     torch_log.route_to_file(paths[1][:-len(".err")] + ".torch.log")

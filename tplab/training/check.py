@@ -107,12 +107,12 @@ def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order
 
 
 @contextlib.contextmanager
-def reference_threads(lab):
+def reference_threads(lab: Ranks):
     """The reference runs with one rank's share of the cores (`lab.threads_per_rank`): the
     ranks and the notebook share the machine, and torch's default (every core) in this
     process made each tiny op of the reference wait for its thread pool (measured here, 2
     cores, 4 ranks: 77 ms a step with 2 threads, 20 ms with 1)."""
-    threads = getattr(lab, "threads_per_rank", None)
+    threads = lab.threads_per_rank
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -167,10 +167,10 @@ TORCH_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torc
                   torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
 
 
-def _refuse_torch_dropout(lab, model) -> None:
+def _refuse_torch_dropout(lab: Ranks, model) -> None:
     """tplab.simulate's ranks draw every random op per rank (LocalTensorMode), so torch's
     own dropout there cannot draw one device's masks: say so, rather than fail a run."""
-    if getattr(lab, "backend", "") != "simulated":
+    if not lab.in_process:
         return
     for name, m in model.named_modules():
         if isinstance(m, TORCH_DROPOUTS) and m.p > 0 and m.training:
@@ -181,7 +181,7 @@ def _refuse_torch_dropout(lab, model) -> None:
                            "(tplab.launch)")
 
 
-def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
+def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step=None,
                 make_optimizer=None, loss_fn=None, *, dp: int | None = None,
                 tp: int | None = None, param_map: dict | None = None,
                 live: bool | None = None) -> TrainReport:
@@ -189,7 +189,7 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
     weights, and compare them step by step against a measured noise band. See the module
     docstring."""
     _check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live)
-    if getattr(lab, "closed", False):
+    if lab.closed:
         raise LabError("train_check: this lab was shut down; start a new one")
     dp, tp = mesh_shape(lab.world_size, dp, tp)
     if param_map is not None and not isinstance(param_map, dict):
@@ -226,7 +226,7 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
         # processes it runs in a thread of this process while they train (benchmarks/
         # train_check.py); a Simulation computes in this process, so it runs first.
         band = pool.submit(measure_noise)
-        if getattr(lab, "backend", "") == "simulated":
+        if lab.in_process:
             band.result()
             torch.set_rng_state(end)  # where the ranks' global RNG goes on from
         try:
@@ -245,15 +245,15 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
     return report
 
 
-def _train_ranks(lab, build_model, state, plan, make_batch, steps, step, make_optimizer,
+def _train_ranks(lab: Ranks, build_model, state, plan, make_batch, steps, step, make_optimizer,
                  loss_fn, dp, param_map, ref, shapes, aliases, ref_losses, band, live):
     """The ranks' run (tplab/rank/train_step.py), live or not; returns (results, view)."""
     live = live_default(lab) if live is None else live
     view = LiveTraining(lab.world_size, ref_losses, band) if live else None
     path = None
     source = ref
-    if getattr(lab, "engines", None) == "local" and getattr(lab, "state_dir", None):
-        path = os.path.join(lab.state_dir, f"train-reference-{uuid.uuid4().hex}.pt")
+    if lab.shared_dir:
+        path = os.path.join(lab.shared_dir, f"train-reference-{uuid.uuid4().hex}.pt")
         torch.save(ref, path)  # read by every local rank (mmap), not sent to each of them
         source = path
     try:

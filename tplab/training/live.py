@@ -24,16 +24,17 @@ import ipywidgets as w
 from IPython.display import display
 
 from tplab.lab import streams
+from tplab.lab.contract import Ranks
 from tplab.rank.train_step import LIVE_PREFIX, LIVE_SUFFIX
 from tplab.training.report import training_figure
 
 REDRAW_S = 1.0
 
 
-def live_default(lab) -> bool:
+def live_default(lab: Ranks) -> bool:
     """Live in a Jupyter kernel with rank processes (a Simulation runs in this process: its
     figure comes at the end)."""
-    return streams.in_kernel() and getattr(lab, "backend", "") != "simulated"
+    return streams.in_kernel() and not lab.in_process
 
 
 class LiveTraining:

@@ -19,24 +19,24 @@ from collections.abc import Sequence
 
 import torch
 
-from tplab.ops import ALL_REDUCE, REDUCE_SCATTER
+from tplab.ops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from tplab.viz.palette import op_words
 
 REDUCTIONS = {ALL_REDUCE, REDUCE_SCATTER}
 
 # (op, phase, side) -> (letter drawn, what it does, for the hover)
 ROLES = {
-    ("all_reduce", "forward", "output"):
+    (ALL_REDUCE, "forward", "output"):
         ("g", "g: sums the partial outputs of a row-parallel layer"),
-    ("all_reduce", "backward", "input"):
+    (ALL_REDUCE, "backward", "input"):
         ("f", "f's backward: sums each rank's part of dL/dx for a column-parallel layer"),
-    ("all_gather", "forward", "input"):
+    (ALL_GATHER, "forward", "input"):
         ("", "gathers the sequence shards of the input (sequence parallelism)"),
-    ("reduce_scatter", "backward", "input"):
+    (REDUCE_SCATTER, "backward", "input"):
         ("", "conjugate of the forward all-gather: sums dL/dx and scatters it by sequence"),
-    ("reduce_scatter", "forward", "output"):
+    (REDUCE_SCATTER, "forward", "output"):
         ("", "sums the partial outputs and scatters them by sequence (sequence parallelism)"),
-    ("all_gather", "backward", "output"):
+    (ALL_GATHER, "backward", "output"):
         ("", "conjugate of the forward reduce-scatter: gathers dL/dy's sequence shards"),
 }
 
@@ -44,7 +44,7 @@ ROLES = {
 def role(rec: dict, sd: str) -> tuple[str, str]:
     """(letter, words): "f", "g", "dW" or "" for the figure, and a sentence for the hover."""
     op, phase = rec.get("op"), rec.get("phase")
-    if op == "all_reduce" and phase == "backward" and len(rec.get("shape") or []) <= 1:
+    if op == ALL_REDUCE and phase == "backward" and len(rec.get("shape") or []) <= 1:
         # activations are (batch, seq, dim): a 1-D message is a parameter's gradient
         return "dW", "sums a replicated weight's gradient (a norm under sequence parallelism)"
     return ROLES.get((op, phase, sd), ("", f"{op_words(op)} in the {phase} pass"))

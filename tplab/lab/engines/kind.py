@@ -6,28 +6,34 @@ defines `KIND`), else the generic one: adding a kind is adding one file (docs/DE
 "Engine kinds").
 
 What a lab asks of its kind (tplab/lab/cluster.py calls these, and nothing else does):
+- `check_size(world_size, backend)`, `resolve_backend(backend, world_size)`: before
+  anything starts;
 - `configure(config, env, state_dir)`: the launcher's settings and the ranks' environment;
+  `launcher`: the ipyparallel engine launcher (a name or a class);
 - `prepare(env, state_dir)` before the controller starts (the fork server), `ready()`;
 - `start_options(first_id, env)`: extra arguments of `Cluster.start_engines`;
 - `engine_ids(first_id, n)`: which engine ids the new ranks register as (None: any new);
-- `rendezvous(...)`: where rank 0's store listens and where the ranks' output goes;
+- `rendezvous(planned, ask)`: where rank 0's store listens (a joining.Rendezvous);
 - `local_rank(rank)`: a rank's GPU index on its host (or the launcher's variables for it);
 - `local_pids(engine_set)`: local processes the lab may kill (never a pid elsewhere);
-- `ranks_are_local`: whether rank pids are processes of this machine (signals by pid,
-  output files read here), else ranks forward their output (tplab/rank/forward.py) and are
-  interrupted through ipyparallel;
+- `transport()`: how the running ranks are reached (tplab/lab/transports.py): a
+  LocalTransport (pids of this machine: signals by pid, output files read here) or a
+  RemoteTransport (output forwarded, tplab/rank/forward.py; interrupts through ipyparallel);
 - `check(engine_set, remote, state_dir)`: a start failure, said with the fix;
 - `stop(engine_sets)`: end what runs elsewhere (ssh engines, batch jobs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from ipyparallel.cluster.launcher import BatchSystemLauncher, LocalProcessLauncher, SSHLauncher
 
 from tplab.errors import LabError
 from tplab.lab.engines import watch
+from tplab.lab.joining import Rendezvous
+from tplab.lab.transports import RemoteTransport
 from tplab.rank import network
 from tplab.rank.entry import HEARTBEAT_ENV
 
@@ -38,7 +44,6 @@ class EngineKind:
     forward their output to the notebook, and get engine ids the hub picks."""
 
     name = "generic"
-    ranks_are_local = False
     launcher_base: type | None = None  # kind_for(a launcher class) picks the kind by this
 
     def __init__(self, launcher=None, fork: bool = False):
@@ -85,24 +90,22 @@ class EngineKind:
         the launcher's variables the rank reads it from (rank.init_rank)."""
         return self.local_rank_vars
 
-    def rendezvous(self, processes, ip: str, master_addr: str, port: int, given: bool,
-                   generation: int, wait) -> tuple[str, int, dict | None]:
-        """Before the ranks join: (master_addr, master_port, output_to) for rank.init_rank.
-        Ranks elsewhere: rank 0's store on rank 0's host (its address on the route to the
-        controller, unless master_addr was given), gloo on the interface that reaches it
-        (tplab/rank/network.py), and their output forwarded to this machine (tplab/rank/forward.py).
-        `wait(async results)` waits for requests to the ranks as the start does."""
-        client, ids = processes.client, processes.engine_ids
-        contact = processes.contact(ip)
-        if not given:
-            where = wait([client[ids[0]].apply_async(network.rank_address, contact)])[0]
-            master_addr, port = where["address"], where["port"]
-        wait([client[eid].apply_async(network.point_gloo_at, master_addr) for eid in ids])
-        receiver = processes.files
-        receiver.expect(generation)
-        listen = receiver.listen(ip if ip not in ("*", "") else "0.0.0.0")
-        return master_addr, port, {"host": contact, "port": listen, "key": receiver.key,
-                                   "generation": generation}
+    def rendezvous(self, planned: Rendezvous, ask) -> Rendezvous:
+        """Before the ranks join: where rank 0's store listens. Ranks elsewhere: on rank
+        0's host (its address on the route to the controller, unless master_addr was
+        given), and gloo on the interface that reaches it (tplab/rank/network.py).
+        `ask(fn, *args, ranks=None)` calls fn on the ranks and waits as the start does."""
+        agreed = planned
+        if not planned.addr_given:
+            where = ask(network.rank_address, planned.contact, ranks=[0])[0]
+            agreed = dataclasses.replace(planned, master_addr=where["address"],
+                                         master_port=where["port"])
+        ask(network.point_gloo_at, agreed.master_addr)
+        return agreed
+
+    def transport(self) -> RemoteTransport:
+        """Ranks elsewhere: output forwarded, interrupts through ipyparallel, no pid here."""
+        return RemoteTransport()
 
     def start_error(self, exc: BaseException, state_dir: str) -> LabError:
         return watch.start_error(self.launcher, exc, state_dir)

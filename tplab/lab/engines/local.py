@@ -12,12 +12,13 @@ import psutil
 from tplab.errors import LabError
 from tplab.lab import processes
 from tplab.lab.engines.kind import EngineKind
+from tplab.lab.joining import Rendezvous
+from tplab.lab.transports import LocalTransport
 from tplab.lab.validate import MAX_LOCAL_RANKS, RANK_MEMORY_GIB, gpu_count, resolve_backend
 
 
 class LocalKind(EngineKind):
     name = "local"
-    ranks_are_local = True
 
     def __init__(self, launcher=None, fork: bool = True):
         super().__init__(launcher)
@@ -74,10 +75,13 @@ class LocalKind(EngineKind):
     def local_rank(self, rank: int) -> int:
         return rank
 
-    def rendezvous(self, processes, ip: str, master_addr: str, port: int, given: bool,
-                   generation: int, wait) -> tuple[str, int, None]:
-        """The store at the lab's address; output files read here, nothing forwarded."""
-        return master_addr, port, None
+    def rendezvous(self, planned: Rendezvous, ask) -> Rendezvous:
+        """The store at the lab's address, as planned."""
+        return planned
+
+    def transport(self) -> LocalTransport:
+        """Pids of this machine: signals by pid, output files read here."""
+        return LocalTransport()
 
     def start_error(self, exc: BaseException, state_dir: str) -> BaseException:
         return exc  # a local start that fails raises as it is
