@@ -1,0 +1,108 @@
+"""The kernels of a training step on one GPU, timed: GEMMs at a measured kernel rate with one
+roofline, element-wise work at the memory bandwidth, the LM head and loss, the optimizer.
+
+GEMM: time = max(2 m n k / (peak x `matmul_efficiency` x quantisation), bytes / memory
+bandwidth). `matmul_efficiency` is the best rate mamf-finder measured for large GEMMs
+(`tplab.cost.hardware`), so it is a kernel rate, not an end-to-end MFU; the tile and wave
+quantisation is `tplab.cost.gemm`'s (NVIDIA's Matrix Multiplication Background guide).
+The memory roofline is applied once, to the bytes the GEMM reads and writes (unlike
+`gemm_efficiency`, which derates a rate that `step_time` then derates again).
+
+Element-wise bytes per token per layer, forward, with 2-byte activations (each op reads
+its inputs and writes its output once; fused kernels would move less, so this errs slow):
+two RMSNorms 2 x 4h, two residual adds 2 x 6h (both split by t under sequence
+parallelism), RoPE on q and k 4 (h + h_kv) / t, SwiGLU 6f / t (GELU 4f / t). The backward
+pass moves twice that. The loss reads and writes the fp32 logits: 12 bytes per logit.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tplab.cost.hardware import Hardware
+from tplab.cost.memory import param_count
+from tplab.cost.shapes import BlockShape
+
+TILES = ((128, 256), (128, 128))
+LOSS_BYTES = 12
+ADAM_BYTES = 30
+"""Bytes Adam moves per local parameter per step: reads fp32 master, m, v and gradient (16),
+writes master, m and v (12) and the bf16 copy (2)."""
+
+
+def quantisation(m: int, n: int, k: int, hw: Hardware) -> float:
+    """Fraction of the tiles' work that is useful: tile and wave quantisation, the better of
+    cuBLAS's two usual bf16 tiles in either orientation (`tplab.cost.gemm`)."""
+    best = 0.0
+    for tm, tn in TILES:
+        for a, b in ((m, n), (n, m)):
+            tiles = math.ceil(a / tm) * math.ceil(b / tn)
+            waves = math.ceil(tiles / hw.sms)
+            best = max(best, a * b / (waves * hw.sms * tm * tn))
+    return best
+
+
+def gemm_time(m: int, n: int, k: int, hw: Hardware, precision: str = "bf16") -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM: the compute rate or the memory roofline,
+    whichever is slower (module doc)."""
+    if precision == "fp8":
+        rate, size = hw.fp8_flops * hw.fp8_matmul_efficiency, 1
+    else:
+        rate, size = hw.flops * hw.matmul_efficiency, 2
+    compute = 2 * m * n * k / (rate * quantisation(m, n, k, hw))
+    traffic = (size * (m * k + k * n) + 2 * m * n) / hw.memory_bandwidth
+    return max(compute, traffic)
+
+
+def layer_linear_flops(shape: BlockShape) -> float:
+    """Forward FLOPs per token of one layer's linears: 2 x their weights."""
+    h, f = shape.hidden, shape.ffn_size
+    return 2 * (h * (h + 2 * shape.kv_dim) + h * h + (3 if shape.gated else 2) * h * f)
+
+
+def linear_gemms(shape: BlockShape, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """One layer's forward GEMMs on one TP rank, (m, n, k): QKV, output, MLP in and out."""
+    h, f = shape.hidden, shape.ffn_size
+    width = (2 if shape.gated else 1) * f
+    return [(tokens, max(1, (h + 2 * shape.kv_dim) // tp), h), (tokens, h, max(1, h // tp)),
+            (tokens, max(1, width // tp), h), (tokens, h, max(1, f // tp))]
+
+
+def linear_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
+                precision: str = "bf16") -> float:
+    """Seconds of one layer's forward GEMMs on one rank (each backward GEMM, input and
+    weight gradient, costs the same shape transposed: the same time)."""
+    return sum(gemm_time(m, n, k, hw, precision) for m, n, k in linear_gemms(shape, tokens, tp))
+
+
+def elementwise_bytes(shape: BlockShape, tokens: int, tp: int) -> float:
+    """Bytes one rank's element-wise ops move in one layer's forward (module doc)."""
+    h, f = shape.hidden, shape.ffn_size
+    split = tp if tp > 1 else 1    # sequence parallel whenever TP > 1 (Megatron-LM)
+    per_token = (8 * h + 12 * h) / split + 4 * (h + shape.kv_dim) / tp
+    per_token += (6 if shape.gated else 4) * f / tp
+    return tokens * per_token
+
+
+def head_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
+              precision: str = "bf16") -> float:
+    """Forward + backward seconds of the LM head (vocabulary split t ways) and the loss on
+    its fp32 logits. The head stays in bf16 under fp8 (Transformer Engine's recipe)."""
+    if not shape.vocab:
+        return 0.0
+    vocab = -(-shape.vocab // tp)
+    gemm = gemm_time(tokens, vocab, shape.hidden, hw, "bf16")
+    return 3 * gemm + tokens * vocab * LOSS_BYTES / hw.memory_bandwidth
+
+
+def local_params(shape: BlockShape, tp: int, pp: int) -> float:
+    """Parameter elements one GPU holds before any sharding: 1/(t p) of the model."""
+    return param_count(shape, tp) / pp
+
+
+def optimizer_time(shape: BlockShape, tp: int, pp: int, replicas: int, sharding: str,
+                   hw: Hardware) -> float:
+    """Seconds of the Adam step on one GPU: its share of the parameters (all of them under
+    DDP, 1/replicas otherwise) times ADAM_BYTES over the memory bandwidth."""
+    n = local_params(shape, tp, pp) / (1 if sharding == "ddp" else replicas)
+    return n * ADAM_BYTES / hw.memory_bandwidth

@@ -1,0 +1,131 @@
+"""Published end-to-end training runs, as printed, and the model's error on each.
+
+`RUNS` holds one dict per run: its `source` (paper and table, or repository and file), the
+configuration as printed (model, hardware, GPUs, TP/PP/VPP/CP, micro and global batch,
+sequence length, precision, recomputation, sharding), what the source prints (`printed`)
+and the tokens per second per GPU that follows from it (`measured`), and the `assumed`
+fields the source does not print. `compare()` predicts each (`cost.predict`) and returns
+its error; docs/VALIDATION.md discusses where and why the model and a run disagree.
+
+How `measured` follows from what is printed:
+- an iteration time (Korthikanti 2022 Table 5, dgxc-benchmarking): global batch x sequence
+  length / (time x GPUs);
+- tokens/s per GPU (llm-foundry's "Throughput (T/s/GPU)", torchtitan's per-GPU "WPS"):
+  as printed;
+- TFLOPs/GPU (Llama 3 Table 4): TFLOPs / `model_flops_per_token` (6N + causal attention),
+  a convention the paper does not state (stated as an assumption per row).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from tplab.cost.shapes import MODELS
+from tplab.cost.training_run import TrainingRun, model_flops_per_token, predict
+
+LLAMA3 = "Llama 3 Herd of Models (arXiv 2407.21783v3), Table 4"
+KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198), Tables 3 and 5"
+TITAN = "pytorch/torchtitan docs/performance.md"
+FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
+DGXC = "NVIDIA/dgxc-benchmarking llama3.1/README.md"
+
+KEYS = ("model", "hardware", "gpus", "tp", "pp", "vpp", "cp", "micro_batch", "global_batch",
+        "seq_len", "recompute", "sharding")
+
+
+def row(source, where, config, printed, measured, assumed=()):
+    run = dict(zip(KEYS, config, strict=True))
+    return {"source": source, "where": where, **run, "precision": "bf16",
+            "printed": printed, "measured": measured, "assumed": tuple(assumed)}
+
+
+def llama3(gpus, cp, dp, seq, batch_per_dp, tflops):
+    tokens = tflops * 1e12 / model_flops_per_token(MODELS["Llama-3.1 405B"].with_(seq=seq))
+    return row(LLAMA3, f"{gpus} GPUs, CP {cp}", ("Llama-3.1 405B", "H100 SXM", gpus, 8, 16, 4,
+               cp, 1, batch_per_dp * dp, seq, "none", "zero2"), f"{tflops} TFLOPs/GPU",
+               tokens, ("micro_batch 1", "vpp 4", "recompute none",
+                        "FLOPs per token 6N + causal attention"))
+
+
+def korthikanti(model, gpus, pp, vpp, mb, gbs, seconds, full):
+    label = "full recompute" if full else "present work (selective + SP)"
+    return row(KORTHIKANTI, f"{model}, {label}", (model, "A100 SXM", gpus, 8, pp, vpp, 1, mb,
+               gbs, 2048, "full" if full else "selective", "zero1"),
+               f"{seconds} s per iteration", gbs * 2048 / (seconds * gpus))
+
+
+def foundry(hw, model, seq, gpus, mb, accum, tps, ac):
+    return row(FOUNDRY, f"{hw} table, {model} at {seq}, {gpus} GPUs",
+               (f"MPT {model}", "H100 SXM" if hw == "H100 80GB BF16" else "A100 SXM", gpus,
+                1, 1, 1, 1, mb, mb * accum * gpus, seq, "full" if ac else "none", "fsdp"),
+               f"{tps} T/s/GPU", tps)
+
+
+def titan(model, batch, ac, wps, seq):
+    return row(TITAN, f"{model}, batch {batch}, {ac}", (model, "A100 SXM", 64, 1, 1, 1, 1,
+               batch, 64 * batch, seq, {"no": "none", "full": "full"}.get(ac, "selective"),
+               "fsdp"), f"{wps} WPS", wps,
+               ("'selective layer'/'selective op' AC priced as recompute='selective'",))
+
+
+RUNS: list[dict] = [
+    llama3(8192, 1, 64, 8192, 32, 430),
+    llama3(16384, 1, 128, 8192, 16, 400),
+    llama3(16384, 16, 8, 131072, 16, 380),
+    *[korthikanti(*args, full) for full in (False, True) for args in (
+        ("GPT 22B", 8, 1, 1, 4, 4, 1.42 if full else 1.10),
+        ("GPT 175B", 64, 8, 3, 1, 64, 18.13 if full else 13.75),
+        ("GPT 530B", 280, 35, 3, 1, 280, 49.05 if full else 37.83),
+        ("GPT 1T", 512, 64, 1, 1, 512, 94.42 if full else 71.49))],
+    row(KORTHIKANTI, "GPT 530B, 8-way DP (section 6.3)", ("GPT 530B", "A100 SXM", 2240, 8, 35,
+        3, 1, 1, 2240, 2048, "selective", "zero1"), "39.15 s per iteration",
+        2240 * 2048 / (39.15 * 2240), ("DP gradients not overlapped in the paper",)),
+    titan("Llama-3 8B", 1, "selective layer", 2904, 8192),
+    titan("Llama-3 8B", 1, "selective op", 2973, 8192),
+    titan("Llama-3 70B", 1, "full", 331, 8192),
+    titan("Llama-2 13B", 2, "no", 2162, 4096),
+    titan("Llama-2 13B", 2, "selective layer", 1914, 4096),
+    titan("Llama-2 13B", 2, "selective op", 1904, 4096),
+    titan("Llama-2 70B", 1, "selective op", 355, 4096),
+    titan("Llama-2 70B", 2, "full", 353, 4096),
+    *[foundry("H100 80GB BF16", *args) for args in (
+        ("70B", 2048, 64, 8, 4, 1039, True), ("70B", 2048, 32, 2, 16, 882, True),
+        ("30B", 8192, 8, 1, 21, 1384, True), ("30B", 4096, 8, 1, 21, 1802, True),
+        ("30B", 2048, 8, 3, 21, 2002, True), ("13B", 16384, 8, 3, 3, 2985, True),
+        ("13B", 4096, 8, 10, 3, 4717, True), ("13B", 2048, 8, 2, 1, 4792, False),
+        ("7B", 32768, 8, 2, 2, 3318, True), ("7B", 8192, 8, 8, 2, 6935, True),
+        ("7B", 4096, 8, 16, 2, 8611, True), ("7B", 2048, 8, 6, 1, 10643, False),
+        ("3B", 2048, 64, 6, 3, 22525, False), ("1B", 2048, 64, 20, 1, 44402, False))],
+    *[foundry("A100 80GB", *args) for args in (
+        ("70B", 2048, 64, 8, 4, 410, True), ("30B", 2048, 8, 3, 21, 916, True),
+        ("13B", 4096, 8, 10, 3, 2060, True), ("13B", 2048, 8, 2, 3, 2262, False),
+        ("7B", 8192, 8, 8, 2, 3206, True), ("7B", 2048, 8, 6, 2, 4641, False),
+        ("3B", 2048, 8, 10, 2, 10811, False), ("1B", 2048, 8, 14, 4, 20513, False))],
+    row(DGXC, "GB200 example, 128 GPUs, GBS 64", ("Llama-3.1 405B", "GB200 NVL72", 128, 4, 8,
+        8, 2, 1, 64, 8192, "selective", "zero1"), "9.347 s per step",
+        8192 * 64 / (9.347 * 128), ("recompute selective",)),
+]
+
+
+def to_run(r: dict) -> TrainingRun:
+    """The `TrainingRun` a published row describes."""
+    return TrainingRun(r["model"], r["hardware"], r["gpus"], tp=r["tp"], pp=r["pp"],
+                       vpp=r["vpp"], cp=r["cp"], micro_batch=r["micro_batch"],
+                       global_batch=r["global_batch"], seq_len=r["seq_len"],
+                       precision=r["precision"], recompute=r["recompute"],
+                       sharding=r["sharding"])
+
+
+def compare(runs: list[dict] | None = None) -> dict:
+    """Each run's prediction and error ((predicted - measured) / measured, tokens/s/GPU),
+    with the median and worst |error| over them: {"rows": [...], "median": ..., "worst": ...}."""
+    rows = []
+    for r in RUNS if runs is None else runs:
+        p = predict(to_run(r))
+        rows.append(r | {"predicted": p.tokens_per_s_per_gpu, "mfu": p.mfu,
+                         "error": p.tokens_per_s_per_gpu / r["measured"] - 1,
+                         "fits": p.fits, "memory_gb": p.memory_per_gpu / 1e9})
+    errors = [abs(r["error"]) for r in rows]
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    return {"rows": rows, "median": statistics.median(errors), "worst": worst["error"],
+            "worst_row": worst}
