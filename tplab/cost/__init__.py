@@ -52,7 +52,7 @@ from tplab.cost.step import (
     step_time,
     sweep,
 )
-from tplab.cost.training_run import Prediction, TrainingRun, predict
+from tplab.cost.training_run import Prediction, TrainingRun, best_layout, layouts, predict
 from tplab.cost.transformer import (
     MFU,
     OVERLAPS,
@@ -64,7 +64,7 @@ from tplab.cost.transformer import (
 )
 
 __all__ = [
-    "Prediction", "TrainingRun", "predict",
+    "Prediction", "TrainingRun", "best_layout", "layouts", "predict",
     "ALGORITHMS", "BLOCK_SAVES", "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS",
     "OVERLAPS", "PRECISIONS", "PROTOCOLS", "BlockShape", "Calibration", "Hardware", "Link",
     "activation_bytes", "allowed_tps", "best_tp", "block_collectives", "block_flops",

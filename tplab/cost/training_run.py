@@ -233,3 +233,39 @@ def predict(run: TrainingRun) -> Prediction:
                       memory_per_gpu=memory["total_bytes"],
                       fits=memory["total_bytes"] <= hw.memory, breakdown=breakdown,
                       memory=memory)
+
+
+def layouts(model, hardware, gpus: int, global_batch: int, seq_len: int | None = None,
+            tps=(1, 2, 4, 8, 16), pps=(1, 2, 4, 8, 16), cps=(1, 2), vpps=(1, 2, 4),
+            micro_batches=(1, 2), shardings=SHARDINGS, recomputes=RECOMPUTES,
+            precision: str = "bf16") -> list[Prediction]:
+    """Every valid layout of `model` on `gpus` GPUs among the degrees given, predicted;
+    the invalid ones (a ValueError naming their rule) are left out."""
+    out = []
+    for tp in tps:
+        for pp in pps:
+            for cp in cps:
+                for vpp in (vpps if pp > 1 else (1,)):
+                    for mb in micro_batches:
+                        for sharding in shardings:
+                            for recompute in recomputes:
+                                try:
+                                    run = TrainingRun(model, hardware, gpus, tp=tp, pp=pp,
+                                                      vpp=vpp, cp=cp, micro_batch=mb,
+                                                      global_batch=global_batch,
+                                                      seq_len=seq_len, precision=precision,
+                                                      recompute=recompute, sharding=sharding)
+                                except ValueError:
+                                    continue
+                                out.append(predict(run))
+    return out
+
+
+def best_layout(model, hardware, gpus: int, global_batch: int, **kw) -> Prediction | None:
+    """The layout that fits in memory and trains the most tokens per second per GPU (ties
+    to the smaller TP, then PP); None if none fits. `best_tp` is its special case with
+    pp = cp = 1 and one sharding. Keywords as `layouts`."""
+    fitting = [p for p in layouts(model, hardware, gpus, global_batch, **kw) if p.fits]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda p: (-p.tokens_per_s_per_gpu, p.run.tp, p.run.pp))
