@@ -8,11 +8,28 @@ quantisation is `tplab.cost.gemm`'s (NVIDIA's Matrix Multiplication Background g
 The memory roofline is applied once, to the bytes the GEMM reads and writes (unlike
 `gemm_efficiency`, which derates a rate that `step_time` then derates again).
 
-Element-wise bytes per token per layer, forward, with 2-byte activations (each op reads
-its inputs and writes its output once; fused kernels would move less, so this errs slow):
-two RMSNorms 2 x 4h, two residual adds 2 x 6h (both split by t under sequence
-parallelism), RoPE on q and k 4 (h + h_kv) / t, SwiGLU 6f / t (GELU 4f / t). The backward
-pass moves twice that. The loss reads and writes the fp32 logits: 12 bytes per logit.
+Element-wise bytes per token per layer, forward, 2-byte activations, by `kernels=`:
+
+- "fused" (Megatron-LM with Transformer Engine: the norm fused into the next linear, fused
+  RoPE, bias-SwiGLU/GELU and bias-dropout-add): two norms 2 x 4h, two residual adds 2 x 6h
+  (split by t under sequence parallelism), RoPE 4 (h + h_kv) / t, SwiGLU 6f / t (GELU 4f /
+  t): each op reads its inputs and writes its output once.
+- "eager" (PyTorch eager, torchtitan's Llama: one kernel per op): RMSNorm in fp32 (cast,
+  square, mean, multiply, cast back, weight: 36h each), RoPE through fp32 complex numbers
+  (cast, complex multiply, cast back: 20 bytes per q and k element), the attention output's
+  transpose copy (4h / t), SwiGLU as silu then multiply (10f / t; GELU 4f / t) and the two
+  residual adds (12h). Gated MLPs only: a non-gated shape (GPT, MPT) has LayerNorm, which
+  MPT runs in low precision in one kernel (4h), so it is priced as "fused".
+
+The backward pass moves twice the forward's bytes. The loss reads and writes the fp32
+logits: 12 bytes per logit.
+
+Attention, by `attention=`: "flash" (FlashAttention: causal tiles skipped, half of
+4 b s^2 h, at `Hardware.attention_efficiency`) or "unfused" (Megatron-LM in 2022,
+Korthikanti et al. section 4.1: Q K^T and the product with V as batched GEMMs over the
+full s x s scores at the matmul rate, and the scores written, soft-maxed, masked and
+dropped out in memory: 11 bytes per score forward (bf16 scores 2, softmax read and write
+4, a 1-byte dropout mask, its output 2, read again by the product 2), twice that backward).
 """
 
 from __future__ import annotations
@@ -75,13 +92,29 @@ def linear_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
     return sum(gemm_time(m, n, k, hw, precision) for m, n, k in linear_gemms(shape, tokens, tp))
 
 
-def elementwise_bytes(shape: BlockShape, tokens: int, tp: int) -> float:
+def elementwise_bytes(shape: BlockShape, tokens: int, tp: int, kernels: str = "fused") -> float:
     """Bytes one rank's element-wise ops move in one layer's forward (module doc)."""
     h, f = shape.hidden, shape.ffn_size
     split = tp if tp > 1 else 1    # sequence parallel whenever TP > 1 (Megatron-LM)
+    if kernels == "eager" and shape.gated:
+        per_token = (2 * 36 * h + 12 * h) / split + (20 * (h + shape.kv_dim) + 4 * h) / tp
+        return tokens * (per_token + 10 * f / tp)
     per_token = (8 * h + 12 * h) / split + 4 * (h + shape.kv_dim) / tp
     per_token += (6 if shape.gated else 4) * f / tp
     return tokens * per_token
+
+
+def attention_time(shape: BlockShape, cp: int, tp: int, hw: Hardware,
+                   attention: str = "flash") -> float:
+    """Forward seconds of one layer's attention core on one rank (module doc)."""
+    local = shape.seq // cp
+    heads = max(1, shape.heads // tp)
+    if attention == "flash":
+        flops = 2 * shape.batch * shape.seq * local * shape.hidden / tp
+        return flops / (hw.flops * hw.attention_efficiency)
+    flops = 4 * shape.batch * shape.seq * local * shape.hidden / tp
+    scores = shape.batch * heads * shape.seq * local
+    return flops / (hw.flops * hw.matmul_efficiency) + 11 * scores / hw.memory_bandwidth
 
 
 def head_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,

@@ -31,11 +31,20 @@ DGXC = "NVIDIA/dgxc-benchmarking llama3.1/README.md"
 
 KEYS = ("model", "hardware", "gpus", "tp", "pp", "vpp", "cp", "micro_batch", "global_batch",
         "seq_len", "recompute", "sharding")
+FRAMEWORK = {LLAMA3: ("fused", "flash"), KORTHIKANTI: ("fused", "unfused"),
+             TITAN: ("eager", "flash"), FOUNDRY: ("eager", "flash"), DGXC: ("fused", "flash")}
+"""How each source's framework runs a layer (`TrainingRun.kernels`, `.attention`): Meta's
+and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager PyTorch;
+llm-foundry's MPT is PyTorch with flash attention (its LayerNorm one kernel: see
+`tplab.cost.kernels`); Korthikanti et al. 2022 materialise the attention scores (their
+section 4.1 and Figure 3)."""
 
 
 def row(source, where, config, printed, measured, assumed=()):
     run = dict(zip(KEYS, config, strict=True))
+    kernels, attention = FRAMEWORK[source]
     return {"source": source, "where": where, **run, "precision": "bf16",
+            "kernels": kernels, "attention": attention,
             "printed": printed, "measured": measured, "assumed": tuple(assumed)}
 
 
@@ -113,7 +122,8 @@ def to_run(r: dict) -> TrainingRun:
                        vpp=r["vpp"], cp=r["cp"], micro_batch=r["micro_batch"],
                        global_batch=r["global_batch"], seq_len=r["seq_len"],
                        precision=r["precision"], recompute=r["recompute"],
-                       sharding=r["sharding"])
+                       sharding=r["sharding"], kernels=r["kernels"],
+                       attention=r["attention"])
 
 
 def compare(runs: list[dict] | None = None) -> dict:

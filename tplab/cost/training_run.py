@@ -8,9 +8,10 @@ How a step is priced (one set of constants per hardware preset, each cited where
   maximum, `tplab.cost.hardware`) x the shape's tile and wave quantisation, or the memory
   roofline (bytes / bandwidth) if that is slower: one roofline, applied once
   (`tplab.cost.kernels`). fp8 runs the linears at `fp8_flops` x `fp8_matmul_efficiency`.
-- **Attention** (flash attention, causal: half of 4 b s^2 h) at `Hardware.attention_efficiency`.
+- **Attention**: flash attention (causal: half of 4 b s^2 h) at
+  `Hardware.attention_efficiency`, or materialised scores (`attention="unfused"`).
 - **Element-wise work** (norms, RoPE, SwiGLU/GELU, residuals, the loss) as bytes over the
-  memory bandwidth (`kernels.elementwise_bytes`).
+  memory bandwidth, fused (Megatron-LM) or eager (PyTorch) (`kernels.elementwise_bytes`).
 - **TP**: the block's collectives (`tplab.cost.transformer.block_collectives`, sequence
   parallel, Megatron-LM's layout) priced by NCCL's model; the input-gradient collectives
   hide behind the weight-gradient GEMMs (Megatron-LM's overlap), the rest is exposed.
@@ -46,13 +47,18 @@ from tplab.cost.validate import check_choice, check_int, check_type
 PRECISIONS = ("bf16", "fp8")
 RECOMPUTES = ("none", "selective", "full")
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+KERNELS = ("fused", "eager")
+ATTENTIONS = ("flash", "unfused")
 
 
 @dataclass(frozen=True)
 class TrainingRun:
     """One training run: `model` (a `MODELS` name or a `BlockShape`) on `gpus` GPUs of
     `hardware` (a `HARDWARE` name or a `Hardware`), gpus = tp x pp x cp x dp; see the
-    module doc. `global_batch` and `micro_batch` are in sequences of `seq_len` tokens."""
+    module doc. `global_batch` and `micro_batch` are in sequences of `seq_len` tokens.
+    `kernels` ("fused": Megatron-LM / Transformer Engine; "eager": PyTorch eager) and
+    `attention` ("flash"; "unfused": materialised scores) say how the framework runs the
+    layer (`tplab.cost.kernels`)."""
 
     model: str | BlockShape
     hardware: str | Hardware
@@ -70,6 +76,8 @@ class TrainingRun:
     sharding: str = "zero1"
     gpus_per_node: int | None = None
     nics_per_node: int | None = None
+    kernels: str = "fused"
+    attention: str = "flash"
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
 
@@ -100,6 +108,8 @@ class TrainingRun:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("recompute", self.recompute, RECOMPUTES)
         check_choice("sharding", self.sharding, SHARDINGS)
+        check_choice("kernels", self.kernels, KERNELS)
+        check_choice("attention", self.attention, ATTENTIONS)
         check_rules(self)
 
     @property
@@ -176,9 +186,8 @@ def layer_times(run: TrainingRun) -> dict:
     tokens = shape.tokens // cp
     fwd = kernels.linear_time(shape, tokens, tp, hw, run.precision)
     bwd_dgrad, bwd_wgrad = 2 * [fwd]
-    attn = 2 * shape.batch * shape.seq * (shape.seq // cp) * shape.hidden / tp
-    attn_s = attn / (hw.flops * hw.attention_efficiency)
-    elem = kernels.elementwise_bytes(shape, tokens, tp) / hw.memory_bandwidth
+    attn_s = kernels.attention_time(shape, cp, tp, hw, run.attention)
+    elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.memory_bandwidth
     forward = fwd + attn_s + elem
     backward = bwd_dgrad + bwd_wgrad + 2 * attn_s + 2 * elem
     if run.recompute == "full":
