@@ -136,3 +136,21 @@ def test_auto_is_never_slower_than_the_ring_it_priced(n):
         for algorithm in ("ring", "tree") + (("nvls",) if n <= 8 else ()):
             assert auto <= cost.collective_time("all_reduce", nbytes, n, H100, algorithm
                                                 ) * (1 + 1e-12), (n, nbytes, algorithm)
+
+
+def test_the_gemm_kernel_rate_against_xla_s_measured_h100_table():
+    from tplab.cost import kernels
+    errors, large = [], []
+    for m, n, k, tflops in kernels.GEMM_POINTS:
+        measured = 2 * m * n * k / (tflops * 1e12)
+        e = abs(kernels.gemm_time(m, n, k, H100) / measured - 1)
+        errors.append(e)
+        if min(m, n) >= 1024:
+            large.append(e)
+    assert len(errors) == 27 and len(large) == 12
+    assert statistics.median(errors) < 0.06 and max(errors) < 0.35
+    assert statistics.median(large) < 0.05 and max(large) < 0.08
+    # one roofline: a large GEMM runs at the measured kernel rate, not at an MFU
+    t = kernels.gemm_time(8192, 8192, 8192, H100)
+    assert 2 * 8192**3 / t / H100.flops == pytest.approx(
+        H100.matmul_efficiency * 8192 / (8192 + kernels.GEMM_K0), rel=0.01)

@@ -136,7 +136,9 @@ def memory(run) -> dict:
     local = shape.with_(seq=shape.seq // cp)
     saves = {"norm": "fused", "swiglu": "fused", "sp_saves": "shard"}
     layout = "tplab" if shape.gated else "gpt"
-    layer = activation_bytes(local, tp, tp > 1, run.recompute, layout, **(
+    # flash attention keeps no s x s scores: what "selective" drops is never saved
+    kept = "selective" if run.attention == "flash" and run.recompute == "none" else run.recompute
+    layer = activation_bytes(local, tp, tp > 1, kept, layout, **(
         saves if layout == "tplab" else {"sp_saves": "shard"}))
     layers = -(-shape.layers // run.pp)
     acts = layers * layer * in_flight(run.pp, run.vpp, run.micro_batches)
