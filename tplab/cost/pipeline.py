@@ -137,15 +137,24 @@ def memory(run) -> dict:
     saves = {"norm": "fused", "swiglu": "fused", "sp_saves": "shard"}
     layout = "tplab" if shape.gated else "gpt"
     # flash attention keeps no s x s scores: what "selective" drops is never saved
-    kept = "selective" if run.attention == "flash" and run.recompute == "none" else run.recompute
-    layer = activation_bytes(local, tp, tp > 1, kept, layout, **(
-        saves if layout == "tplab" else {"sp_saves": "shard"}))
+    # "op" keeps about what "selective" does; "half_layers" half of "none", half of "full"
+    kept = {"op": "selective"}.get(run.recompute, run.recompute)
+    if run.attention == "flash" and kept in ("none", "half_layers"):
+        kept = "selective" if kept == "none" else kept
+    opts = saves if layout == "tplab" else {"sp_saves": "shard"}
+    if kept == "half_layers":
+        full = activation_bytes(local, tp, tp > 1, "full", layout, **opts)
+        none = activation_bytes(local, tp, tp > 1, "selective" if run.attention == "flash"
+                                else "none", layout, **opts)
+        layer = (full + none) / 2
+    else:
+        layer = activation_bytes(local, tp, tp > 1, kept, layout, **opts)
     layers = -(-shape.layers // run.pp)
     acts = layers * layer * in_flight(run.pp, run.vpp, run.micro_batches)
     transient = 0.0
-    if run.recompute == "full":   # one layer's activations, rebuilt for its backward
-        transient += activation_bytes(local, tp, tp > 1, "none", layout, **(
-            saves if layout == "tplab" else {"sp_saves": "shard"}))
+    if run.recompute in ("full", "half_layers"):   # one layer's, rebuilt for its backward
+        transient += activation_bytes(local, tp, tp > 1, "selective" if run.attention ==
+                                      "flash" else "none", layout, **opts)
     if run.sharding in ("fsdp", "hsdp"):   # the gathered layer and the prefetched one
         transient += 2 * 2 * n / layers
     # the fp32 logits and their gradient live on the last stage, counted when it is also

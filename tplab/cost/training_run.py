@@ -23,8 +23,11 @@ How a step is priced (one set of constants per hardware preset, each cited where
   "zero2"/"fsdp"/"hsdp" reduce-scatter every micro-batch, "fsdp"/"hsdp" also gather the
   parameters every micro-batch (HSDP shards inside the node and all-reduces across).
 - **Recomputation**: "full" re-runs the forward; "selective" re-runs the attention core
-  (Korthikanti et al. 2022's selective recomputation); op-level SAC as torchtitan runs it
-  (save the matmuls, recompute the rest) is priced as "selective", a stated approximation.
+  (Korthikanti et al. 2022's selective recomputation). Two more, torchtitan's
+  (torchtitan/models/llama3/infra/parallelize.py, `_apply_ac`): "op", its op-level SAC,
+  saves the outputs of every other matmul and of attention, so it re-runs half the linear
+  GEMMs and every element-wise op of the forward; "half_layers", its layer-level
+  selective AC at frequency 2, re-runs the whole forward of every second layer.
 - The optimizer step: Adam reads and writes 16 + 2 bytes per local parameter (fp32 master,
   m, v, grad; the bf16 copy), at the memory bandwidth.
 
@@ -45,7 +48,7 @@ from tplab.cost.transformer import block_collectives, tp_allowed
 from tplab.cost.validate import check_choice, check_int, check_type
 
 PRECISIONS = ("bf16", "fp8")
-RECOMPUTES = ("none", "selective", "full")
+RECOMPUTES = ("none", "selective", "full", "op", "half_layers")
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 KERNELS = ("fused", "eager")
 ATTENTIONS = ("flash", "unfused")
@@ -194,13 +197,17 @@ def layer_times(run: TrainingRun) -> dict:
         backward += forward
     elif run.recompute == "selective":
         backward += attn_s
+    elif run.recompute == "op":
+        backward += fwd / 2 + elem
+    elif run.recompute == "half_layers":
+        backward += forward / 2
     local = shape.with_(seq=shape.seq // cp)
     exposed = 0.0
     for r in block_collectives(local, tp, True, sp_saves="shard") if tp > 1 else []:
         t = collective_time(r["op"], r["bytes"], tp, hw, "auto")
         hidden_by = bwd_wgrad / 2 if r["role"] == "bwd_in" else 0.0   # per region
-        exposed += max(0.0, t - hidden_by) * (2 if run.recompute == "full"
-                                             and r["phase"] == "forward" else 1)
+        again = {"full": 1.0, "half_layers": 0.5}.get(run.recompute, 0.0)
+        exposed += max(0.0, t - hidden_by) * (1 + again * (r["phase"] == "forward"))
     cp_s = 0.0
     if cp > 1:   # all-gather K and V in forward, reduce-scatter dK, dV in backward
         kv = 2 * shape.batch * shape.seq * shape.kv_dim * shape.dtype_bytes / max(
