@@ -102,7 +102,7 @@ def test_ring_across_two_nodes_by_hand():
     # nsteps 30, nInterSteps 2 x 2 nodes = 4 (2.21); intra steps at max(3.4, 3 x 1.0 Intel
     # net overhead), inter at 14.0; the plateau: x 1.4 (compute capability >= 80)
     assert p["latency_s"] == pytest.approx(1.4 * (8.4 + 26 * 3.4 + 4 * 14.0) * US)
-    assert p["bytes_s"] == pytest.approx(nbytes / (min(370e9, 8 * 48e9) * n / 30))
+    assert p["bytes_s"] == pytest.approx(nbytes / (min(450e9, 8 * 48e9) * n / 30))
     ll = plan("all_reduce", nbytes, n, H100, "ring", "LL")
     # LL between 2 Intel nodes: llMax 39 GB/s; steps 26 x max(0.6, 1.0) + 4 x 2.7
     assert ll["latency_s"] == pytest.approx((6.6 + 26 * 1.0 + 4 * 2.7) * US)
@@ -116,7 +116,7 @@ def test_tree_across_nodes_by_hand():
     n = 64                                          # 8 nodes of 8
     p = plan("all_reduce", 2**30, n, H100, "tree", "Simple")
     assert p["latency_s"] == pytest.approx((0 + 2 * (7 * 28 + 3 * 28)) * US)
-    assert p["bytes_s"] == pytest.approx(2**30 / (0.92 * 370e9 / 2))   # size >= 2^28: no fix
+    assert p["bytes_s"] == pytest.approx(2**30 / (0.92 * 384e9 / 2))   # size >= 2^28: no fix
 
 
 def test_collnet_only_where_the_fabric_has_it():
@@ -137,7 +137,7 @@ def test_cross_node_all_to_all_gets_one_nic_per_gpu():
     off_node = nbytes * 8 / 16 / 48e9                # half the data leaves the node, at 48
     assert p["bytes_s"] == pytest.approx(max(off_node, nbytes * 7 / 16 / 370e9))
     assert H100.link(16, "all_to_all").bandwidth == 48e9
-    assert H100.link(16).bandwidth == 370e9          # the rings still stripe 8 NICs
+    assert H100.link(16).bandwidth == 384e9          # the rings stripe 8 NICs: they bind
 
 
 def test_latency_scales_every_protocol_with_the_link():

@@ -11,8 +11,9 @@ A `Hardware` is a GPU (its peak dense bf16 FLOP/s) in a node: collectives among 
 `gpus_per_node` GPUs use `intra`; larger groups cross nodes. Between nodes each GPU has a
 NIC of its own (`inter` is ONE NIC, `nics_per_node` of them per node) and NCCL runs one
 ring per NIC, striping the message over them, so a ring that leaves the node moves data
-at nics_per_node x inter.bandwidth, up to the NVLink bandwidth it also crosses
-(`Hardware.link`). Its latency is NCCL's: the steps inside a node at intra.latency, the
+at nics_per_node x inter.bandwidth: the NICs bind (nccl-tests #319: 384-396 GB/s across
+DGX H100 nodes, above a ring's 370 inside one), up to the NVLink datasheet peak
+(`Link.peak_bandwidth`; `Hardware.link`). Its latency is NCCL's: the steps inside a node at intra.latency, the
 steps between nodes at inter.latency (src/graph/tuning.cc, `ncclTopoTuneModel`).
 
 Sources. Datasheet peaks (`LINKS` "NVLink 4", "InfiniBand NDR", ...):
@@ -105,6 +106,7 @@ class Link:
     nvls_bandwidth: float = 0.0
     kind: str = ""
     nvls_ramp: float = 0.0
+    peak_bandwidth: float = 0.0      # the datasheet's one-way peak (0: `bandwidth`)
 
     def __post_init__(self):
         check_type("name", self.name, str, "a string")
@@ -113,6 +115,7 @@ class Link:
         check_number("base_latency", self.base_latency)
         check_number("nvls_bandwidth", self.nvls_bandwidth)
         check_number("nvls_ramp", self.nvls_ramp)
+        check_number("peak_bandwidth", self.peak_bandwidth)
         check_choice("kind", self.kind, KINDS)
         check_type("per_op", self.per_op, dict, "a dict {op: (latency, bandwidth)}")
 
@@ -180,8 +183,10 @@ class Hardware:
 
     def link(self, group_size: int, op: str = "all_reduce") -> Link:
         """The link a collective over `group_size` GPUs runs at: `intra` inside a node;
-        beyond, the node's NICs striped (nics_per_node x inter.bandwidth, at most the
-        intra-node bandwidth the rings also cross), with inter's latencies. An all-to-all
+        beyond, the node's NICs striped (nics_per_node x inter.bandwidth: the NICs bind, as
+        nccl-tests #319 measured 384-396 GB/s bus bandwidth across DGX H100 nodes, above
+        the 370 of a ring inside one; at most the intra link's datasheet peak,
+        `peak_bandwidth`), with inter's latencies. An all-to-all
         across nodes gets one GPU's share of the NICs: NCCL cannot aggregate them for
         point-to-point traffic (nccl-tests #267)."""
         check_int("group_size", group_size)
@@ -193,8 +198,9 @@ class Hardware:
             return self.inter.with_(name=f"{self.inter.name}, one NIC per GPU",
                                     bandwidth=min(share, self.inter.bandwidth))
         name = self.inter.name if nics == 1 else f"{nics} x {self.inter.name}"
+        cap = self.intra.peak_bandwidth or self.intra.bandwidth
         return self.inter.with_(name=name, per_op={},
-                                bandwidth=min(self.intra.bandwidth, nics * self.inter.bandwidth),
+                                bandwidth=min(cap, nics * self.inter.bandwidth),
                                 base_latency=max(self.intra.base_latency,
                                                  self.inter.base_latency))
 
@@ -230,9 +236,11 @@ LINKS: dict[str, Link] = {
     # measured bus bandwidth, with NCCL's latency tables (see the module doc)
     "NVLink 4 (nccl-tests)": Link("NVLink 4 (nccl-tests)", 370 * GB, SIMPLE_STEP["nvlink"],
                                   base_latency=NCCL_BASE_LATENCY, nvls_bandwidth=480 * GB,
-                                  kind="nvlink", nvls_ramp=NVLS_RAMP),
+                                  kind="nvlink", nvls_ramp=NVLS_RAMP,
+                                  peak_bandwidth=450 * GB),
     "NVLink 3 (nccl-tests)": Link("NVLink 3 (nccl-tests)", 230 * GB, SIMPLE_STEP["nvlink"],
-                                  base_latency=NCCL_BASE_LATENCY, kind="nvlink"),
+                                  base_latency=NCCL_BASE_LATENCY, kind="nvlink",
+                                  peak_bandwidth=300 * GB),
     "InfiniBand NDR (nccl-tests)": Link("InfiniBand NDR (nccl-tests)", 48 * GB,
                                         SIMPLE_STEP["net"], base_latency=NCCL_BASE_LATENCY,
                                         kind="net"),
@@ -248,8 +256,9 @@ _NDR, _HDR = LINKS["InfiniBand NDR (nccl-tests)"], LINKS["InfiniBand HDR (nccl-t
 # GB200 NVL72 datasheets). No nccl-tests figure is published for it that tplab could cite:
 # the ring and NVLS bus bandwidths take NVLink 4's measured fractions of its peak
 # (370/450 and 480/450), an assumption stated as such.
-_NV5 = _NV4.with_(name="NVLink 5 (NVLink 4's measured fractions)", bandwidth=900 * GB * 370 / 450,
-                  nvls_bandwidth=900 * GB * 480 / 450)
+_NV5 = _NV4.with_(name="NVLink 5 (NVLink 4's measured fractions)",
+                  bandwidth=900 * GB * 370 / 450, nvls_bandwidth=900 * GB * 480 / 450,
+                  peak_bandwidth=900 * GB)
 
 # Matmul efficiency: the Maximum Achievable Matmul FLOPS over the datasheet peak measured by
 # S. Bekman's mamf-finder (stas00/ml-engineering, compute/accelerator/README.md, "Maximum
