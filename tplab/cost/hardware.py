@@ -13,8 +13,9 @@ NIC of its own (`inter` is ONE NIC, `nics_per_node` of them per node) and NCCL r
 ring per NIC, striping the message over them, so a ring that leaves the node moves data
 at nics_per_node x inter.bandwidth: the NICs bind (nccl-tests #319: 384-396 GB/s across
 DGX H100 nodes, above a ring's 370 inside one), up to the NVLink datasheet peak
-(`Link.peak_bandwidth`; `Hardware.link`). Its latency is NCCL's: the steps inside a node at intra.latency, the
-steps between nodes at inter.latency (src/graph/tuning.cc, `ncclTopoTuneModel`).
+(`Link.peak_bandwidth`; `Hardware.link`). Its latency is NCCL's: the steps inside a node
+at intra.latency, the steps between nodes at inter.latency (src/graph/tuning.cc,
+`ncclTopoTuneModel`).
 
 Sources. Datasheet peaks (`LINKS` "NVLink 4", "InfiniBand NDR", ...):
 

@@ -28,11 +28,13 @@ buffers (and NVLS's), plus `Hardware.memory_reserve` (CUDA context, cuBLAS works
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.hardware import GiB
 from tplab.cost.kernels import local_params
-from tplab.cost.memory import activation_bytes
+from tplab.cost.memory import layer_saved
 
 FRAGMENTATION = 0.10
 NCCL_RESERVE = 1 * GiB
@@ -122,6 +124,19 @@ def in_flight(pp: int, vpp: int, m: int) -> float:
     return min(pp, m) * (1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1)
 
 
+def layer_bytes(run, local, recompute: str) -> float:
+    """Activation bytes one layer keeps per micro-batch on one rank: Megatron-LM's fused
+    block for gated shapes, the paper's GPT layer otherwise (`tplab.cost.memory`); under
+    fp8 the linears' saved inputs are their 1-byte fp8 copies (Transformer Engine keeps
+    the quantised input for the weight gradient)."""
+    gated = local.gated
+    opts = ({"norm": "fused", "swiglu": "fused"} if gated else {})
+    items = layer_saved(local, recompute, "tplab" if gated else "gpt", sp_saves="shard", **opts)
+    if run.precision == "fp8":
+        items = [replace(i, element_bytes=1) if i.linear_input else i for i in items]
+    return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)
+
+
 def memory(run) -> dict:
     """Bytes per GPU on the first (most loaded) stage, by kind (module doc)."""
     shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
@@ -134,27 +149,22 @@ def memory(run) -> dict:
                                      else 1),
               "optimizer_bytes": 12 * n / (1 if run.sharding == "ddp" else shard)}
     local = shape.with_(seq=shape.seq // cp)
-    saves = {"norm": "fused", "swiglu": "fused", "sp_saves": "shard"}
-    layout = "tplab" if shape.gated else "gpt"
     # flash attention keeps no s x s scores: what "selective" drops is never saved
     # "op" keeps about what "selective" does; "half_layers" half of "none", half of "full"
     kept = {"op": "selective"}.get(run.recompute, run.recompute)
-    if run.attention == "flash" and kept in ("none", "half_layers"):
-        kept = "selective" if kept == "none" else kept
-    opts = saves if layout == "tplab" else {"sp_saves": "shard"}
+    if run.attention == "flash" and kept == "none":
+        kept = "selective"
     if kept == "half_layers":
-        full = activation_bytes(local, tp, tp > 1, "full", layout, **opts)
-        none = activation_bytes(local, tp, tp > 1, "selective" if run.attention == "flash"
-                                else "none", layout, **opts)
-        layer = (full + none) / 2
+        layer = (layer_bytes(run, local, "full")
+                 + layer_bytes(run, local, "selective" if run.attention == "flash" else "none")) / 2
     else:
-        layer = activation_bytes(local, tp, tp > 1, kept, layout, **opts)
+        layer = layer_bytes(run, local, kept)
     layers = -(-shape.layers // run.pp)
     acts = layers * layer * in_flight(run.pp, run.vpp, run.micro_batches)
     transient = 0.0
     if run.recompute in ("full", "half_layers"):   # one layer's, rebuilt for its backward
-        transient += activation_bytes(local, tp, tp > 1, "selective" if run.attention ==
-                                      "flash" else "none", layout, **opts)
+        transient += layer_bytes(run, local, "selective" if run.attention == "flash"
+                                 else "none")
     if run.sharding in ("fsdp", "hsdp"):   # the gathered layer and the prefetched one
         transient += 2 * 2 * n / layers
     # the fp32 logits and their gradient live on the last stage, counted when it is also

@@ -10,8 +10,8 @@ its error; docs/VALIDATION.md discusses where and why the model and a run disagr
 How `measured` follows from what is printed:
 - an iteration time (Korthikanti 2022 Table 5, dgxc-benchmarking): global batch x sequence
   length / (time x GPUs);
-- tokens/s per GPU (llm-foundry's "Throughput (T/s/GPU)", torchtitan's per-GPU "WPS"):
-  as printed;
+- tokens/s per GPU (llm-foundry's "Throughput (T/s/GPU)", torchtitan's per-GPU "WPS",
+  Megatron-Bridge's "Tokens / sec / GPU"): as printed;
 - TFLOPs/GPU (Llama 3 Table 4): TFLOPs / `model_flops_per_token` (6N + causal attention),
   a convention the paper does not state (stated as an assumption per row).
 """
@@ -28,11 +28,13 @@ KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198), Tables 3 and 5"
 TITAN = "pytorch/torchtitan docs/performance.md"
 FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
 DGXC = "NVIDIA/dgxc-benchmarking llama3.1/README.md"
+BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md"
 
 KEYS = ("model", "hardware", "gpus", "tp", "pp", "vpp", "cp", "micro_batch", "global_batch",
         "seq_len", "recompute", "sharding")
 FRAMEWORK = {LLAMA3: ("fused", "flash"), KORTHIKANTI: ("fused", "unfused"),
-             TITAN: ("eager", "flash"), FOUNDRY: ("eager", "flash"), DGXC: ("fused", "flash")}
+             TITAN: ("eager", "flash"), FOUNDRY: ("eager", "flash"), DGXC: ("fused", "flash"),
+             BRIDGE: ("fused", "flash")}
 """How each source's framework runs a layer (`TrainingRun.kernels`, `.attention`): Meta's
 and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager PyTorch;
 llm-foundry's MPT is PyTorch with flash attention (its LayerNorm one kernel: see
@@ -40,10 +42,10 @@ llm-foundry's MPT is PyTorch with flash attention (its LayerNorm one kernel: see
 section 4.1 and Figure 3)."""
 
 
-def row(source, where, config, printed, measured, assumed=()):
+def row(source, where, config, printed, measured, assumed=(), precision="bf16"):
     run = dict(zip(KEYS, config, strict=True))
     kernels, attention = FRAMEWORK[source]
-    return {"source": source, "where": where, **run, "precision": "bf16",
+    return {"source": source, "where": where, **run, "precision": precision,
             "kernels": kernels, "attention": attention,
             "printed": printed, "measured": measured, "assumed": tuple(assumed)}
 
@@ -76,6 +78,14 @@ def titan(model, batch, ac, wps, seq):
                                         "selective layer": "half_layers"}[ac],
                "fsdp"), f"{wps} WPS", wps,
                ("'selective layer' is torchtitan's AC every second layer",))
+
+
+def bridge(release, system, model, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, tps):
+    hw = {"DGX-GB200": "GB200 NVL72", "DGX-B200": "B200", "DGX-H100": "H100 SXM"}[system]
+    return row(BRIDGE, f"{release} container, {system}, {model} FP8-CS", (
+        model, hw, gpus, tp, pp, vp, cp, mbs, gbs, 8192, "none", "fsdp" if fsdp else "zero1"),
+        f"{tps} Tokens / sec / GPU", tps, ("recompute none", "FP8 current scaling as fp8"),
+        precision="fp8")
 
 
 RUNS: list[dict] = [
@@ -114,6 +124,20 @@ RUNS: list[dict] = [
     row(DGXC, "GB200 example, 128 GPUs, GBS 64", ("Llama-3.1 405B", "GB200 NVL72", 128, 4, 8,
         8, 2, 1, 64, 8192, "selective", "zero1"), "9.347 s per step",
         8192 * 64 / (9.347 * 128), ("recompute selective",)),
+    # 25.11 NeMo container tables (FSDP > 0: FSDP; VP n/a: 1), dense Llama rows, FP8-CS
+    *[bridge("25.11", *args) for args in (
+        ("DGX-GB200", "Llama-3 8B", 8, 128, 2, 0, 1, 1, 1, 1, 31508),
+        ("DGX-GB200", "Llama-3 70B", 64, 256, 2, 64, 1, 1, 1, 1, 4312),
+        ("DGX-GB200", "Llama-3.1 405B", 256, 1536, 1, 0, 4, 16, 1, 4, 813),
+        ("DGX-B200", "Llama-3 8B", 8, 128, 2, 0, 1, 1, 1, 1, 30624),
+        ("DGX-B200", "Llama-3.1 405B", 128, 64, 1, 0, 4, 8, 2, 8, 661),
+        ("DGX-H100", "Llama-3 8B", 8, 128, 1, 8, 1, 1, 1, 1, 14451),
+        ("DGX-H100", "Llama-3 70B", 64, 128, 1, 0, 4, 8, 1, 5, 1602),
+        ("DGX-H100", "Llama-3.1 405B", 1024, 512, 1, 0, 8, 8, 2, 8, 292))],
+    # 26.02 NeMo container tables, FP8 rows of a layout or batch the 25.11 ones do not have
+    *[bridge("26.02", *args) for args in (
+        ("DGX-H100", "Llama-3 70B", 64, 256, 1, 0, 4, 8, 1, 5, 1621),
+        ("DGX-H100", "Llama-3.1 405B", 1024, 1536, 1, 0, 8, 8, 2, 8, 311))],
 ]
 
 
