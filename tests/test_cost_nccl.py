@@ -216,8 +216,14 @@ def test_dp_traffic_by_hand():
                                                     ("all_gather", 2 * n)]
     z3 = cost.dp_collectives(shape, 8, 64, zero=3, precision="mixed_bf16_grads")
     assert [(r["op"], r["bytes"], r["per"]) for r in z3] == [
-        ("reduce_scatter", 2 * n, "step"), ("all_gather", 2 * n, "micro_batch"),
+        ("reduce_scatter", 2 * n, "micro_batch"), ("all_gather", 2 * n, "micro_batch"),
         ("all_gather", 2 * n, "micro_batch")]
+    z2 = cost.dp_collectives(shape, 8, 64, zero=2)   # sharded gradients: every micro-batch
+    assert [(r["op"], r["per"]) for r in z2] == [("reduce_scatter", "micro_batch"),
+                                                  ("all_gather", "step")]
+    per_mb = cost.dp_times(shape, 8, H100, dp=64, zero=2, micro_batches=16, overlap=False)
+    once = cost.dp_times(shape, 8, H100, dp=64, zero=1, micro_batches=16, overlap=False)
+    assert per_mb["dp_comm_s"] > 8 * once["dp_comm_s"] / 2
     # TP 8 fills the node: each DP group has 1 GPU per node and 1 NIC (48 GB/s)
     t = cost.dp_times(shape, 8, H100, dp=64, overlap=False)
     ring = cost.collective_time("all_reduce", 4 * n, 64, H100.with_(

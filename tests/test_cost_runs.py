@@ -154,3 +154,10 @@ def test_the_gemm_kernel_rate_against_xla_s_measured_h100_table():
     t = kernels.gemm_time(8192, 8192, 8192, H100)
     assert 2 * 8192**3 / t / H100.flops == pytest.approx(
         H100.matmul_efficiency * 8192 / (8192 + kernels.GEMM_K0), rel=0.01)
+
+
+def test_k_and_v_are_whole_heads_past_n_kv_heads():
+    from tplab.cost import kernels
+    shape = cost.MODELS["Llama-3 70B"]            # 8 KV heads of 128
+    assert kernels.linear_gemms(shape, 4096, 8)[0][1] == 8192 // 8 + 2 * 128
+    assert kernels.linear_gemms(shape, 4096, 16)[0][1] == 8192 // 16 + 2 * 128   # not 64

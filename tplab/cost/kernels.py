@@ -95,10 +95,13 @@ def layer_linear_flops(shape: BlockShape) -> float:
 
 
 def linear_gemms(shape: BlockShape, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """One layer's forward GEMMs on one TP rank, (m, n, k): QKV, output, MLP in and out."""
+    """One layer's forward GEMMs on one TP rank, (m, n, k): QKV, output, MLP in and out.
+    Past tp = n_kv_heads each rank still computes k and v for a whole KV head (the heads
+    are replicated, not split further): 2 x max(h_kv / t, head width) columns."""
     h, f = shape.hidden, shape.ffn_size
     width = (2 if shape.gated else 1) * f
-    return [(tokens, max(1, (h + 2 * shape.kv_dim) // tp), h), (tokens, h, max(1, h // tp)),
+    kv = max(shape.kv_dim // tp, h // shape.heads)
+    return [(tokens, max(1, h // tp) + 2 * kv, h), (tokens, h, max(1, h // tp)),
             (tokens, max(1, width // tp), h), (tokens, h, max(1, f // tp))]
 
 
