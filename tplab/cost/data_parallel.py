@@ -9,7 +9,7 @@ TP rank in every replica):
 | 0 | all-reduce of the gradients (N x grad bytes) | - |
 | 1 | reduce-scatter of the gradients, all-gather of the updated bf16 parameters | - |
 | 2 | all-gather of the updated bf16 parameters | reduce-scatter of the gradients |
-| 3 | - | reduce-scatter of the gradients; all-gather of the parameters in forward, again in backward |
+| 3 | - | reduce-scatter of the gradients; all-gather of the parameters, forward and backward |
 
 (Rajbhandari et al. 2020, "ZeRO", section 7: stages 1 and 2 move what an all-reduce moves,
 stage 3 1.5 times that; Megatron-LM's distributed optimizer is stage 1, its gradient
