@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 
-from tplab.cost.shapes import MODELS
+from tplab.cost.shapes import MODELS, BlockShape
 from tplab.cost.training_run import TrainingRun, model_flops_per_token, predict
 
 LLAMA3 = "Llama 3 Herd of Models (arXiv 2407.21783v3), Table 4"
@@ -29,12 +29,13 @@ TITAN = "pytorch/torchtitan docs/performance.md"
 FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
 DGXC = "NVIDIA/dgxc-benchmarking llama3.1/README.md"
 BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md"
+NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473), Tables 1 and 2"
 
 KEYS = ("model", "hardware", "gpus", "tp", "pp", "vpp", "cp", "micro_batch", "global_batch",
         "seq_len", "recompute", "sharding")
 FRAMEWORK = {LLAMA3: ("fused", "flash"), KORTHIKANTI: ("fused", "unfused"),
              TITAN: ("eager", "flash"), FOUNDRY: ("eager", "flash"), DGXC: ("fused", "flash"),
-             BRIDGE: ("fused", "flash")}
+             BRIDGE: ("fused", "flash"), NARAYANAN: ("fused", "unfused")}
 """How each source's framework runs a layer (`TrainingRun.kernels`, `.attention`): Meta's
 and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager PyTorch;
 llm-foundry's MPT is PyTorch with flash attention (its LayerNorm one kernel: see
@@ -88,6 +89,23 @@ def bridge(release, system, model, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, tps):
         precision="fp8")
 
 
+def narayanan(params, heads, hidden, layers, tp, pp, gpus, batch, tflops, mb=1,
+               sharding="ddp", table="Table 1"):
+    """A row of Narayanan 2021: its FLOPs per iteration are its equation (3), F = 96 B s l h^2
+    (1 + s/(6h) + V/(16 l h)) with s = 2048, V = 51200 (full recomputation counted), so
+    tokens/s/GPU = X / (F / (B s))."""
+    shape = BlockShape(hidden=hidden, heads=heads, layers=layers, seq=2048, vocab=51200,
+                       name=f"GPT {params}B (Narayanan 2021)")
+    per_token = 96 * layers * hidden**2 * (1 + 2048 / (6 * hidden)
+                                           + 51200 / (16 * layers * hidden))
+    r = row(NARAYANAN, f"{table}: GPT {params}B, {gpus} GPUs" + (
+        f", ZeRO-3 micro-batch {mb}" if sharding == "fsdp" else ""),
+        (shape.name, "A100 SXM", gpus, tp, pp, 1, 1, mb, batch, 2048, "full", sharding),
+        f"{tflops} teraFLOP/s per GPU", tflops * 1e12 / per_token,
+        ("micro_batch 1" if table == "Table 1" else "", "vpp 1 (not printed)"))
+    return r | {"shape": shape}
+
+
 RUNS: list[dict] = [
     llama3(8192, 1, 64, 8192, 32, 430),
     llama3(16384, 1, 128, 8192, 16, 400),
@@ -134,6 +152,25 @@ RUNS: list[dict] = [
         ("DGX-H100", "Llama-3 8B", 8, 128, 1, 8, 1, 1, 1, 1, 14451),
         ("DGX-H100", "Llama-3 70B", 64, 128, 1, 0, 4, 8, 1, 5, 1602),
         ("DGX-H100", "Llama-3.1 405B", 1024, 512, 1, 0, 8, 8, 2, 8, 292))],
+    # Narayanan 2021 Table 1 (weak scaling) and Table 2 (PTD-P and ZeRO-3 without MP)
+    narayanan(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    narayanan(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    narayanan(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    narayanan(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    narayanan(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    narayanan(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    narayanan(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    narayanan(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    narayanan(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    narayanan(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    *[narayanan(174.6, 96, 12288, 96, 8, 12, g, 1536, x, table="Table 2")
+      for g, x in ((384, 153), (768, 149), (1536, 141))],
+    *[narayanan(529.6, 128, 20480, 105, 8, 35, g, 2240, x, table="Table 2")
+      for g, x in ((560, 171), (1120, 167), (2240, 159))],
+    *[narayanan(174.6, 96, 12288, 96, 1, 1, g, 1536, x, mb, "fsdp", "Table 2")
+      for g, mb, x in ((384, 4, 144), (768, 2, 88), (1536, 1, 44))],
+    *[narayanan(529.6, 128, 20480, 105, 1, 1, g, b, x, mb, "fsdp", "Table 2")
+      for g, b, mb, x in ((640, 2560, 4, 138), (1120, 2240, 2, 98), (2240, 2240, 1, 48))],
     # 26.02 NeMo container tables, FP8 rows of a layout or batch the 25.11 ones do not have
     *[bridge("26.02", *args) for args in (
         ("DGX-H100", "Llama-3 70B", 64, 256, 1, 0, 4, 8, 1, 5, 1621),
@@ -143,7 +180,7 @@ RUNS: list[dict] = [
 
 def to_run(r: dict) -> TrainingRun:
     """The `TrainingRun` a published row describes."""
-    return TrainingRun(r["model"], r["hardware"], r["gpus"], tp=r["tp"], pp=r["pp"],
+    return TrainingRun(r.get("shape", r["model"]), r["hardware"], r["gpus"], tp=r["tp"], pp=r["pp"],
                        vpp=r["vpp"], cp=r["cp"], micro_batch=r["micro_batch"],
                        global_batch=r["global_batch"], seq_len=r["seq_len"],
                        precision=r["precision"], recompute=r["recompute"],
