@@ -253,7 +253,7 @@ def predict(run: TrainingRun) -> Prediction:
 
 def layouts(model, hardware, gpus: int, global_batch: int, seq_len: int | None = None,
             tps=(1, 2, 4, 8, 16), pps=(1, 2, 4, 8, 16), cps=(1, 2), vpps=(1, 2, 4),
-            micro_batches=(1, 2), shardings=SHARDINGS, recomputes=RECOMPUTES,
+            micro_batches=(1, 2), shardings=SHARDINGS, recomputes=("none", "selective", "full"),
             precision: str = "bf16") -> list[Prediction]:
     """Every valid layout of `model` on `gpus` GPUs among the degrees given, predicted;
     the invalid ones (a ValueError naming their rule) are left out."""
