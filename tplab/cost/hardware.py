@@ -279,6 +279,14 @@ HARDWARE: dict[str, Hardware] = {
     "A100 SXM": Hardware("A100 SXM", 312e12, _NV3, _HDR, memory=81920 * MiB, arch="ampere",
                          cpu="amd", sms=108, memory_bandwidth=2.039e12,
                          matmul_efficiency=271.2 / 312, attention_efficiency=0.5),
+    # Meta's Grand Teton H100 (torchtitan docs/performance.md): 96 GB HBM2e at 2.4 TB/s,
+    # 400 Gb/s per GPU, a 500 W power limit; its peak "is between SXM and NVL, and we don't
+    # know its exact value": the preset takes the SXM's peak and matmul efficiency (as
+    # torchtitan's MFU does), so it errs fast by up to NVL/SXM = 835/989.
+    "H100 96GB (500 W)": Hardware("H100 96GB (500 W)", 989e12, _NV4, _NDR, memory=96e9,
+                                  memory_bandwidth=2.4e12, fp8_flops=1979e12,
+                                  matmul_efficiency=794.5 / 989,
+                                  fp8_matmul_efficiency=1402.6 / 1979),
     # DGX B200: 8 B200 (2.25 PFLOP/s dense bf16, 4.5 fp8, as NVIDIA's dgxc-benchmarking
     # llama3.1 README tabulates them), 180 GB HBM3e at 8 TB/s, 148 SMs, 8 ConnectX-7 NDR.
     # NCCL's tables for it are taken as Hopper's (tplab models NCCL 2.21.5).

@@ -30,12 +30,14 @@ FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
 DGXC = "NVIDIA/dgxc-benchmarking llama3.1/README.md"
 BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md"
 NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473), Tables 1 and 2"
+TITAN_H100 = "pytorch/torchtitan docs/performance.md (Llama 3.1, H100 96GB, commit eaea6f6)"
 
 KEYS = ("model", "hardware", "gpus", "tp", "pp", "vpp", "cp", "micro_batch", "global_batch",
         "seq_len", "recompute", "sharding")
 FRAMEWORK = {LLAMA3: ("fused", "flash"), KORTHIKANTI: ("fused", "unfused"),
              TITAN: ("eager", "flash"), FOUNDRY: ("eager", "flash"), DGXC: ("fused", "flash"),
-             BRIDGE: ("fused", "flash"), NARAYANAN: ("fused", "unfused")}
+             BRIDGE: ("fused", "flash"), NARAYANAN: ("fused", "unfused"),
+             TITAN_H100: ("eager", "flash")}
 """How each source's framework runs a layer (`TrainingRun.kernels`, `.attention`): Meta's
 and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager PyTorch;
 llm-foundry's MPT is PyTorch with flash attention (its LayerNorm one kernel: see
@@ -106,6 +108,25 @@ def narayanan(params, heads, hidden, layers, tp, pp, gpus, batch, tflops, mb=1,
     return r | {"shape": shape}
 
 
+def titan_h100(table, model, gpus, fsdp, tp, pp, vpp, cp, local, seq, ac, tech, tps):
+    """torchtitan's Llama 3.1 tables on Grand Teton H100s: local batch per DP rank (no
+    accumulation: the micro-batch, 1 per pipeline micro-batch under PP), "selective" AC is
+    torchtitan's default op-level SAC, torch.compile fuses the element-wise work."""
+    dp = gpus // (tp * pp * cp)
+    mb = 1 if pp > 1 else local
+    r = row(TITAN_H100, f"Table {table}: {tech}, {gpus} GPUs (FSDP {fsdp}, TP {tp}, PP {pp}"
+            f"{', CP ' + str(cp) if cp > 1 else ''})",
+            (model, "H100 96GB (500 W)", gpus, tp, pp, vpp, cp, mb, local * dp, seq,
+             "op" if ac == "selective" else "full", "fsdp"), f"{tps} TPS/GPU", tps,
+            ("seq_len 8192 (torchtitan's Llama 3.1 8B default)" if seq == 8192 else "",
+             "Interleaved 1F1B with 2 stages per rank" if vpp > 1 else "",
+             "AsyncTP not modelled" if "AsyncTP" in tech else ""),
+            precision="fp8" if "Float8" in tech else "bf16")
+    if "compile" in tech:
+        r["kernels"] = "fused"
+    return r
+
+
 RUNS: list[dict] = [
     llama3(8192, 1, 64, 8192, 32, 430),
     llama3(16384, 1, 128, 8192, 16, 400),
@@ -171,6 +192,24 @@ RUNS: list[dict] = [
       for g, mb, x in ((384, 4, 144), (768, 2, 88), (1536, 1, 44))],
     *[narayanan(529.6, 128, 20480, 105, 1, 1, g, b, x, mb, "fsdp", "Table 2")
       for g, b, mb, x in ((640, 2560, 4, 138), (1120, 2240, 2, 98), (2240, 2240, 1, 48))],
+    # torchtitan's Llama 3.1 tables on H100 96GB / 500 W (FSDP, CP, TP, PP, Float8, compile)
+    *[titan_h100(t, "Llama-3 8B", g, g, 1, 1, 1, 1, 2, 8192, "selective", tech, x)
+      for t, g in ((1, 8), (3, 128)) for tech, x in (
+          ("FSDP", {1: 5762, 3: 5605}[t]), ("FSDP + torch.compile", {1: 6667, 3: 6514}[t]),
+          ("FSDP + torch.compile + Float8", {1: 8532, 3: 8380}[t]))],
+    *[titan_h100(2, "Llama-3 8B", 8, 8 // cp, 1, 1, 1, cp, 1, seq, "full",
+                 "FSDP + CP + torch.compile + Float8", x)
+      for cp, seq, x in ((1, 32768, 3890), (2, 65536, 2540), (4, 131072, 1071),
+                         (8, 262144, 548))],
+    *[titan_h100(4, "Llama-3 70B", 256, 32, 8, 1, 1, 1, 16, 8192, "full",
+                 f"{tech} + torch.compile + Float8", x)
+      for tech, x in (("2D", 829), ("2D + AsyncTP", 876))],
+    *[titan_h100(5, "Llama-3.1 405B", 512, 8, 8, 8, vpp, 1, 32, 8192, "full",
+                 f"{name}, torch.compile + Float8 + AsyncTP", x)
+      for name, vpp, x in (("1F1B", 1, 100), ("Interleaved 1F1B", 2, 128))],
+    *[titan_h100(6, "Llama-3.1 405B", 512, 8 // cp, 8, 8, 1, cp, 8, seq, "full",
+                 "4D, torch.compile + Float8 + AsyncTP + 1F1B", x)
+      for cp, seq, x in ((1, 32768, 76), (2, 65536, 47), (4, 131072, 31), (8, 262144, 16))],
     # 26.02 NeMo container tables, FP8 rows of a layout or batch the 25.11 ones do not have
     *[bridge("26.02", *args) for args in (
         ("DGX-H100", "Llama-3 70B", 64, 256, 1, 0, 4, 8, 1, 5, 1621),
