@@ -162,7 +162,9 @@ SIDES = {
                      "tplab.cost.data_parallel", "tplab.cost.gemm", "tplab.cost.hardware",
                      "tplab.cost.lab_models", "tplab.cost.memory", "tplab.cost.nccl",
                      "tplab.cost.shapes", "tplab.cost.step", "tplab.cost.transformer",
-                     "tplab.cost.validate", "tplab.cost.calibrate"], BOTH),
+                     "tplab.cost.validate", "tplab.cost.calibrate", "tplab.cost.kernels",
+                     "tplab.cost.pipeline", "tplab.cost.training_run",
+                     "tplab.cost.published"], BOTH),
     # the notebook's kernel: the launcher, checks that drive a lab, figures, widgets, tools
     **dict.fromkeys(["tplab.__main__", "tplab.check", "tplab.cli_check", "tplab.doctor",
                      "tplab.smoke", "tplab.hf_models", "tplab.testing", "tplab.widgets",
