@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import enabled_local_tensor_mode
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -220,8 +221,6 @@ def apply_hsdp(model, mesh, replicate: int = 2):
     """HSDP (FSDP2 on a 2-D mesh: replicas of shards): the dp dim split into
     (dp_replicate, dp_shard); parameters replicated over the first, sharded over the second.
     torch needs a tp of 1 here (HSDP x TP would need a 3-D mesh: 8 ranks at least)."""
-    from torch.distributed.device_mesh import init_device_mesh  # deferred: HSDP only
-
     dp = mesh["dp"].size()
     if mesh["tp"].size() != 1 or dp % replicate:
         raise PlanError(f"hsdp: a (dp, tp=1) mesh with dp divisible by {replicate} (HSDP x TP "
