@@ -149,7 +149,7 @@ SIDES = {
                      "tplab.handovers", "tplab.layout_contracts", "tplab.layout_flow",
                      "tplab.parallel_styles",
                      "tplab.hf", "tplab.tracing", "tplab.causes", "tplab.explain",
-                     "tplab.layouts", "tplab.fsdp", "tplab.checkpointing",
+                     "tplab.layouts", "tplab.fsdp", "tplab.fsdp_layout", "tplab.checkpointing",
                      "tplab.compiling", "tplab.pairing",
                      "tplab.report",
                      "tplab.memory_use",
