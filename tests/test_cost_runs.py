@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from tplab import cost
-from tplab.cost import nccl, pipeline, published
+from tplab.cost import kernels, nccl, pipeline, published
 
 MiB = 2**20
 H100 = cost.HARDWARE["H100 SXM"]
@@ -45,7 +45,7 @@ def test_every_published_run_is_expressible_and_its_error_computed():
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in out["rows"]]
     assert out["median"] == pytest.approx(statistics.median(errors))
     # what this model achieves today (docs/VALIDATION.md); a regression makes it worse
-    assert out["median"] <= 0.30
+    assert out["median"] <= 0.26
     zero3 = [r for r in out["rows"] if "ZeRO-3" in r["where"]]
     rest = [r for r in out["rows"] if "ZeRO-3" not in r["where"]]
     assert len(zero3) == 6 and all(abs(r["error"]) < 1.2 for r in rest)
@@ -57,6 +57,25 @@ def test_every_published_run_is_expressible_and_its_error_computed():
     # every run reported with PP > 1, CP > 1 or Blackwell is among them
     assert any(r["pp"] > 1 for r in out["rows"]) and any(r["cp"] > 1 for r in out["rows"])
     assert any(r["hardware"] == "GB200 NVL72" for r in out["rows"])
+
+
+def test_flash_backward_is_five_matmuls_to_the_forwards_two():
+    shape = cost.MODELS["Llama-3 8B"].with_(seq=8192, batch=1)
+    fwd = kernels.attention_time(shape, 1, 1, H100)
+    # causal forward: half of 4 b s^2 h FLOPs at the flash rate; backward 2.5 x that
+    assert fwd == pytest.approx(2 * 8192**2 * 4096 / (H100.flops * H100.attention_efficiency))
+    assert kernels.attention_backward(shape, 1, 1, H100) == pytest.approx(2.5 * fwd)
+
+
+def test_unfused_attention_runs_q_k_transposed_at_the_short_k_gemm_rate():
+    shape = cost.BlockShape(hidden=6144, heads=48, layers=1, seq=2048, batch=4)
+    a100 = cost.HARDWARE["A100 SXM"]
+    t = kernels.attention_time(shape, 1, 8, a100, "unfused")
+    # 4 x 6 heads of (2048 x 128) @ (128 x 2048): k = 128 fills the pipeline half-way
+    qk = 2 * 2048 * 2048 * 128 * 24 / (a100.flops * a100.matmul_efficiency * 128 / 256)
+    flat = 4 * 4 * 2048**2 * 6144 / 8 / (a100.flops * a100.matmul_efficiency)
+    assert t > qk > flat / 2
+    assert kernels.attention_backward(shape, 1, 8, a100, "unfused") > t
 
 
 @pytest.mark.xfail(strict=True, reason="goal of issue 26 not met yet: the model "
@@ -147,7 +166,6 @@ def test_auto_is_never_slower_than_the_ring_it_priced(n):
 
 
 def test_the_gemm_kernel_rate_against_xla_s_measured_h100_table():
-    from tplab.cost import kernels
     errors, large = [], []
     for m, n, k, tflops in kernels.GEMM_POINTS:
         measured = 2 * m * n * k / (tflops * 1e12)
@@ -165,7 +183,6 @@ def test_the_gemm_kernel_rate_against_xla_s_measured_h100_table():
 
 
 def test_k_and_v_are_whole_heads_past_n_kv_heads():
-    from tplab.cost import kernels
     shape = cost.MODELS["Llama-3 70B"]            # 8 KV heads of 128
     assert kernels.linear_gemms(shape, 4096, 8)[0][1] == 8192 // 8 + 2 * 128
     assert kernels.linear_gemms(shape, 4096, 16)[0][1] == 8192 // 16 + 2 * 128   # not 64

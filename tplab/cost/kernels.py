@@ -61,6 +61,14 @@ GEMM_POINTS = (   # (m, n, k, measured TFLOP/s): XLA's sm_90 bf16 table, b = 1 (
     (1024, 512, 2048, 220.029), (256, 4096, 2048, 324.589), (512, 2048, 1024, 232.613),
     (4096, 512, 1024, 370.767), (1024, 2048, 2048, 524.288), (512, 256, 256, 11.460))
 LOSS_BYTES = 12
+SCORE_BYTES = 7
+"""Bytes per score the unfused softmax, mask and dropout move beyond their GEMMs (which
+`gemm_time` prices with their own reads and writes): softmax read and write 4, a 1-byte
+dropout mask, its output 2 (module doc)."""
+FLASH_BACKWARD = 2.5
+"""Flash attention's backward FLOPs over its forward's: it recomputes S = Q K^T and P, 5
+matmuls to 2 (Dao-AILab/flash-attention benchmarks/benchmark_flash_attention.py, `flops`:
+"2.5 * f" for mode "bwd"), the FLOP count its published TFLOP/s are measured against."""
 ADAM_BYTES = 30
 """Bytes Adam moves per local parameter per step: reads fp32 master, m, v and gradient (16),
 writes master, m and v (12) and the bf16 copy (2)."""
@@ -77,15 +85,17 @@ def quantisation(m: int, n: int, k: int, hw: Hardware) -> float:
     return best
 
 
-def gemm_time(m: int, n: int, k: int, hw: Hardware, precision: str = "bf16") -> float:
-    """Seconds of one (m x k) @ (k x n) GEMM (module doc)."""
+def gemm_time(m: int, n: int, k: int, hw: Hardware, precision: str = "bf16",
+              count: int = 1) -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM (module doc), or of `count` of them in one
+    batched call (one GEMM_OVERHEAD)."""
     if precision == "fp8":
         rate, size = hw.fp8_flops * hw.fp8_matmul_efficiency, 1
     else:
         rate, size = hw.flops * hw.matmul_efficiency, 2
     compute = 2 * m * n * k / (rate * quantisation(m, n, k, hw) * k / (k + GEMM_K0))
     traffic = (size * (m * k + k * n) + 2 * m * n) / hw.memory_bandwidth
-    return GEMM_OVERHEAD + max(compute, traffic)
+    return GEMM_OVERHEAD + count * max(compute, traffic)
 
 
 def layer_linear_flops(shape: BlockShape) -> float:
@@ -132,9 +142,28 @@ def attention_time(shape: BlockShape, cp: int, tp: int, hw: Hardware,
     if attention == "flash":
         flops = 2 * shape.batch * shape.seq * local * shape.hidden / tp
         return flops / (hw.flops * hw.attention_efficiency)
-    flops = 4 * shape.batch * shape.seq * local * shape.hidden / tp
+    d, count = shape.hidden // shape.heads, shape.batch * heads
+    gemms = gemm_time(local, shape.seq, d, hw, count=count) + gemm_time(
+        local, d, shape.seq, hw, count=count)   # Q K^T (k = head width), then P V
     scores = shape.batch * heads * shape.seq * local
-    return flops / (hw.flops * hw.matmul_efficiency) + 11 * scores / hw.memory_bandwidth
+    return gemms + SCORE_BYTES * scores / hw.memory_bandwidth
+
+
+def attention_backward(shape: BlockShape, cp: int, tp: int, hw: Hardware,
+                       attention: str = "flash") -> float:
+    """Backward seconds of the attention core: flash attention's backward recomputes the
+    scores, 5 matmuls to the forward's 2, FLASH_BACKWARD x its FLOPs at the same rate;
+    unfused, the four gradient GEMMs (dP = dO V^T and dQ = dS K over the local queries,
+    dV = P^T dO and dK = dS^T Q over the keys) and twice the forward's score bytes."""
+    fwd = attention_time(shape, cp, tp, hw, attention)
+    if attention == "flash":
+        return FLASH_BACKWARD * fwd
+    local, seq = shape.seq // cp, shape.seq
+    heads = max(1, shape.heads // tp)
+    d, count = shape.hidden // shape.heads, shape.batch * heads
+    gemms = (gemm_time(local, seq, d, hw, count=count) + gemm_time(local, d, seq, hw, count=count)
+             + 2 * gemm_time(seq, d, local, hw, count=count))
+    return gemms + 2 * SCORE_BYTES * shape.batch * heads * seq * local / hw.memory_bandwidth
 
 
 def head_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,

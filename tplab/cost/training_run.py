@@ -190,9 +190,10 @@ def layer_times(run: TrainingRun) -> dict:
     fwd = kernels.linear_time(shape, tokens, tp, hw, run.precision)
     bwd_dgrad, bwd_wgrad = 2 * [fwd]
     attn_s = kernels.attention_time(shape, cp, tp, hw, run.attention)
+    attn_bwd = kernels.attention_backward(shape, cp, tp, hw, run.attention)
     elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.memory_bandwidth
     forward = fwd + attn_s + elem
-    backward = bwd_dgrad + bwd_wgrad + 2 * attn_s + 2 * elem
+    backward = bwd_dgrad + bwd_wgrad + attn_bwd + 2 * elem
     if run.recompute == "full":
         backward += forward
     elif run.recompute == "selective":
