@@ -32,11 +32,12 @@ The backward pass moves twice the forward's bytes. The loss reads and writes the
 logits: 12 bytes per logit.
 
 Attention, by `attention=`: "flash" (FlashAttention: causal tiles skipped, half of
-4 b s^2 h, at `Hardware.attention_efficiency`) or "unfused" (Megatron-LM in 2022,
-Korthikanti et al. section 4.1: Q K^T and the product with V as batched GEMMs over the
-full s x s scores at the matmul rate, and the scores written, soft-maxed, masked and
-dropped out in memory: 11 bytes per score forward (bf16 scores 2, softmax read and write
-4, a 1-byte dropout mask, its output 2, read again by the product 2), twice that backward).
+4 b s^2 h, at `Hardware.attention_efficiency`; its backward recomputes the scores, 5
+matmuls to the forward's 2: FLASH_BACKWARD x the forward's FLOPs) or "unfused" (Megatron-LM
+in 2022, Korthikanti et al. section 4.1: Q K^T and the product with V as batched GEMMs over
+the full s x s scores, each priced by `gemm_time`, so Q K^T runs at its short k = head
+width's rate; the backward's four gradient GEMMs likewise; and the softmax and dropout in
+memory, SCORE_BYTES per score forward, twice that backward).
 """
 
 from __future__ import annotations
@@ -61,10 +62,10 @@ GEMM_POINTS = (   # (m, n, k, measured TFLOP/s): XLA's sm_90 bf16 table, b = 1 (
     (1024, 512, 2048, 220.029), (256, 4096, 2048, 324.589), (512, 2048, 1024, 232.613),
     (4096, 512, 1024, 370.767), (1024, 2048, 2048, 524.288), (512, 256, 256, 11.460))
 LOSS_BYTES = 12
-SCORE_BYTES = 7
-"""Bytes per score the unfused softmax, mask and dropout move beyond their GEMMs (which
-`gemm_time` prices with their own reads and writes): softmax read and write 4, a 1-byte
-dropout mask, its output 2 (module doc)."""
+SCORE_BYTES = 9
+"""Bytes per score the unfused softmax and dropout move beyond their GEMMs (which
+`gemm_time` prices with their own reads and writes): the fused scale-mask-softmax reads
+and writes 4, dropout reads 2, writes 2 and a 1-byte mask; backward twice that."""
 FLASH_BACKWARD = 2.5
 """Flash attention's backward FLOPs over its forward's: it recomputes S = Q K^T and P, 5
 matmuls to 2 (Dao-AILab/flash-attention benchmarks/benchmark_flash_attention.py, `flops`:
