@@ -155,6 +155,7 @@ class Hardware:
     matmul_efficiency: float = 0.80  # a large bf16 GEMM's measured rate / peak (MAMF)
     fp8_matmul_efficiency: float = 0.70
     attention_efficiency: float = 0.35   # flash attention's rate / peak, fwd + bwd
+    fp8_any_layout: bool = False     # fp8 GEMMs take any operand layout (Blackwell)
 
     def __post_init__(self):
         check_type("name", self.name, str, "a string")
@@ -176,6 +177,7 @@ class Hardware:
                      maximum=1.0)
         check_number("attention_efficiency", self.attention_efficiency, strict=True,
                      maximum=1.0)
+        check_bool("fp8_any_layout", self.fp8_any_layout)
 
     @property
     def usable_memory(self) -> float:
@@ -270,6 +272,10 @@ _NV5 = _NV4.with_(name="NVLink 5 (NVLink 4's measured fractions)",
 # on A100" (Dao 2023, abstract; its backward is the slower part: 0.5 on A100) and "only 35%
 # utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3, abstract): 0.35 on
 # Hopper, and on Blackwell, where no published figure is used (an assumption).
+# fp8 layouts: on Hopper cuBLASLt's fp8 kernels need "A transposed and B non-transposed (the
+# TN format)" (cuBLAS docs, cublasLtMatmul), so a quantised tensor used by two GEMMs is
+# also written transposed (Transformer Engine docs, "Performance considerations: handling
+# transposes"); Blackwell "supports any GEMM layout for FP8" (TransformerEngine #2514).
 HARDWARE: dict[str, Hardware] = {
     "H100 SXM": Hardware("H100 SXM", 989e12, _NV4, _NDR, fp8_flops=1979e12,
                          matmul_efficiency=794.5 / 989, fp8_matmul_efficiency=1402.6 / 1979),
@@ -292,13 +298,13 @@ HARDWARE: dict[str, Hardware] = {
     # NCCL's tables for it are taken as Hopper's (tplab models NCCL 2.21.5).
     "B200": Hardware("B200", 2250e12, _NV5, _NDR, memory=180e9, memory_bandwidth=8e12,
                      sms=148, fp8_flops=4500e12, matmul_efficiency=1745 / 2250,
-                     fp8_matmul_efficiency=3432.5 / 4500),
+                     fp8_matmul_efficiency=3432.5 / 4500, fp8_any_layout=True),
     # GB200 NVL72: 72 GPUs in one NVLink domain, one ConnectX-7 per GPU; 2.45 PFLOP/s bf16
     # (dgxc-benchmarking's figure, which its MFU uses), 186 GB HBM3e at 8 TB/s.
     "GB200 NVL72": Hardware("GB200 NVL72", 2450e12, _NV5, _NDR, gpus_per_node=72,
                             nics_per_node=72, memory=186e9, memory_bandwidth=8e12, sms=148,
                             fp8_flops=4900e12, matmul_efficiency=1822 / 2500,
-                            fp8_matmul_efficiency=3615.6 / 5000),
+                            fp8_matmul_efficiency=3615.6 / 5000, fp8_any_layout=True),
     "H100 PCIe": Hardware("H100 PCIe", 756e12, LINKS["PCIe Gen5 x16"], _NDR, sms=114,
                           memory_bandwidth=2.0e12),
     "A100 PCIe": Hardware("A100 PCIe", 312e12, LINKS["PCIe Gen4 x16"], _HDR,

@@ -28,7 +28,9 @@ Element-wise bytes per token per layer, forward, 2-byte activations, by `kernels
   residual adds (12h). Gated MLPs only: a non-gated shape (GPT, MPT) has LayerNorm, which
   MPT runs in low precision in one kernel (4h), so it is priced as "fused".
 
-The backward pass moves twice the forward's bytes. The loss reads and writes the fp32
+The backward pass moves twice the forward's bytes. Under fp8 each linear's operands are
+quantised (`fp8_cast_bytes`: FP8_CAST_BYTES per element, plus the transposed copy Hopper's
+fp8 GEMMs need). The loss reads and writes the fp32
 logits: 12 bytes per logit.
 
 Attention, by `attention=`: "flash" (FlashAttention: causal tiles skipped, half of
@@ -62,6 +64,11 @@ GEMM_POINTS = (   # (m, n, k, measured TFLOP/s): XLA's sm_90 bf16 table, b = 1 (
     (1024, 512, 2048, 220.029), (256, 4096, 2048, 324.589), (512, 2048, 1024, 232.613),
     (4096, 512, 1024, 370.767), (1024, 2048, 2048, 524.288), (512, 256, 256, 11.460))
 LOSS_BYTES = 12
+FP8_CAST_BYTES = 5
+"""Bytes per element of a tensorwise fp8 quantisation with current (dynamic) scaling: the
+amax pass reads the bf16 tensor (2), the cast reads it again (2) and writes fp8 (1);
+priced unfused with its producer (torchao's float8 tensorwise recipe, Transformer Engine's
+current scaling; TE's LayerNormLinear, which writes the norm's output in fp8, moves less)."""
 SCORE_BYTES = 9
 """Bytes per score the unfused softmax and dropout move beyond their GEMMs (which
 `gemm_time` prices with their own reads and writes): the fused scale-mask-softmax reads
@@ -121,6 +128,17 @@ def linear_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
     """Seconds of one layer's forward GEMMs on one rank (each backward GEMM, input and
     weight gradient, costs the same shape transposed: the same time)."""
     return sum(gemm_time(m, n, k, hw, precision) for m, n, k in linear_gemms(shape, tokens, tp))
+
+
+def fp8_cast_bytes(shape: BlockShape, tokens: int, tp: int, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) bytes one rank's fp8 quantisation moves in one layer: each
+    linear's input and weight (forward) and output gradient (backward) quantised once,
+    FP8_CAST_BYTES per element (module doc), one more where the fp8 GEMMs need the
+    transposed copy too (Hopper: `Hardware.fp8_any_layout` False)."""
+    per = FP8_CAST_BYTES + (0 if hw.fp8_any_layout else 1)
+    gemms = linear_gemms(shape, tokens, tp)
+    forward = sum(m * k + k * n for m, n, k in gemms)
+    return per * forward, per * sum(m * n for m, n, _ in gemms)
 
 
 def elementwise_bytes(shape: BlockShape, tokens: int, tp: int, kernels: str = "fused") -> float:

@@ -192,8 +192,12 @@ def layer_times(run: TrainingRun) -> dict:
     attn_s = kernels.attention_time(shape, cp, tp, hw, run.attention)
     attn_bwd = kernels.attention_backward(shape, cp, tp, hw, run.attention)
     elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.memory_bandwidth
-    forward = fwd + attn_s + elem
-    backward = bwd_dgrad + bwd_wgrad + attn_bwd + 2 * elem
+    cast = (0.0, 0.0)
+    if run.precision == "fp8":   # the linears' operands quantised (kernels.fp8_cast_bytes)
+        cast = tuple(b / hw.memory_bandwidth
+                     for b in kernels.fp8_cast_bytes(shape, tokens, tp, hw))
+    forward = fwd + attn_s + elem + cast[0]
+    backward = bwd_dgrad + bwd_wgrad + attn_bwd + 2 * elem + cast[1]
     if run.recompute == "full":
         backward += forward
     elif run.recompute == "selective":
