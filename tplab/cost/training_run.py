@@ -7,9 +7,11 @@ How a step is priced (one set of constants per hardware preset, each cited where
 - **GEMMs** at a kernel rate: peak x `Hardware.matmul_efficiency` (mamf-finder's measured
   maximum, `tplab.cost.hardware`) x the shape's tile and wave quantisation, or the memory
   roofline (bytes / bandwidth) if that is slower: one roofline, applied once
-  (`tplab.cost.kernels`). fp8 runs the linears at `fp8_flops` x `fp8_matmul_efficiency`.
+  (`tplab.cost.kernels`). fp8 runs the linears at `fp8_flops` x `fp8_matmul_efficiency`,
+  plus the quantisation of their operands at the memory bandwidth (`kernels.fp8_cast_bytes`).
 - **Attention**: flash attention (causal: half of 4 b s^2 h) at
-  `Hardware.attention_efficiency`, or materialised scores (`attention="unfused"`).
+  `Hardware.attention_efficiency`, its backward 2.5 x the forward's FLOPs (it recomputes the
+  scores), or materialised scores (`attention="unfused"`: batched GEMMs and softmax bytes).
 - **Element-wise work** (norms, RoPE, SwiGLU/GELU, residuals, the loss) as bytes over the
   memory bandwidth, fused (Megatron-LM) or eager (PyTorch) (`kernels.elementwise_bytes`).
 - **TP**: the block's collectives (`tplab.cost.transformer.block_collectives`, sequence
