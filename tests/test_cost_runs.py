@@ -48,7 +48,10 @@ def test_every_published_run_is_expressible_and_its_error_computed():
     assert out["median"] <= 0.26
     zero3 = [r for r in out["rows"] if "ZeRO-3" in r["where"]]
     rest = [r for r in out["rows"] if "ZeRO-3" not in r["where"]]
-    assert len(zero3) == 6 and all(abs(r["error"]) < 1.2 for r in rest)
+    assert len(zero3) == 6 and all(abs(r["error"]) < 1.0 for r in rest)
+    # the group that meets the median goal: NVIDIA's FP8 recipes (Megatron-Bridge)
+    bridge = [abs(r["error"]) for r in out["rows"] if r["source"] == published.BRIDGE]
+    assert len(bridge) == 10 and statistics.median(bridge) <= 0.10
     # the blind spot VALIDATION.md names: DeepSpeed's ZeRO-3 of 2021 ran far slower than
     # NCCL's striped rings let the model price it, and slower with every GPU added
     assert all(r["error"] > 0.5 for r in zero3)
