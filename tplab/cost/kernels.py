@@ -94,13 +94,16 @@ def quantisation(m: int, n: int, k: int, hw: Hardware) -> float:
 
 
 def gemm_time(m: int, n: int, k: int, hw: Hardware, precision: str = "bf16",
-              count: int = 1) -> float:
+              count: int = 1, sustained: bool = True) -> float:
     """Seconds of one (m x k) @ (k x n) GEMM (module doc), or of `count` of them in one
-    batched call (one GEMM_OVERHEAD)."""
+    batched call (one GEMM_OVERHEAD); at the rate a power-saturated GPU holds
+    (`Hardware.sustained`), or `sustained=False` at the burst rate a microbenchmark
+    measures."""
+    clock = hw.sustained if sustained else 1.0
     if precision == "fp8":
-        rate, size = hw.fp8_flops * hw.fp8_matmul_efficiency, 1
+        rate, size = hw.fp8_flops * hw.fp8_matmul_efficiency * clock, 1
     else:
-        rate, size = hw.flops * hw.matmul_efficiency, 2
+        rate, size = hw.flops * hw.matmul_efficiency * clock, 2
     compute = 2 * m * n * k / (rate * quantisation(m, n, k, hw) * k / (k + GEMM_K0))
     traffic = (size * (m * k + k * n) + 2 * m * n) / hw.memory_bandwidth
     return GEMM_OVERHEAD + count * max(compute, traffic)
@@ -160,7 +163,7 @@ def attention_time(shape: BlockShape, cp: int, tp: int, hw: Hardware,
     heads = max(1, shape.heads // tp)
     if attention == "flash":
         flops = 2 * shape.batch * shape.seq * local * shape.hidden / tp
-        return flops / (hw.flops * hw.attention_efficiency)
+        return flops / (hw.flops * hw.attention_efficiency * hw.sustained)
     d, count = shape.hidden // shape.heads, shape.batch * heads
     gemms = gemm_time(local, shape.seq, d, hw, count=count) + gemm_time(
         local, d, shape.seq, hw, count=count)   # Q K^T (k = head width), then P V
