@@ -45,13 +45,16 @@ def test_every_published_run_is_expressible_and_its_error_computed():
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in out["rows"]]
     assert out["median"] == pytest.approx(statistics.median(errors))
     # what this model achieves today (docs/VALIDATION.md); a regression makes it worse
-    assert out["median"] <= 0.26
+    assert out["median"] <= 0.16
     zero3 = [r for r in out["rows"] if "ZeRO-3" in r["where"]]
     rest = [r for r in out["rows"] if "ZeRO-3" not in r["where"]]
-    assert len(zero3) == 6 and all(abs(r["error"]) < 1.0 for r in rest)
+    assert len(zero3) == 6 and all(abs(r["error"]) < 0.9 for r in rest)
     # the group that meets the median goal: NVIDIA's FP8 recipes (Megatron-Bridge)
     bridge = [abs(r["error"]) for r in out["rows"] if r["source"] == published.BRIDGE]
     assert len(bridge) == 10 and statistics.median(bridge) <= 0.10
+    # and the A100 groups at the sustained rate (four frameworks, 2021 to 2024)
+    a100 = [abs(r["error"]) for r in rest if r["hardware"] == "A100 SXM"]
+    assert len(a100) == 41 and statistics.median(a100) <= 0.15
     # the blind spot VALIDATION.md names: DeepSpeed's ZeRO-3 of 2021 ran far slower than
     # NCCL's striped rings let the model price it, and slower with every GPU added
     assert all(r["error"] > 0.5 for r in zero3)

@@ -1,10 +1,12 @@
 """The kernels of a training step on one GPU, timed: GEMMs at a measured kernel rate with one
 roofline, element-wise work at the memory bandwidth, the LM head and loss, the optimizer.
 
-GEMM: time = GEMM_OVERHEAD + max(2 m n k / (peak x `matmul_efficiency` x tile
+GEMM: time = GEMM_OVERHEAD + max(2 m n k / (peak x `matmul_efficiency` x `sustained` x tile
 quantisation x k / (k + GEMM_K0)), bytes / memory bandwidth). `matmul_efficiency` is the
 best rate mamf-finder measured for large GEMMs (`tplab.cost.hardware`), so it is a kernel
-rate, not an end-to-end MFU; the tile quantisation is NVIDIA's (Matrix Multiplication
+rate, not an end-to-end MFU, and a burst: `Hardware.sustained` is the fraction a GPU holds
+at its power cap in a run (mamf-finder's MSMF; `gemm_time(..., sustained=False)` gives the
+burst, which XLA's table below measures); the tile quantisation is NVIDIA's (Matrix Multiplication
 Background guide: a dimension that is not a multiple of the 128 x 256 or 128 x 128 tile
 pays for the whole last tile); k / (k + GEMM_K0) is the pipeline's fill over a short k and
 GEMM_OVERHEAD the fixed cost of a call. Those two are fitted to XLA's published H100 GEMM

@@ -5,7 +5,8 @@ memory per GPU, checked against published runs (`tplab.cost.published`, docs/VAL
 How a step is priced (one set of constants per hardware preset, each cited where defined):
 
 - **GEMMs** at a kernel rate: peak x `Hardware.matmul_efficiency` (mamf-finder's measured
-  maximum, `tplab.cost.hardware`) x the shape's tile and wave quantisation, or the memory
+  maximum, `tplab.cost.hardware`) x `Hardware.sustained` (the fraction of that burst a GPU
+  holds at its power cap, mamf-finder's MSMF) x the shape's tile quantisation, or the memory
   roofline (bytes / bandwidth) if that is slower: one roofline, applied once
   (`tplab.cost.kernels`). fp8 runs the linears at `fp8_flops` x `fp8_matmul_efficiency`,
   plus the quantisation of their operands at the memory bandwidth (`kernels.fp8_cast_bytes`).
