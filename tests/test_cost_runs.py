@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from tplab import cost
-from tplab.cost import nccl, pipeline, published
+from tplab.cost import kernels, nccl, pipeline, published
 
 MiB = 2**20
 H100 = cost.HARDWARE["H100 SXM"]
@@ -45,10 +45,16 @@ def test_every_published_run_is_expressible_and_its_error_computed():
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in out["rows"]]
     assert out["median"] == pytest.approx(statistics.median(errors))
     # what this model achieves today (docs/VALIDATION.md); a regression makes it worse
-    assert out["median"] <= 0.30
+    assert out["median"] <= 0.16
     zero3 = [r for r in out["rows"] if "ZeRO-3" in r["where"]]
     rest = [r for r in out["rows"] if "ZeRO-3" not in r["where"]]
-    assert len(zero3) == 6 and all(abs(r["error"]) < 1.2 for r in rest)
+    assert len(zero3) == 6 and all(abs(r["error"]) < 0.9 for r in rest)
+    # the group that meets the issue's median goal: NVIDIA's FP8 recipes (Megatron-Bridge)
+    bridge = [abs(r["error"]) for r in out["rows"] if r["source"] == published.BRIDGE]
+    assert len(bridge) == 10 and statistics.median(bridge) <= 0.10
+    # and the A100 groups at the sustained rate (four frameworks, 2021 to 2024)
+    a100 = [abs(r["error"]) for r in rest if r["hardware"] == "A100 SXM"]
+    assert len(a100) == 41 and statistics.median(a100) <= 0.15
     # the blind spot VALIDATION.md names: DeepSpeed's ZeRO-3 of 2021 ran far slower than
     # NCCL's striped rings let the model price it, and slower with every GPU added
     assert all(r["error"] > 0.5 for r in zero3)
@@ -57,6 +63,45 @@ def test_every_published_run_is_expressible_and_its_error_computed():
     # every run reported with PP > 1, CP > 1 or Blackwell is among them
     assert any(r["pp"] > 1 for r in out["rows"]) and any(r["cp"] > 1 for r in out["rows"])
     assert any(r["hardware"] == "GB200 NVL72" for r in out["rows"])
+
+
+def test_flash_backward_is_five_matmuls_to_the_forwards_two():
+    shape = cost.MODELS["Llama-3 8B"].with_(seq=8192, batch=1)
+    fwd = kernels.attention_time(shape, 1, 1, H100)
+    # causal forward: half of 4 b s^2 h FLOPs at the flash rate; backward 2.5 x that
+    assert fwd == pytest.approx(2 * 8192**2 * 4096 / (
+        H100.flops * H100.attention_efficiency * H100.sustained))
+    assert kernels.attention_backward(shape, 1, 1, H100) == pytest.approx(2.5 * fwd)
+
+
+def test_unfused_attention_runs_q_k_transposed_at_the_short_k_gemm_rate():
+    shape = cost.BlockShape(hidden=6144, heads=48, layers=1, seq=2048, batch=4)
+    a100 = cost.HARDWARE["A100 SXM"]
+    t = kernels.attention_time(shape, 1, 8, a100, "unfused")
+    # 4 x 6 heads of (2048 x 128) @ (128 x 2048): k = 128 fills the pipeline half-way
+    qk = 2 * 2048 * 2048 * 128 * 24 / (a100.flops * a100.matmul_efficiency * a100.sustained
+                                       * 128 / 256)
+    flat = 4 * 4 * 2048**2 * 6144 / 8 / (a100.flops * a100.matmul_efficiency)
+    assert t > qk > flat / 2
+    assert kernels.attention_backward(shape, 1, 8, a100, "unfused") > t
+
+
+def test_fp8_quantises_each_linears_operands_and_hopper_writes_them_transposed_too():
+    h, f, t = 1024, 4096, 2048
+    shape = cost.BlockShape(hidden=h, heads=8, layers=1, seq=t, batch=1, ffn=f)
+    assert not shape.gated and shape.kv_dim == h
+    # inputs of qkv, wo, fc1 (h wide) and fc2 (f wide) and the four weights; backward the
+    # gradients of their outputs (3h, h, f, h wide)
+    fwd = t * (3 * h + f) + 3 * h * h + h * h + 2 * h * f
+    bwd = t * (3 * h + h + f + h)
+    hopper = kernels.fp8_cast_bytes(shape, t, 1, H100)
+    blackwell = kernels.fp8_cast_bytes(shape, t, 1, cost.HARDWARE["B200"])
+    assert hopper == pytest.approx((6 * fwd, 6 * bwd))
+    assert blackwell == pytest.approx((5 * fwd, 5 * bwd))
+    run = dict(model="Llama-3 8B", hardware="H100 SXM", gpus=8, seq_len=8192)
+    fp8 = cost.predict(cost.TrainingRun(**run, precision="fp8"))
+    bf16 = cost.predict(cost.TrainingRun(**run))
+    assert bf16.step_s > fp8.step_s > bf16.step_s / 2
 
 
 @pytest.mark.xfail(strict=True, reason="goal of issue 26 not met yet: the model "
@@ -147,11 +192,10 @@ def test_auto_is_never_slower_than_the_ring_it_priced(n):
 
 
 def test_the_gemm_kernel_rate_against_xla_s_measured_h100_table():
-    from tplab.cost import kernels
     errors, large = [], []
     for m, n, k, tflops in kernels.GEMM_POINTS:
         measured = 2 * m * n * k / (tflops * 1e12)
-        e = abs(kernels.gemm_time(m, n, k, H100) / measured - 1)
+        e = abs(kernels.gemm_time(m, n, k, H100, sustained=False) / measured - 1)
         errors.append(e)
         if min(m, n) >= 1024:
             large.append(e)
@@ -159,13 +203,15 @@ def test_the_gemm_kernel_rate_against_xla_s_measured_h100_table():
     assert statistics.median(errors) < 0.06 and max(errors) < 0.35
     assert statistics.median(large) < 0.05 and max(large) < 0.08
     # one roofline: a large GEMM runs at the measured kernel rate, not at an MFU
-    t = kernels.gemm_time(8192, 8192, 8192, H100)
+    t = kernels.gemm_time(8192, 8192, 8192, H100, sustained=False)
     assert 2 * 8192**3 / t / H100.flops == pytest.approx(
         H100.matmul_efficiency * 8192 / (8192 + kernels.GEMM_K0), rel=0.01)
+    # in a run, at the power cap: H200's published MSMF, 755 TFLOP/s (same die, same 700 W)
+    held = 2 * 8192**3 / kernels.gemm_time(8192, 8192, 8192, H100)
+    assert held == pytest.approx(755e12 * 8192 / (8192 + kernels.GEMM_K0), rel=0.01)
 
 
 def test_k_and_v_are_whole_heads_past_n_kv_heads():
-    from tplab.cost import kernels
     shape = cost.MODELS["Llama-3 70B"]            # 8 KV heads of 128
     assert kernels.linear_gemms(shape, 4096, 8)[0][1] == 8192 // 8 + 2 * 128
     assert kernels.linear_gemms(shape, 4096, 16)[0][1] == 8192 // 16 + 2 * 128   # not 64

@@ -155,6 +155,8 @@ class Hardware:
     matmul_efficiency: float = 0.80  # a large bf16 GEMM's measured rate / peak (MAMF)
     fp8_matmul_efficiency: float = 0.70
     attention_efficiency: float = 0.35   # flash attention's rate / peak, fwd + bwd
+    fp8_any_layout: bool = False     # fp8 GEMMs take any operand layout (Blackwell)
+    sustained: float = 1.0           # Tensor Core rate held at the power cap / burst (MSMF)
 
     def __post_init__(self):
         check_type("name", self.name, str, "a string")
@@ -176,6 +178,8 @@ class Hardware:
                      maximum=1.0)
         check_number("attention_efficiency", self.attention_efficiency, strict=True,
                      maximum=1.0)
+        check_bool("fp8_any_layout", self.fp8_any_layout)
+        check_number("sustained", self.sustained, strict=True, maximum=1.0)
 
     @property
     def usable_memory(self) -> float:
@@ -270,15 +274,31 @@ _NV5 = _NV4.with_(name="NVLink 5 (NVLink 4's measured fractions)",
 # on A100" (Dao 2023, abstract; its backward is the slower part: 0.5 on A100) and "only 35%
 # utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3, abstract): 0.35 on
 # Hopper, and on Blackwell, where no published figure is used (an assumption).
+# Sustained rate (`sustained`): MAMF is a boost-clock burst; a GPU whose siblings all compute
+# settles at its power cap, and the same table's MSMF ("Maximum Achievable and Sustainable
+# Matmul FLOPS comparison table", stas00/ml-engineering compute/accelerator/README.md at
+# 0359db8: "use MSMF for training throughput") is what it holds: H200 755 bf16 TFLOP/s
+# (siblings loaded), which the H100 SXM (the same GH100 die at the same 700 W) takes as its
+# own: 755 / 794.5 of its MAMF; B200 1439 of its MAMF 1737 (siblings loaded), taken for
+# GB200 too; A100 SXM takes the A100 PCIe's measured 258 / 285 (no SXM MSMF is published).
+# One factor per preset, on every Tensor Core rate a training step uses (bf16 and fp8 GEMMs,
+# flash attention): a clock, not a kernel (H200 fp8: 1354 / 1525, near bf16's 755 / 850).
+# fp8 layouts: on Hopper cuBLASLt's fp8 kernels need "A transposed and B non-transposed (the
+# TN format)" (cuBLAS docs, cublasLtMatmul), so a quantised tensor used by two GEMMs is
+# also written transposed (Transformer Engine docs, "Performance considerations: handling
+# transposes"); Blackwell "supports any GEMM layout for FP8" (TransformerEngine #2514).
 HARDWARE: dict[str, Hardware] = {
     "H100 SXM": Hardware("H100 SXM", 989e12, _NV4, _NDR, fp8_flops=1979e12,
-                         matmul_efficiency=794.5 / 989, fp8_matmul_efficiency=1402.6 / 1979),
+                         matmul_efficiency=794.5 / 989, fp8_matmul_efficiency=1402.6 / 1979,
+                         sustained=755 / 794.5),
     "H200 SXM": Hardware("H200 SXM", 989e12, _NV4, _NDR, memory=143771 * MiB,
                          memory_bandwidth=4.8e12, fp8_flops=1979e12,
-                         matmul_efficiency=794.5 / 989, fp8_matmul_efficiency=1453.4 / 1979),
+                         matmul_efficiency=794.5 / 989, fp8_matmul_efficiency=1453.4 / 1979,
+                         sustained=755 / 794.5),
     "A100 SXM": Hardware("A100 SXM", 312e12, _NV3, _HDR, memory=81920 * MiB, arch="ampere",
                          cpu="amd", sms=108, memory_bandwidth=2.039e12,
-                         matmul_efficiency=271.2 / 312, attention_efficiency=0.5),
+                         matmul_efficiency=271.2 / 312, attention_efficiency=0.5,
+                         sustained=258 / 285),
     # Meta's Grand Teton H100 (torchtitan docs/performance.md): 96 GB HBM2e at 2.4 TB/s,
     # 400 Gb/s per GPU, a 500 W power limit; its peak "is between SXM and NVL, and we don't
     # know its exact value": the preset takes the SXM's peak and matmul efficiency (as
@@ -286,19 +306,22 @@ HARDWARE: dict[str, Hardware] = {
     "H100 96GB (500 W)": Hardware("H100 96GB (500 W)", 989e12, _NV4, _NDR, memory=96e9,
                                   memory_bandwidth=2.4e12, fp8_flops=1979e12,
                                   matmul_efficiency=794.5 / 989,
-                                  fp8_matmul_efficiency=1402.6 / 1979),
+                                  fp8_matmul_efficiency=1402.6 / 1979,
+                                  sustained=755 / 794.5),
     # DGX B200: 8 B200 (2.25 PFLOP/s dense bf16, 4.5 fp8, as NVIDIA's dgxc-benchmarking
     # llama3.1 README tabulates them), 180 GB HBM3e at 8 TB/s, 148 SMs, 8 ConnectX-7 NDR.
     # NCCL's tables for it are taken as Hopper's (tplab models NCCL 2.21.5).
     "B200": Hardware("B200", 2250e12, _NV5, _NDR, memory=180e9, memory_bandwidth=8e12,
                      sms=148, fp8_flops=4500e12, matmul_efficiency=1745 / 2250,
-                     fp8_matmul_efficiency=3432.5 / 4500),
+                     fp8_matmul_efficiency=3432.5 / 4500, fp8_any_layout=True,
+                     sustained=1439 / 1737),
     # GB200 NVL72: 72 GPUs in one NVLink domain, one ConnectX-7 per GPU; 2.45 PFLOP/s bf16
     # (dgxc-benchmarking's figure, which its MFU uses), 186 GB HBM3e at 8 TB/s.
     "GB200 NVL72": Hardware("GB200 NVL72", 2450e12, _NV5, _NDR, gpus_per_node=72,
                             nics_per_node=72, memory=186e9, memory_bandwidth=8e12, sms=148,
                             fp8_flops=4900e12, matmul_efficiency=1822 / 2500,
-                            fp8_matmul_efficiency=3615.6 / 5000),
+                            fp8_matmul_efficiency=3615.6 / 5000, fp8_any_layout=True,
+                            sustained=1439 / 1737),
     "H100 PCIe": Hardware("H100 PCIe", 756e12, LINKS["PCIe Gen5 x16"], _NDR, sms=114,
                           memory_bandwidth=2.0e12),
     "A100 PCIe": Hardware("A100 PCIe", 312e12, LINKS["PCIe Gen4 x16"], _HDR,

@@ -1,10 +1,12 @@
 """The kernels of a training step on one GPU, timed: GEMMs at a measured kernel rate with one
 roofline, element-wise work at the memory bandwidth, the LM head and loss, the optimizer.
 
-GEMM: time = GEMM_OVERHEAD + max(2 m n k / (peak x `matmul_efficiency` x tile
+GEMM: time = GEMM_OVERHEAD + max(2 m n k / (peak x `matmul_efficiency` x `sustained` x tile
 quantisation x k / (k + GEMM_K0)), bytes / memory bandwidth). `matmul_efficiency` is the
 best rate mamf-finder measured for large GEMMs (`tplab.cost.hardware`), so it is a kernel
-rate, not an end-to-end MFU; the tile quantisation is NVIDIA's (Matrix Multiplication
+rate, not an end-to-end MFU, and a burst: `Hardware.sustained` is the fraction a GPU holds
+at its power cap in a run (mamf-finder's MSMF; `gemm_time(..., sustained=False)` gives the
+burst, which XLA's table below measures); the tile quantisation is NVIDIA's (Matrix Multiplication
 Background guide: a dimension that is not a multiple of the 128 x 256 or 128 x 128 tile
 pays for the whole last tile); k / (k + GEMM_K0) is the pipeline's fill over a short k and
 GEMM_OVERHEAD the fixed cost of a call. Those two are fitted to XLA's published H100 GEMM
@@ -28,15 +30,18 @@ Element-wise bytes per token per layer, forward, 2-byte activations, by `kernels
   residual adds (12h). Gated MLPs only: a non-gated shape (GPT, MPT) has LayerNorm, which
   MPT runs in low precision in one kernel (4h), so it is priced as "fused".
 
-The backward pass moves twice the forward's bytes. The loss reads and writes the fp32
+The backward pass moves twice the forward's bytes. Under fp8 each linear's operands are
+quantised (`fp8_cast_bytes`: FP8_CAST_BYTES per element, plus the transposed copy Hopper's
+fp8 GEMMs need). The loss reads and writes the fp32
 logits: 12 bytes per logit.
 
 Attention, by `attention=`: "flash" (FlashAttention: causal tiles skipped, half of
-4 b s^2 h, at `Hardware.attention_efficiency`) or "unfused" (Megatron-LM in 2022,
-Korthikanti et al. section 4.1: Q K^T and the product with V as batched GEMMs over the
-full s x s scores at the matmul rate, and the scores written, soft-maxed, masked and
-dropped out in memory: 11 bytes per score forward (bf16 scores 2, softmax read and write
-4, a 1-byte dropout mask, its output 2, read again by the product 2), twice that backward).
+4 b s^2 h, at `Hardware.attention_efficiency`; its backward recomputes the scores, 5
+matmuls to the forward's 2: FLASH_BACKWARD x the forward's FLOPs) or "unfused" (Megatron-LM
+in 2022, Korthikanti et al. section 4.1: Q K^T and the product with V as batched GEMMs over
+the full s x s scores, each priced by `gemm_time`, so Q K^T runs at its short k = head
+width's rate; the backward's four gradient GEMMs likewise; and the softmax and dropout in
+memory, SCORE_BYTES per score forward, twice that backward).
 """
 
 from __future__ import annotations
@@ -61,6 +66,19 @@ GEMM_POINTS = (   # (m, n, k, measured TFLOP/s): XLA's sm_90 bf16 table, b = 1 (
     (1024, 512, 2048, 220.029), (256, 4096, 2048, 324.589), (512, 2048, 1024, 232.613),
     (4096, 512, 1024, 370.767), (1024, 2048, 2048, 524.288), (512, 256, 256, 11.460))
 LOSS_BYTES = 12
+FP8_CAST_BYTES = 5
+"""Bytes per element of a tensorwise fp8 quantisation with current (dynamic) scaling: the
+amax pass reads the bf16 tensor (2), the cast reads it again (2) and writes fp8 (1);
+priced unfused with its producer (torchao's float8 tensorwise recipe, Transformer Engine's
+current scaling; TE's LayerNormLinear, which writes the norm's output in fp8, moves less)."""
+SCORE_BYTES = 9
+"""Bytes per score the unfused softmax and dropout move beyond their GEMMs (which
+`gemm_time` prices with their own reads and writes): the fused scale-mask-softmax reads
+and writes 4, dropout reads 2, writes 2 and a 1-byte mask; backward twice that."""
+FLASH_BACKWARD = 2.5
+"""Flash attention's backward FLOPs over its forward's: it recomputes S = Q K^T and P, 5
+matmuls to 2 (Dao-AILab/flash-attention benchmarks/benchmark_flash_attention.py, `flops`:
+"2.5 * f" for mode "bwd"), the FLOP count its published TFLOP/s are measured against."""
 ADAM_BYTES = 30
 """Bytes Adam moves per local parameter per step: reads fp32 master, m, v and gradient (16),
 writes master, m and v (12) and the bf16 copy (2)."""
@@ -77,15 +95,20 @@ def quantisation(m: int, n: int, k: int, hw: Hardware) -> float:
     return best
 
 
-def gemm_time(m: int, n: int, k: int, hw: Hardware, precision: str = "bf16") -> float:
-    """Seconds of one (m x k) @ (k x n) GEMM (module doc)."""
+def gemm_time(m: int, n: int, k: int, hw: Hardware, precision: str = "bf16",
+              count: int = 1, sustained: bool = True) -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM (module doc), or of `count` of them in one
+    batched call (one GEMM_OVERHEAD); at the rate a power-saturated GPU holds
+    (`Hardware.sustained`), or `sustained=False` at the burst rate a microbenchmark
+    measures."""
+    clock = hw.sustained if sustained else 1.0
     if precision == "fp8":
-        rate, size = hw.fp8_flops * hw.fp8_matmul_efficiency, 1
+        rate, size = hw.fp8_flops * hw.fp8_matmul_efficiency * clock, 1
     else:
-        rate, size = hw.flops * hw.matmul_efficiency, 2
+        rate, size = hw.flops * hw.matmul_efficiency * clock, 2
     compute = 2 * m * n * k / (rate * quantisation(m, n, k, hw) * k / (k + GEMM_K0))
     traffic = (size * (m * k + k * n) + 2 * m * n) / hw.memory_bandwidth
-    return GEMM_OVERHEAD + max(compute, traffic)
+    return GEMM_OVERHEAD + count * max(compute, traffic)
 
 
 def layer_linear_flops(shape: BlockShape) -> float:
@@ -112,6 +135,17 @@ def linear_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
     return sum(gemm_time(m, n, k, hw, precision) for m, n, k in linear_gemms(shape, tokens, tp))
 
 
+def fp8_cast_bytes(shape: BlockShape, tokens: int, tp: int, hw: Hardware) -> tuple[float, float]:
+    """(forward, backward) bytes one rank's fp8 quantisation moves in one layer: each
+    linear's input and weight (forward) and output gradient (backward) quantised once,
+    FP8_CAST_BYTES per element (module doc), one more where the fp8 GEMMs need the
+    transposed copy too (Hopper: `Hardware.fp8_any_layout` False)."""
+    per = FP8_CAST_BYTES + (0 if hw.fp8_any_layout else 1)
+    gemms = linear_gemms(shape, tokens, tp)
+    forward = sum(m * k + k * n for m, n, k in gemms)
+    return per * forward, per * sum(m * n for m, n, _ in gemms)
+
+
 def elementwise_bytes(shape: BlockShape, tokens: int, tp: int, kernels: str = "fused") -> float:
     """Bytes one rank's element-wise ops move in one layer's forward (module doc)."""
     h, f = shape.hidden, shape.ffn_size
@@ -131,10 +165,29 @@ def attention_time(shape: BlockShape, cp: int, tp: int, hw: Hardware,
     heads = max(1, shape.heads // tp)
     if attention == "flash":
         flops = 2 * shape.batch * shape.seq * local * shape.hidden / tp
-        return flops / (hw.flops * hw.attention_efficiency)
-    flops = 4 * shape.batch * shape.seq * local * shape.hidden / tp
+        return flops / (hw.flops * hw.attention_efficiency * hw.sustained)
+    d, count = shape.hidden // shape.heads, shape.batch * heads
+    gemms = gemm_time(local, shape.seq, d, hw, count=count) + gemm_time(
+        local, d, shape.seq, hw, count=count)   # Q K^T (k = head width), then P V
     scores = shape.batch * heads * shape.seq * local
-    return flops / (hw.flops * hw.matmul_efficiency) + 11 * scores / hw.memory_bandwidth
+    return gemms + SCORE_BYTES * scores / hw.memory_bandwidth
+
+
+def attention_backward(shape: BlockShape, cp: int, tp: int, hw: Hardware,
+                       attention: str = "flash") -> float:
+    """Backward seconds of the attention core: flash attention's backward recomputes the
+    scores, 5 matmuls to the forward's 2, FLASH_BACKWARD x its FLOPs at the same rate;
+    unfused, the four gradient GEMMs (dP = dO V^T and dQ = dS K over the local queries,
+    dV = P^T dO and dK = dS^T Q over the keys) and twice the forward's score bytes."""
+    fwd = attention_time(shape, cp, tp, hw, attention)
+    if attention == "flash":
+        return FLASH_BACKWARD * fwd
+    local, seq = shape.seq // cp, shape.seq
+    heads = max(1, shape.heads // tp)
+    d, count = shape.hidden // shape.heads, shape.batch * heads
+    gemms = (gemm_time(local, seq, d, hw, count=count) + gemm_time(local, d, seq, hw, count=count)
+             + 2 * gemm_time(seq, d, local, hw, count=count))
+    return gemms + 2 * SCORE_BYTES * shape.batch * heads * seq * local / hw.memory_bandwidth
 
 
 def head_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,

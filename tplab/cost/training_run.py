@@ -5,11 +5,14 @@ memory per GPU, checked against published runs (`tplab.cost.published`, docs/VAL
 How a step is priced (one set of constants per hardware preset, each cited where defined):
 
 - **GEMMs** at a kernel rate: peak x `Hardware.matmul_efficiency` (mamf-finder's measured
-  maximum, `tplab.cost.hardware`) x the shape's tile and wave quantisation, or the memory
+  maximum, `tplab.cost.hardware`) x `Hardware.sustained` (the fraction of that burst a GPU
+  holds at its power cap, mamf-finder's MSMF) x the shape's tile quantisation, or the memory
   roofline (bytes / bandwidth) if that is slower: one roofline, applied once
-  (`tplab.cost.kernels`). fp8 runs the linears at `fp8_flops` x `fp8_matmul_efficiency`.
+  (`tplab.cost.kernels`). fp8 runs the linears at `fp8_flops` x `fp8_matmul_efficiency`,
+  plus the quantisation of their operands at the memory bandwidth (`kernels.fp8_cast_bytes`).
 - **Attention**: flash attention (causal: half of 4 b s^2 h) at
-  `Hardware.attention_efficiency`, or materialised scores (`attention="unfused"`).
+  `Hardware.attention_efficiency`, its backward 2.5 x the forward's FLOPs (it recomputes the
+  scores), or materialised scores (`attention="unfused"`: batched GEMMs and softmax bytes).
 - **Element-wise work** (norms, RoPE, SwiGLU/GELU, residuals, the loss) as bytes over the
   memory bandwidth, fused (Megatron-LM) or eager (PyTorch) (`kernels.elementwise_bytes`).
 - **TP**: the block's collectives (`tplab.cost.transformer.block_collectives`, sequence
@@ -190,9 +193,14 @@ def layer_times(run: TrainingRun) -> dict:
     fwd = kernels.linear_time(shape, tokens, tp, hw, run.precision)
     bwd_dgrad, bwd_wgrad = 2 * [fwd]
     attn_s = kernels.attention_time(shape, cp, tp, hw, run.attention)
+    attn_bwd = kernels.attention_backward(shape, cp, tp, hw, run.attention)
     elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.memory_bandwidth
-    forward = fwd + attn_s + elem
-    backward = bwd_dgrad + bwd_wgrad + 2 * attn_s + 2 * elem
+    cast = (0.0, 0.0)
+    if run.precision == "fp8":   # the linears' operands quantised (kernels.fp8_cast_bytes)
+        cast = tuple(b / hw.memory_bandwidth
+                     for b in kernels.fp8_cast_bytes(shape, tokens, tp, hw))
+    forward = fwd + attn_s + elem + cast[0]
+    backward = bwd_dgrad + bwd_wgrad + attn_bwd + 2 * elem + cast[1]
     if run.recompute == "full":
         backward += forward
     elif run.recompute == "selective":
