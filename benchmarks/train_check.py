@@ -12,7 +12,11 @@ world 4; the live figure under 5% of the step time for 10 ms steps)
    (parsing each rank's line, redrawing the figure every REDRAW_S as the Output widget
    would), per step of 10 ms, in CPU time.
 
-    .venv/bin/python benchmarks/train_check.py [--steps 50] [--rounds 3] [--world 4]
+3. `--fsdp`: the same on a 2-D run, FSDP2 x TP (`tplab.fsdp.fsdp_tp`: the hand-written TP
+   above on mesh["tp"], then fully_shard per block and on the root over mesh["dp"]), dp=2
+   at world 4, against the bare 2-D training (each replica on its slice of the batch).
+
+    .venv/bin/python benchmarks/train_check.py [--steps 50] [--rounds 3] [--world 4] [--fsdp]
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import time
 import torch
 
 import tplab
-from tplab import megatron, models, rng
+from tplab import fsdp, megatron, models, rng
 from tplab.rank.train_step import LIVE_PREFIX, LIVE_SUFFIX
 from tplab.training import check as training_check
 from tplab.training import lm, steps
@@ -40,29 +44,35 @@ BUILD = functools.partial(lm.DropoutLM, CFG, 0.1)
 PLAN = functools.partial(rng.parallelize, plan=megatron.parallelize, seed=1234)
 STEP = functools.partial(steps.lm_step, max_norm=1.0)
 BATCHES = lm.counting_batches(CFG)
+FSDP_PLAN = fsdp.fsdp_tp(PLAN, per_module=("Block",))
 
 
-def bare_training(build, state, plan, make_batch, n, step):
-    """Rank side: the training train_check checks, and nothing else."""
+def bare_training(build, state, plan, make_batch, n, step, dp=1):
+    """Rank side: the training train_check checks, and nothing else (dp > 1: a (dp, tp)
+    mesh, each replica on its slice of every batch)."""
+    world = torch.distributed.get_world_size()
+    mesh = tplab.make_mesh() if dp == 1 else tplab.make_mesh(dp=dp, tp=world // dp)
     model = build()
     model.load_state_dict(state)
-    model = plan(model, tplab.make_mesh())
+    model = plan(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    d = mesh.get_local_rank("dp") if dp > 1 else 0
     for i in range(n):
-        step(model, optimizer, make_batch(i))
+        step(model, optimizer, make_batch(i).chunk(dp)[d])
 
 
-def end_to_end(lab, n: int, rounds: int) -> None:
+def end_to_end(lab, n: int, rounds: int, plan=PLAN, dp: int = 1) -> None:
     state = BUILD().state_dict()
     bare, checked, reference = [], [], []
-    training_check.train_check(lab, BUILD, PLAN, BATCHES, steps=2, step=STEP, live=False)
+    kw = {"dp": dp} if dp > 1 else {}
+    training_check.train_check(lab, BUILD, plan, BATCHES, steps=2, step=STEP, live=False, **kw)
     for _ in range(rounds):
         t = time.perf_counter()
-        lab.run(bare_training, BUILD, state, PLAN, BATCHES, n, STEP)
+        lab.run(bare_training, BUILD, state, plan, BATCHES, n, STEP, dp)
         bare.append(time.perf_counter() - t)
         t = time.perf_counter()
-        report = training_check.train_check(lab, BUILD, PLAN, BATCHES, steps=n, step=STEP,
-                                            live=False)
+        report = training_check.train_check(lab, BUILD, plan, BATCHES, steps=n, step=STEP,
+                                            live=False, **kw)
         checked.append(time.perf_counter() - t)
         assert report.ok, report
         t = time.perf_counter()
@@ -72,7 +82,9 @@ def end_to_end(lab, n: int, rounds: int) -> None:
         reference.append(time.perf_counter() - t)
     b, c, r = (statistics.median(v) for v in (bare, checked, reference))
     ratio = statistics.median(x / y for x, y in zip(checked, bare, strict=True))
-    print(f"{n} steps at world {lab.world_size}, medians of {rounds} rounds: bare {b:.2f} s, "
+    what = f"FSDP2 x TP (dp={dp})" if dp > 1 else "TP"
+    print(f"{what}: {n} steps at world {lab.world_size}, medians of {rounds} rounds: bare "
+          f"{b:.2f} s, "
           f"train_check {c:.2f} s -> ratio {c / b:.2f}x; median of the rounds' ratios "
           f"{ratio:.2f}x (goal <= 1.3x)")
     print(f"  the two one-device runs alone: {r:.2f} s ({r / b:.2f}x the bare training); "
@@ -116,10 +128,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--fsdp", action="store_true",
+                        help="also a 2-D FSDP2 x TP run (dp=2), against its bare training")
     args = parser.parse_args()
     live_cost(300, args.world)
     with tplab.launch(args.world) as lab:
         end_to_end(lab, args.steps, args.rounds)
+        if args.fsdp:
+            end_to_end(lab, args.steps, args.rounds, FSDP_PLAN, dp=2)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import re
+import subprocess
+import sys
+
 import psutil
 import pytest
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import tplab
+from tplab import megatron, models, plans
 
 
 def children() -> set[int]:
@@ -98,3 +105,78 @@ def test_each_kind_checks_the_size_it_can_run():
     kind_for("local").check_size(1, "gloo")
     # ranks on other hosts: this machine's memory says nothing about them
     kind_for("mpi").check_size(4096, "nccl")
+
+
+class NoRanks:
+    """A lab whose ranks must not be reached: the plan is refused before."""
+
+    world_size, closed, in_process = 2, False, True
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("the ranks were asked to run")
+
+
+BAD_PLANS = [
+    (None, "plan is a NoneType"),
+    ("colwise", "plan is a str ('colwise')"),
+    ([("w1", ColwiseParallel()), ("w2", RowwiseParallel())], "a list of pairs"),
+    (ColwiseParallel, "the class ColwiseParallel, not a style: write ColwiseParallel()"),
+    (ColwiseParallel(), "a plan maps module paths to styles"),
+    ({"w1": ColwiseParallel, "w2": RowwiseParallel()}, "plan['w1'] is the class ColwiseParallel"),
+    ({"w1": "colwise", "w2": "rowwise"}, "plan['w1'] is the string 'colwise'"),
+    ({1: ColwiseParallel()}, "a key 1 (int)"),
+    (lambda model: model, "cannot be called as plan(model, mesh)"),
+]
+
+
+@pytest.mark.parametrize(("plan", "words"), BAD_PLANS)
+@pytest.mark.parametrize("tool", ["grad_check", "train_check", "parallelizer"])
+def test_a_plan_of_the_wrong_type_is_refused_in_one_line_before_the_ranks(tool, plan, words):
+    cfg = models.Config(dim=16, hidden_dim=32, seq_len=4, batch_size=2)
+    build = functools.partial(models.MLP, cfg)
+    with pytest.raises(tplab.PlanError) as info:
+        if tool == "grad_check":
+            tplab.grad_check(NoRanks(), build, plan, functools.partial(models.make_input, cfg))
+        elif tool == "train_check":
+            tplab.train_check(NoRanks(), build, plan, lambda i: models.make_input(cfg), steps=2)
+        else:
+            plans.parallelizer(plan)
+    text = str(info.value)
+    assert words in text and "\n" not in text, text
+    assert not isinstance(info.value, tplab.RankError)
+
+
+def test_parallelizer_gives_the_function_that_applies_a_plan():
+    cfg = models.Config(dim=16, hidden_dim=32, seq_len=4, batch_size=2)
+    assert plans.parallelizer(megatron.parallelize) is megatron.parallelize
+    sim = tplab.simulate(2)
+    report = tplab.grad_check(sim, functools.partial(models.MLP, cfg), plans.mlp(),
+                              functools.partial(models.make_input, cfg))
+    assert report.ok
+
+
+@pytest.mark.parametrize(("tp", "words"), [
+    (0, "at least 1, got 0"), ("2", "not a str ('2')"), (None, "give tp="),
+    (True, "not a bool"), (2.0, "not a float"),
+])
+def test_check_plan_checks_tp(tp, words):
+    cfg = models.Config(dim=16, hidden_dim=32, seq_len=4, batch_size=2)
+    with pytest.raises(tplab.PlanError, match=re.escape(words)):
+        plans.check_plan(models.MLP(cfg), plans.mlp(), tp)
+    with pytest.raises(tplab.PlanError, match="give tp="):
+        plans.check_plan(models.MLP(cfg), plans.mlp())
+    plans.check_plan(models.MLP(cfg), plans.mlp(), 2)
+
+
+def test_the_readmes_plan_check_is_callable_as_written():
+    # in a fresh process: `import tplab` alone must give tplab.plan_check
+    code = "import tplab; print(callable(tplab.plan_check.check_layouts))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "True", out.stderr
+    cfg = models.Config(dim=16, hidden_dim=32, seq_len=4, batch_size=2)
+    edges = tplab.plan_check.check_layouts(models.MLP(cfg), plans.mlp(), models.make_input(cfg))
+    assert [e.consumer for e in edges] == ["w1", "w2"]
+    with pytest.raises(tplab.PlanError, match="w1 .ColwiseParallel. hands w2"):
+        tplab.plan_check.check_plan(models.MLP(cfg), {"w1": ColwiseParallel(),
+                                                      "w2": ColwiseParallel()}, 2,
+                                    models.make_input(cfg))

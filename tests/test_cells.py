@@ -5,6 +5,10 @@ Real rank processes at world sizes 2 and 4 (the shared `lab` fixture)."""
 from __future__ import annotations
 
 import io
+import os
+import signal
+import subprocess
+import sys
 import time
 from contextlib import redirect_stdout
 
@@ -172,3 +176,81 @@ def test_dtensor_redistribution_on_some_ranks_is_freed(labs):
 def test_many_ranks_start(n):
     with tplab.launch(n) as lab:
         assert lab.run(lambda: (dist.all_reduce(t := torch.ones(1)), t.item())[1]) == [float(n)] * n  # noqa: F821
+
+
+# --- grouping under load: by line order, with a window that follows the lag seen -------
+# (a synthetic clock: `now` is given, so no real timing is involved)
+
+
+def _say_hi(live, ranks, now):
+    live.feed([(r, "stdout", f"rank {r} says hi\nsame for all\n") for r in ranks], now=now)
+
+
+def test_a_rank_behind_in_line_order_is_waited_for():
+    """Ranks 0-2 print, rank 3 (on a loaded machine) prints the same 0.9 s later: one
+    `[ranks 0-3] same for all`, never `[ranks 0-2] ...` then `[rank 3] ...`."""
+    out = io.StringIO()
+    live = LiveOutput(range(4), stdout=out, stderr=io.StringIO(), live=False)
+    _say_hi(live, [0, 1, 2], now=0.0)
+    for t in (0.1, 0.5, 0.85):
+        live.flush(now=t)
+    assert "same for all" not in out.getvalue()  # rank 3 has not got there yet
+    _say_hi(live, [3], now=0.9)
+    live.flush(now=0.95)
+    live.flush(now=2.0, final=True)
+    text = out.getvalue()
+    assert text.count("same for all") == 1 and "[ranks 0-3] same for all" in text, text
+    assert "[rank 3] rank 3 says hi" in text
+
+
+def test_the_window_grows_with_the_lag_seen():
+    out = io.StringIO()
+    live = LiveOutput(range(2), stdout=out, stderr=io.StringIO(), live=False)
+    live.feed([(0, "stdout", "step 0\n")], now=0.0)
+    live.flush(now=0.5)
+    live.feed([(1, "stdout", "step 0\n")], now=0.8)  # a lag of 0.8 s
+    live.flush(now=0.8)
+    live.feed([(0, "stdout", "step 1\n")], now=1.0)
+    for t in (1.5, 2.5, 3.0):  # past the 1 s window; within 4 x the lag seen
+        live.flush(now=t)
+    live.feed([(1, "stdout", "step 1\n")], now=3.2)
+    live.flush(now=3.2)
+    live.flush(now=9.0, final=True)
+    assert out.getvalue() == "[ranks 0,1] step 0\n[ranks 0,1] step 1\n", out.getvalue()
+
+
+def test_a_rank_past_the_line_does_not_hold_it_back():
+    """Rank 1 printed its line (a different one) already: rank 0's line is shown at the
+    short window, not held for the long one."""
+    out = io.StringIO()
+    live = LiveOutput(range(2), stdout=out, stderr=io.StringIO(), live=False)
+    live.feed([(1, "stdout", "only rank 1\n")], now=0.0)
+    live.flush(now=0.1)
+    live.feed([(0, "stdout", "only rank 0\n")], now=0.2)
+    live.flush(now=0.3)
+    assert out.getvalue() == "[rank 1] only rank 1\n[rank 0] only rank 0\n", out.getvalue()
+
+
+@pytest.mark.slow
+def test_grouping_holds_beside_a_cpu_hog(lab, out):
+    """Busy processes (four per core, started and ended here by pid) beside the ranks: every
+    line the ranks print alike is still shown once, labelled with all of them."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(4 * (os.cpu_count() or 2))]
+    try:
+        with redirect_stdout(out):
+            lab.execute("for i in range(4):\n"
+                        "    print(f'rank {rank} says hi {i}', flush=True)\n"
+                        "    work = sum(range(200_000))  # ranks drift apart under load\n"
+                        "    print(f'same for all {i}', flush=True)")
+    finally:
+        for hog in hogs:
+            os.kill(hog.pid, signal.SIGKILL)
+            hog.wait()
+    text = out.getvalue()
+    ranks = f"ranks 0-{lab.world_size - 1}" if lab.world_size > 2 else "ranks 0,1"
+    for i in range(4):
+        assert text.count(f"same for all {i}") == 1, text
+        assert f"[{ranks}] same for all {i}" in text, text
+        for r in range(lab.world_size):
+            assert f"[rank {r}] rank {r} says hi {i}" in text, text

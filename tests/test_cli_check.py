@@ -97,6 +97,13 @@ def args_for(build=GOOD["build"], plan=GOOD["plan"], make_input=GOOD["make_input
     (args_for(extra=("--simulated", "--rtol", "inf")), "--rtol must be a finite number"),
     (args_for(extra=("--simulated", "--loss", T + "not_callable")), "--loss: "
                                                                     "cli_targets:not_callable"),
+    (args_for(extra=("--simulated", "--train", "2", "--step", T + "step_two_args")),
+     "--step: cli_targets:step_two_args takes 2 arguments; a step is a function of (model, "
+     "optimizer, batch)"),
+    (args_for(extra=("--simulated", "--train", "2", "--step", "train_targets:step", "--loss",
+                     T + "loss")),
+     "--loss cli_targets:loss with --step train_targets:step: the step computes its own "
+     "loss"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_arguments_exit_2_before_anything_starts(args, words, capsys):
     import tplab

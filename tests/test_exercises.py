@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 import tplab
-from tplab import exercises
-from tplab.exercises import mistakes, solutions
+from tplab import exercises, models
+from tplab.exercises import clipping, mistakes, solutions
+from tplab.training import lm
+from tplab.training.steps import lm_step, sgd
 
 
 def test_catalog():
@@ -121,3 +123,43 @@ def test_instructions_render_as_markdown():
                 assert "**" not in source.splitlines()[0], (path.name, source)
                 outside = source.split("`")[::2]
                 assert not any(prose.search(p) for p in outside), (path.name, source)
+
+
+def _endless_clip(model, max_norm):
+    while True:
+        pass
+
+
+def test_clip_grad_is_judged_against_torchs_own_clipping():
+    """A no-op, a halving, max_norm ignored, no norm returned: done alike on one device and
+    on the ranks they would pass a check that runs the answer on both; the reference is
+    torch's clip_grad_norm_ on the whole model, and the clipping it judges is real."""
+    sim = tplab.simulate(2)
+    assert exercises.check("clip_grad", clipping.clip_tp, sim).passed
+    for answer in (clipping.no_clip, clipping.halve, clipping.ignore_max_norm,
+                   clipping.returns_none, lambda model, max_norm: None):
+        fb = exercises.check("clip_grad", answer, sim)
+        assert not fb.passed, (answer, fb.message)
+    # the truth clips: at the check's max_norm=0.05 the whole model's norm is far above it
+    cfg = models.Config(vocab_size=16, dim=8, n_layers=1, n_heads=2, hidden_dim=16,
+                        seq_len=4, batch_size=2)
+    model = models.TinyLM(cfg)
+    norms = []
+    lm_step(model, sgd(model.parameters()), lm.counting_batches(cfg)(0), max_norm=0.05,
+            clip=lambda m, n: norms.append(clipping.judged(m, n, answer=None)))
+    assert not clipping.is_split(model) and norms[0] > 1.0
+
+
+def test_an_endless_clip_answer_is_stopped_in_a_simulation():
+    fb = exercises.check("clip_grad", _endless_clip, tplab.simulate(2), time_limit=2)
+    assert not fb.passed and "still computing after 2 s" in fb.message, fb.message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)  # before the fix the one-device reference ran it unbounded
+def test_an_endless_clip_answer_is_stopped_on_rank_processes(labs):
+    lab = labs.get(2)
+    fb = exercises.check("clip_grad", _endless_clip, lab, time_limit=5)
+    assert not fb.passed and "still computing after 5 s" in fb.message, fb.message
+    assert exercises.check("clip_grad", exercises.reference_answer("clip_grad", lab),
+                           lab).passed

@@ -325,3 +325,43 @@ def test_grad_check_and_the_judge_agree_where_transformers_plan_is_wrong():
     judged = _judged(sim, "apertus")
     assert wrong | spread == judged
     assert not [r for r in report.failures if r["kind"] not in ("param_grad", "replica_spread")]
+
+
+@pytest.mark.parametrize("bad", ["llama", "meta-llama/Llama-3.2-1B", None, 3,
+                                 {"model_type": "llama"}])
+def test_from_hf_of_a_string_says_what_to_pass(bad):
+    with pytest.raises(tplab.PlanError) as info:
+        hf.from_hf(bad)
+    text = str(info.value)
+    assert "from_hf takes a transformers model or its config" in text, text
+    assert "AutoConfig.from_pretrained" in text and "publishes no" not in text
+
+
+class _NoRanks:
+    world_size, closed, in_process = 2, False, True
+
+    def run(self, *args, **kwargs):
+        raise AssertionError("the ranks were asked to run")
+
+
+def _llama_of_3_heads():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=24, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=3,
+                                        num_key_value_heads=3))
+
+
+def test_apply_transformers_plan_with_heads_tp_does_not_divide_is_refused_before_the_ranks():
+    tokens = functools.partial(torch.randint, 0, 32, (2, 4))
+    for plan in (hf.apply_transformers_plan,
+                 functools.partial(hf.apply_transformers_plan, overrides=None)):
+        with pytest.raises(tplab.PlanError) as info:
+            tplab.grad_check(_NoRanks(), _llama_of_3_heads, plan,
+                             lambda: {"input_ids": tokens()}, loss_fn=hf_models.logits_loss)
+        assert "num_attention_heads = 3" in str(info.value)
+        assert "tp = 2" in str(info.value)
+    # and on the ranks themselves, before transformers' code cuts a head in two
+    with pytest.raises(tplab.PlanError, match="num_attention_heads = 3 .* tp = 2"):
+        hf.check_heads(_llama_of_3_heads(), 2)

@@ -149,7 +149,10 @@ SIDES = {
                      "tplab.handovers", "tplab.layout_contracts", "tplab.layout_flow",
                      "tplab.parallel_styles",
                      "tplab.hf", "tplab.tracing", "tplab.causes", "tplab.explain",
-                     "tplab.layouts", "tplab.pairing", "tplab.report", "tplab.memory_use",
+                     "tplab.layouts", "tplab.fsdp", "tplab.checkpointing",
+                     "tplab.compiling", "tplab.pairing",
+                     "tplab.report",
+                     "tplab.memory_use",
                      "tplab.lessons", "tplab.platforms", "tplab.training",
                      "tplab.training.clip", "tplab.training.noise", "tplab.training.band",
                      "tplab.training.lm", "tplab.training.steps", "tplab.exercises",
@@ -164,9 +167,9 @@ SIDES = {
     **dict.fromkeys(["tplab.__main__", "tplab.check", "tplab.cli_check", "tplab.doctor",
                      "tplab.smoke", "tplab.hf_models", "tplab.testing", "tplab.widgets",
                      "tplab.training.check", "tplab.training.report", "tplab.training.live",
-                     "tplab.exercises.catalog", "tplab.exercises.checks",
+                     "tplab.exercises.catalog", "tplab.exercises.checks", "tplab.fsdp_report",
                      "tplab.exercises.feedback", "tplab.exercises.qk_norm",
-                     "tplab.exercises.training_check",
+                     "tplab.exercises.training_check", "tplab.exercises.fsdp_placements",
                      "tplab.cost.explorer", "tplab.cost.figures"], NOTEBOOK),
 }
 

@@ -33,4 +33,5 @@ def test_every_notebook_checks_its_world_size_before_starting_ranks():
         call = f'require_world_size("{path.name[:2]}", world_size)'
         assert call in src and src.index(call) < min(
             i for i in (src.find("tplab.launch("), src.find("tplab.simulate(")) if i >= 0), path
-        assert 4 in SIZES[path.name[:2]] and 2 in SIZES[path.name[:2]]  # what the tests run
+        # what the tests run (13, FSDP2 x TP on a (2, 2) mesh, at 4 only)
+        assert 4 in SIZES[path.name[:2]] and (2 in SIZES[path.name[:2]] or path.name[:2] == "13")

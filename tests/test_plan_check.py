@@ -9,10 +9,12 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     parallelize_module,
 )
@@ -20,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 import tplab
 from tplab import models, plans
 from tplab.mesh import make_mesh
-from tplab.plan_check import Edge, check_layouts
+from tplab.plan_check import Edge, PlanCheckSkipped, check_layouts
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=4,
                     batch_size=2)
@@ -208,7 +210,38 @@ def test_a_model_that_cannot_run_on_meta_is_not_checked():
             scale = float(x.sum().item() > 0)  # a value from the data: none on meta
             return self.w2(self.w1(x)) * scale
 
-    assert check_layouts(Item(), {"w1": ColwiseParallel(), "w2": ColwiseParallel()}, X) is None
+    with pytest.warns(PlanCheckSkipped, match="data-dependent control flow") as seen:
+        assert check_layouts(Item(), {"w1": ColwiseParallel(), "w2": ColwiseParallel()},
+                             X) is None
+    assert "the layouts were not checked" in str(seen[0].message)
+
+
+def test_a_wrong_input_shape_says_the_check_was_skipped():
+    with pytest.warns(PlanCheckSkipped, match="is its shape what the model takes"):
+        assert check_layouts(models.MLP(CFG), plans.mlp(), torch.randn(2, 4, 8)) is None
+
+
+def _prepared_step(plan, x):
+    model = parallelize_module(models.MLP(CFG), make_mesh(tp=2)["tp"], plan)
+    return model(x)
+
+
+def test_a_prepare_module_input_of_equal_layouts_hands_its_module_a_shard():
+    """PrepareModuleInput(Shard(-1) -> Shard(-1)) on an unsplit w2 moves nothing: w2's whole
+    weight meets a local shard. The ranks fail, and the check says so first."""
+    plan = {"w1": ColwiseParallel(), "w2": PrepareModuleInput(
+        input_layouts=Shard(-1), desired_input_layouts=Shard(-1), use_local_output=True)}
+    with pytest.raises(tplab.RankError):
+        tplab.simulate(2).run(_prepared_step, plan, X)
+    raises(models.MLP(CFG), plan, X, "w1 (ColwiseParallel",
+           "w2 (nn.Linear, whose weights PrepareModuleInput leaves whole)",
+           "give w1 output_layouts=Replicate()")
+    # one that gathers first is right, on the ranks and here
+    ok = {"w1": ColwiseParallel(), "w2": PrepareModuleInput(
+        input_layouts=Shard(-1), desired_input_layouts=Replicate(), use_local_output=True)}
+    outs = tplab.simulate(2).run(_prepared_step, ok, X)
+    assert all(torch.allclose(o, models.MLP(CFG)(X), atol=1e-5) for o in outs)
+    assert check_layouts(models.MLP(CFG), ok, X) is not None
 
 
 class DeclaredColwise(ParallelStyle):
@@ -309,3 +342,68 @@ def test_on_rank_processes_the_log_is_in_the_ranks_own_file(labs, capfd):
     texts = [open(os.path.join(folder, f)).read() for f in logs]
     assert all("failed while attempting to run meta" in t for t in texts)
     assert lab.run(lambda: torch.distributed.get_world_size()) == [2, 2]
+
+
+# --- reductions written as functions, judged against what the ranks compute -----------
+
+REDUCTIONS = {  # h: w1's output (batch, seq, 32), sharded on its last dim under Colwise
+    "F.layer_norm(h, h.shape[-1:])": lambda h: F.layer_norm(h, h.shape[-1:]),
+    "F.rms_norm(h, h.shape[-1:])": lambda h: F.rms_norm(h, h.shape[-1:]),
+    "softmax(h, -1)": lambda h: F.softmax(h, -1),
+    "torch.softmax(h, dim=-1)": lambda h: torch.softmax(h, dim=-1),
+    "h.log_softmax(-1)": lambda h: h.log_softmax(-1),
+    "h / h.norm(dim=-1, keepdim=True)": lambda h: h / h.norm(dim=-1, keepdim=True),
+    "F.normalize(h, dim=-1)": lambda h: F.normalize(h, dim=-1),
+    "h - h.mean(-1, keepdim=True)": lambda h: h - h.mean(-1, keepdim=True),
+    "h * h.sum(dim=2, keepdim=True)": lambda h: h * h.sum(dim=2, keepdim=True),
+    "h / h.var(-1, keepdim=True)": lambda h: h / h.var(-1, keepdim=True),
+    "h / h.std(dim=-1, keepdim=True)": lambda h: h / h.std(dim=-1, keepdim=True),
+    "h - h.amax(-1, keepdim=True)": lambda h: h - h.amax(-1, keepdim=True),
+    "h - h.max(dim=-1, keepdim=True).values": lambda h: h - h.max(dim=-1,
+                                                                 keepdim=True).values,
+    "h - torch.logsumexp(h, -1, keepdim=True)": lambda h: h - torch.logsumexp(h, -1, True),
+    "h.cumsum(-1)": lambda h: h.cumsum(-1),
+    "h * h.sum()": lambda h: h * h.sum(),
+    "h / torch.linalg.vector_norm(h, dim=-1, keepdim=True)":
+        lambda h: h / torch.linalg.vector_norm(h, dim=-1, keepdim=True),
+    # over other dims: right on the ranks, and not flagged
+    "softmax(h, 1) (over the sequence)": lambda h: F.softmax(h, 1),
+    "h - h.mean(1, keepdim=True)": lambda h: h - h.mean(1, keepdim=True),
+    "h * h.amax(0)": lambda h: h * h.amax(0),
+    "torch.maximum(h, h.flip(1))": lambda h: torch.maximum(h, h.flip(1)),
+    "F.gelu(h)": F.gelu,
+}
+
+
+class ReduceBetween(nn.Module):
+    """w1 (Colwise) -> a function of its output -> w2 (Rowwise)."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.w1, self.w2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        models.init_weights(self, seed=3)
+
+    def forward(self, x):
+        return self.w2(self.op(self.w1(x)))
+
+
+def _ranks_output(op, x):
+    model = parallelize_module(ReduceBetween(op), make_mesh(tp=2)["tp"], plans.mlp())
+    out = model(x)
+    return out.wait() if hasattr(out, "wait") else out
+
+
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+def test_a_reduction_over_the_sharded_dim_is_named_exactly_when_the_ranks_go_wrong(name):
+    op = REDUCTIONS[name]
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 16)
+    truth = ReduceBetween(op)(x)  # one device, whole tensors
+    outs = tplab.simulate(2).run(_ranks_output, op, x)
+    wrong = not all(torch.allclose(o, truth, atol=1e-5, rtol=1e-4) for o in outs)
+    if wrong:
+        raises(ReduceBetween(op), plans.mlp(), x, "reduces over dim 2, the sharded one",
+               "w1 (ColwiseParallel)", "output_layouts=Replicate()")
+    else:
+        assert check_layouts(ReduceBetween(op), plans.mlp(), x) is not None

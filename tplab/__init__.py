@@ -34,12 +34,16 @@ _LAZY = {
     "plans": None,
     "hf": None,
     "parallel_styles": None,
+    "plan_check": None,
     "cost": None,
     "viz": None,
     "widgets": None,
     "exercises": None,
     "platforms": None,
     "training": None,
+    "fsdp": None,
+    "checkpointing": None,
+    "compiling": None,
 }
 
 __all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",

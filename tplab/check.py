@@ -52,16 +52,26 @@ from __future__ import annotations
 
 import torch
 
-from tplab import placements
+from tplab import placements, rng
 from tplab.errors import LabError
+from tplab.fsdp_report import name_mesh_dims, replica_grads
 from tplab.pairing import gather, gather_indexed, pair
-from tplab.plans import check_plan
+from tplab.plans import parallelizer
 from tplab.pytrees import call_model, leaves, map_tensors
 from tplab.rank.grad_step import call_loss, parallel_step, with_grad
 from tplab.report import GradCheckReport, compare, unpaired, unreadable
 from tplab.transfer import LocalShard
 
-__all__ = ["GradCheckReport", "assemble", "compare", "grad_check", "mesh_shape", "tensor_rows"]
+__all__ = ["TOLERANCES", "GradCheckReport", "assemble", "compare", "grad_check", "mesh_shape",
+           "tensor_rows", "tolerances"]
+
+# (atol, rtol) by the dtype the model computes in, as torch.testing.assert_close picks its
+# defaults by dtype. float32's are grad_check's own (a TP run's gradients differ from one
+# device's by about 16 ulps of the largest); the half types' keep about the same ratio to
+# what their rounding makes (measured here: TinyLM, TP and DTensor plans, world 2: bfloat16
+# up to 0.024 of the largest, float16 up to 0.004; every bug of the lessons is O(1)).
+TOLERANCES = {torch.float64: (1e-5, 1e-4), torch.float32: (1e-5, 1e-4),
+              torch.float16: (1e-4, 2e-2), torch.bfloat16: (1e-3, 1e-1)}
 
 
 def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
@@ -127,6 +137,16 @@ def mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
     return dp, tp
 
 
+def tolerances(tensors, atol: float | None, rtol: float | None):
+    """(atol, rtol, dtype): those given, else TOLERANCES of the least precise floating dtype
+    among `tensors` (the model's parameters and outputs: what it computes in)."""
+    dtypes = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    dtype = max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)
+    default = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+    return (default[0] if atol is None else atol, default[1] if rtol is None else rtol,
+            dtype)
+
+
 def _reference(model, x, loss_fn, dp):
     """The single-device step: (output leaves, loss, input with gradients)."""
     x_ref = with_grad(x)
@@ -140,17 +160,18 @@ def _reference(model, x, loss_fn, dp):
                 raise LabError(f"grad_check: dim 0 of the {path} (shape {tuple(t.shape)}) must "
                                f"divide into dp={dp} equal slices, one per data-parallel "
                                "replica")
-        parts = [map_tensors(lambda t, d=d: t.chunk(dp)[d], x_ref) for d in range(dp)]
-        results = [call_model(model, part) for part in parts]
-        loss = sum(call_loss(loss_fn, o, p) for o, p in zip(results, parts, strict=True)) / dp
-        per = [dict(leaves(o, "output")) for o in results]
-        outs = {k: torch.cat([p[k] for p in per]) for k in per[0]}
+        # one forward on the whole batch, as the replicas' masks (tplab.rng) are drawn for
+        # it; the loss of each replica's slice of it
+        out = call_model(model, x_ref)
+        outs = dict(leaves(out, "output"))
+        loss = sum(call_loss(loss_fn, *map_tensors(lambda t, d=d: t.chunk(dp)[d], (out, x_ref)))
+                   for d in range(dp)) / dp
     loss.backward()
     return outs, loss, x_ref
 
 
-def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1e-5,
-               rtol: float = 1e-4, *, dp: int | None = None, tp: int | None = None,
+def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | None = None,
+               rtol: float | None = None, *, dp: int | None = None, tp: int | None = None,
                average_dp: bool = True, param_map: dict | None = None) -> GradCheckReport:
     """Run the single-device reference here and the parallel model on `lab` (a Lab or a
     Simulation) with identical weights and input; compare every output, input gradient
@@ -162,10 +183,11 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
                        "{parallel name: (reference name, shard dim or None)}")
     model = build_model()
     x = make_input()
-    if isinstance(plan, dict):  # a PlanError here, before anything is sent to the ranks
-        check_plan(model, plan, tp, x)
+    parallelizer(plan, model, tp, x)  # a PlanError here, before anything reaches the ranks
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    rng.reference_tracker(model, tp)  # tplab.rng's "tp" masks drawn as the tp ranks draw them
     out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)
+    atol, rtol, dtype = tolerances([*model.parameters(), *out_ref.values()], atol, rtol)
     results = lab.run(parallel_step, build_model, state, plan, x, loss_fn, dp, average_dp)
     rows: list[dict] = []
 
@@ -179,18 +201,25 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float = 1
     for name, t in leaves(x_ref, "input"):
         if t.grad is not None:
             add(name, "input_grad", [r["input_grads"].get(name) for r in results], t.grad)
-    notes = _param_rows(model, results, tp, param_map, rows, atol, rtol)
+    wholes: dict = {}
+    notes = _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes)
+    if dp > 1 and any(r["kind"] == "param_grad" and not r["ok"] for r in rows):
+        # which mesh dim a wrong gradient comes from (tplab/fsdp_report.py)
+        name_mesh_dims(rows, wholes, replica_grads(build_model, state, x, loss_fn, dp), dp,
+                       atol, rtol)
     return GradCheckReport(rows, len(results), atol, rtol, loss_ref.item(),
-                           {"dp": dp, "tp": tp}, notes)
+                           {"dp": dp, "tp": tp}, notes, dtype=str(dtype).removeprefix("torch."))
 
 
-def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
-    """Pair the ranks' parameters with the reference's; a row per pair (see tplab.pairing)."""
+def _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes=None) -> list[str]:
+    """Pair the ranks' parameters with the reference's; a row per pair (see tplab.pairing).
+    `wholes` (a dict) gets each assembled gradient."""
     ref = dict(model.named_parameters())
     aliases = {n: ref_name for n, p in model.named_parameters(remove_duplicate=False)
                for ref_name, q in ref.items() if p is q and n != ref_name}
     buffers = [n for n, _ in model.named_buffers()]
     ranks = results[0]["params"]
+    assembled = wholes
     pairs, lone_ranks, lone_ref, problems = pair({n: tuple(p.shape) for n, p in ref.items()},
                                                  ranks, tp, param_map, aliases)
     notes = []
@@ -251,6 +280,8 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol) -> list[str]:
             notes.append(f"{name}: no gradient on either side (not used by the loss)")
             continue
         full = None if any(w is None for w in wholes) else sum(wholes[1:], wholes[0])
+        if assembled is not None:
+            assembled[name] = full
         rows.append(compare(name, "param_grad", full, p.grad, atol, rtol, note, label))
         spread = max((s for s in spreads if s is not None), default=None)
         if spread is not None:

@@ -26,6 +26,10 @@ rank starts), `run()` (the lab and grad_check). A new flag gets a line in each t
 `make_batch(i)` (one of no arguments gives the same batch every step), `--step MOD:fn` the
 training step `step(model, optimizer, batch) -> loss` (default: forward, `--loss`,
 backward, AdamW step).
+
+`--dp N` checks on a (dp, tp) mesh, tp = world size / N, data parallel over dp: a plan
+function gets the whole mesh and may apply TP on mesh["tp"], then FSDP2 on mesh["dp"]
+(`tplab.fsdp.fsdp_tp`, torchtitan's order).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from tplab.errors import LabError, PlanError, RankError
 from tplab.lab.engines.local import LocalKind
 from tplab.lab.validate import MAX_LOCAL_RANKS, check_launch_args
 from tplab.output import format_rank_list
-from tplab.plans import check_plan
+from tplab.plans import parallelizer
 from tplab.pytrees import call_model
 from tplab.rank.grad_step import call_loss
 
@@ -76,6 +80,7 @@ class Targets:
     show_traceback: bool
     train: int | None = None  # --train STEPS: train_check instead of grad_check
     step: object = None  # --step MOD:fn, the user's training step
+    dp: int | None = None  # --dp N: a (dp, tp) mesh, the plan gets it (FSDP2 x TP)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -89,6 +94,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", help="MOD:NAME of loss_fn(output[, input])")
     p.add_argument("--simulated", action="store_true",
                    help="simulated ranks in this process (tplab.simulate)")
+    p.add_argument("--dp", type=int, metavar="N",
+                   help="data-parallel degree: a (dp, tp) mesh with tp = world size / N; the "
+                        "plan gets the whole mesh (FSDP2 x TP: tplab.fsdp.fsdp_tp)")
     p.add_argument("--atol", type=float, default=1e-5)
     p.add_argument("--rtol", type=float, default=1e-4)
     p.add_argument("--traceback", action="store_true", dest="show_traceback",
@@ -133,6 +141,17 @@ def _required(fn) -> int | None:
         return None
     return sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                for p in params)
+
+
+def _takes(fn, n: int) -> bool:
+    """Whether `fn` can be called with n positional arguments (True: unreadable)."""
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:
+        pass
+    return True
 
 
 def _a(obj) -> str:
@@ -236,15 +255,32 @@ def validate(args: argparse.Namespace) -> Targets:
         _callable(make_input, "make_batch", args.make_input,
                   "the step i (or of nothing) that returns the batch")
         make_input = batches(make_input)
+    if args.step and args.loss:
+        raise BadArgument(f"--loss {args.loss} with --step {args.step}: the step computes its "
+                          "own loss (forward, loss, backward, optimizer.step()), so --loss "
+                          "would be ignored; give one of them")
     step = resolve(args.step, "--step") if args.step else None
     if step is not None:
         _callable(step, "--step", args.step, "(model, optimizer, batch) that returns the loss")
+        if not _takes(step, 3):
+            raise BadArgument(f"--step: {args.step} takes {_required(step)} arguments; a step "
+                              "is a function of (model, optimizer, batch) that returns the "
+                              "loss")
     loss = resolve(args.loss, "--loss") if args.loss else None
     if loss is not None:
         _callable(loss, "--loss", args.loss, "(output[, input]) that returns a scalar")
     plan = _check_plan(resolve(args.plan, "plan"), args.plan)
+    dp = _check_dp(getattr(args, "dp", None), args.world_size)
     return Targets(build, plan, make_input, loss, args.world_size, args.simulated, atol, rtol,
-                   args.show_traceback, args.train, step)
+                   args.show_traceback, args.train, step, dp)
+
+
+def _check_dp(dp, world_size: int) -> int | None:
+    """--dp: a positive int that divides the world size (None: tp = the world size)."""
+    if dp is not None and (dp < 1 or world_size % dp):
+        raise BadArgument(f"--dp {dp} must be a positive int that divides --world-size "
+                          f"{world_size}")
+    return dp
 
 
 # --- the user's code, then the lab --------------------------------------------------------
@@ -277,8 +313,7 @@ def preflight(t: Targets) -> None:
     model = _user("build()", t.build)
     x = (_user("make_input()", t.make_input) if t.train is None
          else _user("make_batch(0)", t.make_input, 0))
-    if isinstance(t.plan, dict):
-        check_plan(model, t.plan, t.world_size, x)  # a PlanError: exit 1, its one line
+    parallelizer(t.plan, model, t.world_size // (t.dp or 1), x)  # a PlanError: exit 1
     out = _user("the model's forward on one device", call_model, model, x)
     if t.loss is not None and t.step is None:
         _user("--loss", call_loss, t.loss, out, x)
@@ -290,11 +325,11 @@ def run(t: Targets) -> int:
     try:
         if t.train is not None:
             report = _user("train_check", functools.partial(
-                tplab.train_check, step=t.step, loss_fn=None if t.step else t.loss, live=False),
+                tplab.train_check, step=t.step, loss_fn=t.loss, live=False, dp=t.dp),
                 lab, t.build, t.plan, t.make_input, t.train)
         else:
-            report = _user("grad_check", tplab.grad_check, lab, t.build, t.plan, t.make_input,
-                           t.loss, t.atol, t.rtol)
+            report = _user("grad_check", functools.partial(tplab.grad_check, dp=t.dp), lab,
+                           t.build, t.plan, t.make_input, t.loss, t.atol, t.rtol)
     finally:
         lab.shutdown()
     print(report)

@@ -11,7 +11,14 @@ import dataclasses
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.utils._pytree import tree_flatten
 
 from tplab import placements
@@ -26,6 +33,9 @@ from tplab.layout_flow import (
     short_name,
 )
 from tplab.pytrees import map_tensors
+
+# styles that only move a module's inputs or outputs: the module computes with whole weights
+_MOVE_ONLY = (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +95,10 @@ def _mismatch(flow: Flow, consumer: str, style, actual, expected, ndim: int,
         f"{_fix(flow, consumer, style, actual, expected, ndim)}")
 
 
-def _needs_whole(tracer: Tracer, path: str, module: nn.Module, args) -> None:
-    """An unplanned module that needs whole the dim a local shard splits."""
+def _needs_whole(tracer: Tracer, path: str, module: nn.Module, args,
+                 planned: str = "not in the plan") -> None:
+    """An unplanned module (or one whose styles only move its inputs and outputs) that
+    needs whole the dim a local shard splits."""
     x = args[0] if args else None
     flow = tracer.flow(x)
     if flow is None or not flow.local or type(flow.layout) is Replicate:
@@ -112,7 +124,7 @@ def _needs_whole(tracer: Tracer, path: str, module: nn.Module, args) -> None:
            else f"give {src} output_layouts=Replicate() (or end the sharded region with a "
            f"RowwiseParallel before {path})")
     raise PlanError(
-        f"layouts do not chain: {flow.where()} hands {path} ({kind}, not in the plan) "
+        f"layouts do not chain: {flow.where()} hands {path} ({kind}, {planned}) "
         f"{local_description(flow, x.ndim)}, but {path} {what} "
         f"{'its last dim' if span == 1 else f'its last {span} dims'} and needs it whole "
         f"on every rank{' (the sums are still pending)' if partial else ''}. Fix: {fix}")
@@ -169,7 +181,10 @@ class HandoverHooks:
             raise _mismatch(flow, path, style, actual, read, t.ndim)
         new = t.view_as(t)
         after = normalized(after, t.ndim) if after is not None else None
-        tr.tag(new, Flow(after, local, path, type(style).__name__, path) if after else None)
+        source = (path, type(style).__name__, path)
+        if type(style) in _MOVE_ONLY and actual is not None and actual == after:
+            source = (flow.source, flow.style, flow.via)  # passed on as it came
+        tr.tag(new, Flow(after, local, *source) if after else None)
         return new
 
     def pre(self, path):
@@ -190,6 +205,9 @@ class HandoverHooks:
                 for k, (read, after, local) in kw_rules.items():
                     if k in kwargs:
                         kwargs[k] = self.hand(kwargs[k], path, style, read, after, local)
+            if all(type(s) in _MOVE_ONLY for s in styles):  # its own weights stay whole
+                _needs_whole(self.tracer, path, module, args,
+                             f"whose weights {type(styles[0]).__name__} leaves whole")
             return tuple(args), kwargs
         return hook
 

@@ -91,6 +91,7 @@ def apply_transformers_plan(model: nn.Module, mesh, overrides: dict | None = Non
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     mesh = tp_mesh(mesh)
+    check_heads(model, mesh.size())  # before transformers' own code cuts a head in two
     plan = transformers_plan(model, mesh.size(), overrides)
     model._tp_size = mesh.size()     # what maybe_distribute_model records for the model
     model._device_mesh = mesh
@@ -98,6 +99,17 @@ def apply_transformers_plan(model: nn.Module, mesh, overrides: dict | None = Non
     model = apply_tensor_parallelism(model, mesh, plan)
     _retie(model, tied)
     return model
+
+
+def check_heads(model: nn.Module, tp: int) -> None:
+    """PlanError unless tp divides the model's heads (`config.num_attention_heads`, and
+    the key/value heads of a grouped-KV model): what transformers' plan splits."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        _check_heads(config, tp)
+
+
+apply_transformers_plan.check_plan = check_heads  # grad_check runs it before the ranks
 
 
 def _untie(model: nn.Module, plan: dict) -> list[tuple[str, str]]:
@@ -231,6 +243,11 @@ def from_hf(config_or_model, prefix: str | None = None, *, tp: int | None = None
     """
     config = getattr(config_or_model, "config", config_or_model)
     is_model = isinstance(config_or_model, nn.Module)
+    if not is_model and not hasattr(config, "model_type"):
+        raise PlanError(f"from_hf takes a transformers model or its config, not "
+                        f"{type(config_or_model).__name__} {config_or_model!r:.40}: e.g. "
+                        "from_hf(model), from_hf(AutoConfig.from_pretrained(name)) or "
+                        "from_hf(LlamaConfig(...), prefix='model.') for LlamaForCausalLM")
     prefix = _normalise_prefix(prefix)
     if is_model:
         published = dict(getattr(config_or_model, "tp_plan", None) or {})
@@ -298,6 +315,13 @@ def _translate(published: dict, tree, config) -> dict:
 def _check_config(config, tp: int, pad_vocab: bool) -> None:
     """A transformers config's head counts and vocabulary against tp ranks: the KV heads
     only for a grouped-KV model (fewer KV heads than query heads), else the query heads."""
+    _check_heads(config, tp)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab:
+        check_vocab(vocab, tp, pad=pad_vocab)
+
+
+def _check_heads(config, tp: int) -> None:
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise PlanError(f"tp must be a positive int, got {tp!r}")
     heads = getattr(config, "num_attention_heads", None)
@@ -311,6 +335,3 @@ def _check_config(config, tp: int, pad_vocab: bool) -> None:
     if heads is not None and heads % tp:
         raise PlanError(f"{name}: num_attention_heads = {heads} (query heads) is not "
                         f"divisible by tp = {tp}")
-    vocab = getattr(config, "vocab_size", None)
-    if vocab:
-        check_vocab(vocab, tp, pad=pad_vocab)

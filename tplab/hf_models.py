@@ -20,7 +20,7 @@ from tplab import hf
 from tplab.check import grad_check
 from tplab.lab.contract import Ranks
 from tplab.mesh import make_mesh
-from tplab.plans import apply_plan
+from tplab.plans import parallelizer
 from tplab.tracing import trace
 
 # small sizes every family understands; only keys a config already has are set
@@ -110,7 +110,7 @@ def _layer_counts(build_model, state, plan, x) -> dict:
     model = build_model()
     model.load_state_dict(state)
     mesh = make_mesh(tp=dist.get_world_size())
-    model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
+    model = parallelizer(plan)(model, mesh)
     with trace() as t:
         logits_loss(model(**x)).backward()
     counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}

@@ -9,7 +9,10 @@ and broadcasting, batched matmuls and scaled-dot-product attention (their batch 
 dims), repeat_interleave (GQA). An op whose effect on the sharded dim is not one of these
 drops the tag: what follows is not judged. A local shard combined with a whole tensor of
 full size along the shard (a residual add after a column-parallel layer left sharded)
-raises a PlanError at once: on the ranks their shapes differ.
+raises a PlanError at once: on the ranks their shapes differ. So does an op that reduces
+over (or scans along) the sharded dim (`reduced_dims`: F.layer_norm, softmax, norm,
+mean/sum/var/std/amax/max, logsumexp, cumsum, cross_entropy, ...): each rank would reduce
+its own shard, wrong values without an error; over another dim the shard follows.
 """
 
 from __future__ import annotations
@@ -31,6 +34,18 @@ _MATMULS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "addmm", "baddbm
 _TRANSPOSES = {"transpose", "swapaxes", "swapdims", "transpose_", "t", "permute", "movedim",
                "mT"}
 _VIEWS = {"view", "reshape", "view_as", "reshape_as", "flatten", "unflatten", "_unsafe_view"}
+# ops that reduce over (or scan along) the dims they are given: (position of `dim` in the
+# positional arguments, its default; None: every dim)
+_REDUCTIONS = {name: (1, None) for name in (
+    "sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "aminmax", "logsumexp", "var",
+    "std", "var_mean", "std_mean", "max", "min", "argmax", "argmin", "all", "any", "median",
+    "nanmedian", "mode", "count_nonzero")}
+_REDUCTIONS |= {name: (1, "required") for name in (
+    "softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax", "cummin",
+    "logcumsumexp")}
+_REDUCTIONS |= {"sort": (1, -1), "argsort": (1, -1), "topk": (2, -1), "kthvalue": (2, -1),
+                "norm": (2, None), "linalg_vector_norm": (2, None), "vector_norm": (2, None),
+                "normalize": (2, 1), "quantile": (2, None), "nanquantile": (2, None)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +166,55 @@ def moved_dim(func, args, kwargs, src: torch.Tensor, d: int, out: torch.Tensor) 
     return None
 
 
+def _dims_given(value, ndim: int) -> set[int] | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value % ndim} if ndim else set()
+    if isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value):
+        return {v % ndim for v in value} if ndim else set()
+    return None
+
+
+def reduced_dims(fname: str, args, kwargs, src: torch.Tensor) -> set[int] | None:
+    """The dims of `src` (the op's first argument) that the op reduces over or scans along
+    (each rank would see only its own part of a sharded one); None: not such an op, or
+    dims that cannot be read."""
+    ndim = src.ndim
+    if fname in ("layer_norm", "rms_norm"):
+        shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+        span = 1 if isinstance(shape, int) else len(shape or ())
+        return set(range(ndim - span, ndim))
+    if fname in ("group_norm", "cross_entropy", "nll_loss"):
+        if fname != "group_norm" and kwargs.get("reduction", "mean") == "none":
+            return {1 % ndim} if ndim else set()  # the classes
+        return set(range(min(1, ndim - 1) if fname == "group_norm" else 0, ndim))
+    rule = _REDUCTIONS.get(fname)
+    if rule is None:
+        return None
+    pos, default = rule
+    given = kwargs.get("dim", args[pos] if len(args) > pos else default)
+    if fname in ("max", "min") and isinstance(given, torch.Tensor):
+        return None  # the elementwise max(a, b)
+    if fname in ("var", "std", "var_mean", "std_mean") and isinstance(given, bool):
+        given = kwargs.get("dim")  # the old (unbiased) signature
+    if given is None:
+        return set(range(ndim)) if default != "required" else (
+            {0 if ndim in (0, 1, 3) else 1} if ndim else set())  # softmax's implicit dim
+    return _dims_given(given, ndim)
+
+
+def reduced_error(func, flow: Flow, t, dim: int, stack) -> PlanError:
+    where = f" in {stack[-1]}'s forward" if stack and stack[-1] else ""
+    op = getattr(func, "__name__", str(func)).strip("_")
+    src = flow.source or flow.via
+    return PlanError(
+        f"layouts do not chain: {flow.where()} hands on {local_description(flow, t.ndim)}, "
+        f"and `{op}`{where} reduces over dim {dim}, the sharded one; on the ranks each rank "
+        f"would reduce only its own shard (wrong values, and no error). Fix: give {src} "
+        "output_layouts=Replicate() (an all-gather) before the op, or end the sharded region "
+        "with a RowwiseParallel before it (as Megatron pairs a column-parallel layer with a "
+        "row-parallel one)")
+
+
 class Tracer(TorchFunctionMode):
     """Carries a Flow on every activation of one meta forward; see the module docstring."""
 
@@ -189,8 +253,16 @@ class Tracer(TorchFunctionMode):
             if len(kinds) != 1 or not kinds <= {Replicate, Partial}:
                 return None
             return next((f for _, f in reversed(ins) if f.source), ins[0][1])
+        fname = getattr(func, "__name__", "")
+        first = args[0] if args else None
         dims = set()
         for t, f in shards:
+            reduced = reduced_dims(fname, args, kwargs, t) if t is first else None
+            if reduced is not None and f.layout.dim in reduced:
+                raise reduced_error(func, f, t, f.layout.dim, self.stack)
+            if reduced is not None and out.ndim == t.ndim - len(reduced):  # dims dropped
+                dims.add(f.layout.dim - sum(r < f.layout.dim for r in reduced))
+                continue
             dims.add(moved_dim(func, args, kwargs, t, f.layout.dim, out))
         if len(dims) != 1 or None in dims:
             return None

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from tplab import placements
+from tplab.fsdp import managed, over_piece, tp_view
 
 __all__ = ["global_index", "tp_layout"]
 
@@ -33,9 +34,13 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
     DTensor on a mesh of more than one dim (FSDP2 over dp x tp) is kept whole, with placement
     "mesh" (the notebook places it). A DTensor on the tp dim also gets "index": the flat
     global index of each local element (`global_index`), or "unreadable": why not.
+    "fsdp" is True for a parameter FSDP2 manages (its gradient is FSDP's, averaged over dp).
+    One that FSDP2 sharded over dp alone, on top of a hand-written TP layer, is described
+    by its TP piece (all-gathered over dp: `tplab.fsdp.tp_view`), as plain TP is.
     """
     out: dict[str, dict] = {}
     seen: set[int] = set()
+    fsdp = managed(model)
     for path, module in model.named_modules():
         declared = getattr(module, "tp_placements", {})
         for name, p in module.named_parameters(recurse=False):
@@ -45,6 +50,14 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
             value = p.grad if of == "grad" else p.detach()
             placement = declared.get(name)
             global_shape = None
+            if over_piece(p, name in declared):  # FSDP2 over a hand-written TP piece
+                out[f"{path}.{name}" if path else name] = {
+                    "value": tp_view(value), "placement": _named(placement, p.ndim),
+                    "shape": tuple(p.shape), "global_shape": None,
+                    "requires_grad": p.requires_grad, "index": None, "unreadable": None,
+                    "fsdp": True, "dp_placement": placements.name(p.placements[0]),
+                    "mesh_placements": _mesh_placements(p)}
+                continue
             if isinstance(p, DTensor):
                 global_shape = tuple(p.shape)
                 placement = p.placements[-1]
@@ -58,15 +71,29 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
             elif isinstance(p, DTensor) and p.device_mesh.ndim == 1:
                 index, unreadable = global_index(p)
             local = p.to_local() if isinstance(p, DTensor) else p
-            if placement is not None and not isinstance(placement, str):
-                if placement.is_shard() and placement.dim < 0:
-                    placement = type(placement)(placement.dim + local.ndim)
-                placement = placements.name(placement)
             out[f"{path}.{name}" if path else name] = {
-                "value": value, "placement": placement, "shape": tuple(local.shape),
-                "global_shape": global_shape, "requires_grad": p.requires_grad,
-                "index": index, "unreadable": unreadable}
+                "value": value, "placement": _named(placement, local.ndim),
+                "shape": tuple(local.shape), "global_shape": global_shape,
+                "requires_grad": p.requires_grad, "index": index, "unreadable": unreadable,
+                "fsdp": id(p) in fsdp, "mesh_placements": _mesh_placements(p)}
     return out
+
+
+def _named(placement, ndim: int):
+    """A placement as its string (a negative Shard dim made positive); None stays None."""
+    if placement is None or isinstance(placement, str):
+        return placement
+    if placement.is_shard() and placement.dim < 0:
+        placement = type(placement)(placement.dim + ndim)
+    return placements.name(placement)
+
+
+def _mesh_placements(p) -> dict[str, str] | None:
+    """{mesh dim name: placement} of a DTensor, else None."""
+    if not isinstance(p, DTensor):
+        return None
+    names = p.device_mesh.mesh_dim_names or tuple(map(str, range(p.device_mesh.ndim)))
+    return {n: placements.name(q) for n, q in zip(names, p.placements, strict=True)}
 
 
 def global_index(dt) -> tuple[torch.Tensor | None, str | None]:

@@ -16,11 +16,12 @@ SIZES: dict[str, tuple[int, ...]] = {
     "05": (2, 4), "06": (2, 4, 6, 8), "07": (2, 4), "08": (2, 4), "09": (2, 4), "10": (2, 4),
     "11": (2, 4),
     "12": (2, 4),
+    "13": (4,),  # a (dp=2, tp=2) mesh: FSDP2 across, TP inside
 }
 
 
 def require_world_size(notebook: str, world_size) -> int:
-    """`world_size` if notebook `notebook` ("00" to "12") runs at it, else a LabError that
+    """`world_size` if notebook `notebook` ("00" to "13") runs at it, else a LabError that
     names the sizes it can use."""
     sizes = SIZES[notebook]
     if not isinstance(world_size, int) or world_size not in sizes:

@@ -75,6 +75,18 @@ def _fits(info: dict, ref_shape: tuple, tp: int, placement: str | None = None):
     return infer_layout(info["shape"], ref_shape, tp)
 
 
+# what torch's wrappers put into parameter names: checkpoint_wrapper (activation
+# checkpointing) and torch.compile's OptimizedModule
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped(name: str) -> str:
+    """A parameter name without torch's wrapper prefixes (`WRAPPERS`)."""
+    for prefix in WRAPPERS:
+        name = name.replace(prefix, "")
+    return name
+
+
 def _placement_of(spec) -> str | None:
     if spec is None:
         return placements.REPLICATE
@@ -129,7 +141,7 @@ def pair(ref: dict[str, tuple], ranks: dict[str, dict], tp: int, param_map: dict
         take(rname, refname, fit, "param_map")
 
     for rname in list(free_ranks):  # the same name (a tied reference name counts)
-        refname = aliases.get(rname, rname)
+        refname = aliases.get(unwrapped(rname), unwrapped(rname))
         if refname in ref:
             fit = _fits(ranks[rname], ref[refname], tp)
             if fit is not None:

@@ -42,13 +42,15 @@ Mistakes found: a local shard read as another layout (Colwise into Colwise: Shar
 as Replicate(); a whole tensor into a Rowwise: Replicate() read as Shard(-1); a sequence
 shard into a Colwise); a local shard of the dim a module needs whole (an unplanned
 nn.Linear on its last dim, a norm over its normalized dims); a local shard combined with
-a whole tensor in an op (a residual add after a Colwise left sharded).
+a whole tensor in an op (a residual add after a Colwise left sharded); an op that reduces
+over the sharded dim (F.layer_norm, softmax, h.norm(dim=-1), mean over it).
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import inspect
 import threading
 import warnings
 from fnmatch import fnmatch
@@ -56,7 +58,7 @@ from fnmatch import fnmatch
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from tplab.errors import PlanError
 from tplab.handovers import Edge, HandoverHooks, tensors_of
@@ -118,13 +120,84 @@ def _shard_rule(style, module: nn.Module) -> list[tuple[str, int]]:
     return []
 
 
-def check_plan(model: nn.Module, plan: dict, tp: int, example_input=None) -> None:
+PLAN_KINDS = ("a plan is a dict {module path: ParallelStyle()} such as {'w1': "
+              "ColwiseParallel(), 'w2': RowwiseParallel()}, or a (model, mesh) -> model function")
+
+
+def _what(obj) -> str:
+    kind = type(obj).__name__
+    return f"{'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind} ({obj!r:.60})"
+
+
+def _style_error(obj, where: str) -> str | None:
+    """Why `obj` is not a ParallelStyle instance, or None when it is one."""
+    if isinstance(obj, ParallelStyle):
+        return None
+    if inspect.isclass(obj) and issubclass(obj, ParallelStyle):
+        return (f"{where} is the class {obj.__name__}, not a style: write {obj.__name__}() "
+                "(with parentheses)")
+    if isinstance(obj, str):
+        return (f"{where} is the string {obj!r}, not a style: write the style itself, "
+                "ColwiseParallel() or RowwiseParallel() (from torch.distributed.tensor.parallel)")
+    return f"{where} is {_what(obj)}, not a ParallelStyle (ColwiseParallel(), ...)"
+
+
+def check_plan_type(plan, what: str = "plan") -> None:
+    """Raise PlanError (one line) unless `plan` is a dict {str: ParallelStyle instance} or
+    a function of (model, mesh): not None, a string, a list of pairs, a style or a style
+    class where the plan or one of its values belongs."""
+    if isinstance(plan, dict):
+        for key, style in plan.items():
+            if not isinstance(key, str):
+                raise PlanError(f"{what} has a key {key!r} ({type(key).__name__}); keys are "
+                                "module paths such as 'layers.*.attention.wq'")
+            if (why := _style_error(style, f"{what}[{key!r}]")) is not None:
+                raise PlanError(why)
+        return
+    if isinstance(plan, ParallelStyle) or (inspect.isclass(plan) and
+                                           issubclass(plan, ParallelStyle)):
+        raise PlanError(f"{_style_error(plan, what) or f'{what} is one style'}: a plan maps "
+                        "module paths to styles, {'w1': ColwiseParallel(), ...}")
+    if isinstance(plan, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2
+                                               for p in plan):
+        raise PlanError(f"{what} is a {type(plan).__name__} of pairs; {PLAN_KINDS}: "
+                        "dict(pairs) makes one")
+    if not callable(plan):
+        raise PlanError(f"{what} is {_what(plan)}; {PLAN_KINDS}")
+    try:
+        inspect.signature(plan).bind(None, None)
+    except TypeError:
+        raise PlanError(f"{what} {getattr(plan, '__name__', plan)!r:.60} cannot be called "
+                        f"as plan(model, mesh); {PLAN_KINDS}") from None
+    except ValueError:
+        pass  # a signature that cannot be read: called as it is
+
+
+def check_tp(tp, what: str = "check_plan") -> int:
+    """`tp` as the tensor-parallel size: an int >= 1 (PlanError naming it otherwise)."""
+    if tp is None:
+        raise PlanError(f"{what}: give tp=, the number of tensor-parallel ranks (an int >= 1), "
+                        "e.g. check_plan(model, plan, tp=2)")
+    if isinstance(tp, bool) or not isinstance(tp, int):
+        raise PlanError(f"{what}: tp is the number of tensor-parallel ranks, an int >= 1, not "
+                        f"{_what(tp)}")
+    if tp < 1:
+        raise PlanError(f"{what}: tp is the number of tensor-parallel ranks, at least 1, "
+                        f"got {tp}")
+    return tp
+
+
+def check_plan(model: nn.Module, plan: dict, tp: int | None = None,
+               example_input=None) -> None:
     """Raise PlanError if a key matches no module, a style does not fit its module, or a
     sharded dimension (or the number of heads) is not divisible by the tp size; given
     `example_input` (what the model is called with), also if the layouts do not chain
     from one planned module to the next (`check_layouts`)."""
+    check_plan_type(plan)
     if not isinstance(plan, dict):
-        raise PlanError(f"a plan is a dict {{module path: ParallelStyle}}, got {type(plan)}")
+        raise PlanError(f"check_plan checks a dict plan; a (model, mesh) -> model function "
+                        f"is checked by running it (grad_check), got {_what(plan)}")
+    tp = check_tp(tp)
     paths = [path for path, _ in model.named_modules() if path]
     for key, style in plan.items():
         found = match(model, key)
@@ -223,14 +296,44 @@ def check_layouts(model: nn.Module, plan: dict, example_input) -> list[Edge] | N
     model(*x); a dict: model(**x), as `grad_check`'s make_input gives). Returns the
     hand-overs checked (producer, consumer, layout, expected) in dataflow order; None when
     the model could not run on the meta device (then nothing is checked: the plan is
-    neither passed nor failed) or is parallelised already."""
+    neither passed nor failed, and a PlanCheckSkipped warning says why) or is parallelised
+    already."""
     if any(isinstance(p, DTensor) for p in model.parameters()):
+        warnings.warn("plan check skipped: the model is parallelised already (its parameters "
+                      "are DTensors); check the plan on the model as build_model() returns it",
+                      PlanCheckSkipped, stacklevel=2)
         return None
     if isinstance(example_input, dict):
-        return _trace(_meta_copy(model), plan, (), example_input)
-    if isinstance(example_input, (tuple, list)) and not hasattr(example_input, "_fields"):
-        return _trace(_meta_copy(model), plan, tuple(example_input), {})
-    return _trace(_meta_copy(model), plan, (example_input,), {})
+        args, kwargs = (), example_input
+    elif isinstance(example_input, (tuple, list)) and not hasattr(example_input, "_fields"):
+        args, kwargs = tuple(example_input), {}
+    else:
+        args, kwargs = (example_input,), {}
+    edges = _trace(_meta_copy(model), plan, args, kwargs)
+    if isinstance(edges, Exception):
+        warnings.warn(skipped_because(edges), PlanCheckSkipped, stacklevel=2)
+        return None
+    return edges
+
+
+class PlanCheckSkipped(UserWarning):
+    """The layouts were not checked (the reason is in the message); nothing was judged."""
+
+
+def skipped_because(exc: Exception) -> str:
+    """Why the meta forward could not run, in words (for PlanCheckSkipped)."""
+    text = (str(exc).strip().splitlines() or [""])[0][:160]
+    said = f"{type(exc).__name__}: {text}"
+    head = "plan check skipped, the layouts were not checked (grad_check still compares values)"
+    if any(w in text for w in ("item() cannot be called on meta", "Cannot copy out of meta",
+                               "data-independent", "data-dependent")):
+        return (f"{head}: the model reads a value out of a tensor (data-dependent control "
+                f"flow: .item(), `if tensor:`, a shape made of values), which a meta-device "
+                f"forward cannot give ({said})")
+    if any(w in text for w in ("shape", "size", "dim", "must match", "expected")):
+        return (f"{head}: the model did not run on the example input; is its shape what the "
+                f"model takes? ({said})")
+    return f"{head}: the model did not run on the meta device ({said})"
 
 
 def check_at_first_call(model: nn.Module, plan: dict) -> None:
@@ -250,13 +353,13 @@ def check_at_first_call(model: nn.Module, plan: dict) -> None:
         # what the ranks pass in may be their own shards (a sequence-parallel block fed
         # local Shard(1) pieces): the inputs' layout is unknown, only what planned modules
         # hand on is followed
-        _trace(meta, plan, args, kwargs, whole_inputs=False)
+        _trace(meta, plan, args, kwargs, whole_inputs=False)  # not run on meta: not checked
 
     handle = model.register_forward_pre_hook(first_call, prepend=True, with_kwargs=True)
 
 
 def _trace(meta: nn.Module, plan: dict, args: tuple, kwargs: dict,
-           whole_inputs: bool = True) -> list[Edge] | None:
+           whole_inputs: bool = True) -> list[Edge] | Exception:
     """One forward of the meta copy with the tracer, in a thread of its own: torch's mode
     stacks (dispatch and function modes: LocalTensorMode, CommDebugMode, tplab.trace) and
     grad mode are per thread, so nothing the caller has switched on sees this forward."""
@@ -277,7 +380,8 @@ def _trace(meta: nn.Module, plan: dict, args: tuple, kwargs: dict,
     return result["edges"]
 
 
-def _trace_here(meta, plan, args, kwargs, whole_inputs: bool) -> list[Edge] | None:
+def _trace_here(meta, plan, args, kwargs, whole_inputs: bool) -> list[Edge] | Exception:
+    """The hand-overs checked, or the exception that stopped the meta forward."""
     planned = styles_by_module(meta, plan)
     edges: list[Edge] = []
     tracer = Tracer({})
@@ -290,6 +394,6 @@ def _trace_here(meta, plan, args, kwargs, whole_inputs: bool) -> list[Edge] | No
                 meta(*args, **kwargs)
         except PlanError:
             raise
-        except Exception:  # noqa: BLE001 - a model that does not run on meta: not checked
-            return None
+        except Exception as exc:  # noqa: BLE001 - a model that does not run on meta: not checked
+            return exc
     return edges

@@ -9,6 +9,8 @@ matches nothing and skips it, and shards an indivisible dimension unevenly witho
 
 from __future__ import annotations
 
+import functools
+
 import torch.nn as nn
 from tabulate import tabulate
 from torch.distributed.tensor import Replicate, Shard
@@ -133,6 +135,29 @@ def apply_plan(model: nn.Module, mesh, plan: dict, example_input=None) -> nn.Mod
     if example_input is None:
         plan_check.check_at_first_call(model, plan)
     return parallelize_module(model, mesh, plan)
+
+
+def parallelizer(plan, model: nn.Module | None = None, tp: int | None = None,
+                 example_input=None):
+    """The `(model, mesh) -> model` function for `plan`, checked first: a dict gives
+    `apply_plan` with it, a function is itself. PlanError (one line) for anything else:
+    None, a string, a list of pairs, a style class where a style belongs
+    (ColwiseParallel, not ColwiseParallel()), a style name as a value.
+
+    Given the (unparallelised) `model` and `tp`, the plan is also checked against it here,
+    before anything reaches the ranks: a dict by `check_plan` (with `example_input`, its
+    layouts too), a function that states its own check as a `check_plan(model, tp)`
+    attribute (`hf.apply_transformers_plan`: its heads) by that."""
+    plan_check.check_plan_type(plan)
+    if model is not None and isinstance(plan, dict):
+        check_plan(model, plan, tp, example_input)
+    elif model is not None:
+        own = getattr(getattr(plan, "func", plan), "check_plan", None)  # a partial's too
+        if callable(own):
+            own(model, plan_check.check_tp(tp, "the plan's check"))
+    if isinstance(plan, dict):
+        return functools.partial(apply_plan, plan=plan)
+    return plan
 
 
 # --- describing --------------------------------------------------------------------------

@@ -82,6 +82,7 @@ class GradCheckReport:
     loss: float = float("nan")
     mesh_shape: dict | None = None  # {"dp": 2, "tp": 2} for a 2-D check
     notes: list[str] = field(default_factory=list)
+    dtype: str = ""  # what the model computes in; the tolerances follow it (tplab.check)
     failures: list[dict] = field(init=False)
 
     def __post_init__(self):
@@ -109,8 +110,9 @@ class GradCheckReport:
     def summary(self) -> str:
         shape = self.mesh_shape or {}
         on = f" (dp={shape['dp']} x tp={shape['tp']})" if shape.get("dp", 1) > 1 else ""
+        dtype = f"{self.dtype}: " if self.dtype else ""
         head = (f"grad_check on {self.world_size} ranks{on} "
-                f"(atol {self.atol:g}, rtol {self.rtol:g})")
+                f"({dtype}atol {self.atol:g}, rtol {self.rtol:g})")
         checked = [r for r in self.rows if r["kind"] not in ("unpaired", "unreadable")]
         if self.ok:
             return f"{head}: ok, {len(checked)} tensors, max abs error {self.max_abs:.2e}"

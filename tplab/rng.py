@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from tplab.mesh import split, tp_group
-from tplab.plans import apply_plan
+from tplab.plans import parallelizer
 
 REGIONS = ("replicated", "tp")
 OFFSET = 2718   # Megatron-LM: tensor_model_parallel_seed = seed + 2718 + tp_rank
@@ -219,8 +219,5 @@ def parallelize(model: nn.Module, mesh, plan=None, seed: int | None = None,
     (`is_sequence_parallel`)."""
     sp = is_sequence_parallel(plan) if sequence_parallel is None else sequence_parallel
     if plan is not None:
-        if isinstance(plan, dict):
-            model = apply_plan(model, mesh, plan)
-        else:
-            model = plan(model, mesh)
+        model = parallelizer(plan)(model, mesh)
     return use_tracker(model, mesh, seed, sequence_parallel=sp)

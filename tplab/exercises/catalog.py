@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import tplab
 from tplab import cost, models
 from tplab.cost.lab_models import lab_memory
-from tplab.exercises import checks, qk_norm, steps
+from tplab.exercises import checks, fsdp_placements, qk_norm, steps
 from tplab.exercises.feedback import fail, fmt_counts
 from tplab.exercises.training_check import check_clip
 
@@ -259,5 +259,9 @@ EXERCISES = [
 ]
 EXERCISES.append(Exercise("qk_norm_grad", qk_norm.TITLE, qk_norm.TASK, qk_norm.HINTS,
                           qk_norm.check_qk_norm_grad, "11"))
+
+EXERCISES.append(Exercise("fsdp_placements", fsdp_placements.TITLE, fsdp_placements.TASK,
+                          fsdp_placements.HINTS, fsdp_placements.check_fsdp_placements, "13",
+                          needs_lab=False))
 
 BY_NAME = {e.name: e for e in EXERCISES}

@@ -253,5 +253,13 @@ MISTAKES = {
     "qk_norm_grad": [("the gradient left as it is", qk_norm_step.leave_it, "only its own heads"),
                      ("the gradient averaged", qk_norm_step.average_it, "an average")],
     "clip_grad": [("torch's clip_grad_norm_", clipping.clip_per_rank, "its own norm"),
-                  ("replicas counted per rank", clipping.clip_counts_replicas, "counted once")],
+                  ("replicas counted per rank", clipping.clip_counts_replicas, "counted once"),
+                  ("no clipping", clipping.no_clip, "not with one device"),
+                  ("every gradient halved", clipping.halve, "not with one device"),
+                  ("max_norm ignored", clipping.ignore_max_norm, "not with one device"),
+                  ("no norm returned", clipping.returns_none, "must return the total norm")],
+    "fsdp_placements": [("FSDP2's shard taken as plain Shard(0)", {
+        "attention.wq.weight": {"dp": "Shard(0)", "tp": "Shard(0)"},
+        "attention.wo.weight": {"dp": "Shard(0)", "tp": "Shard(1)"},
+        "attention_norm.weight": {"dp": "Shard(0)"}}, "strided shard")],
 }

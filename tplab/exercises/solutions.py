@@ -194,10 +194,19 @@ def block_memory() -> dict:
                                            sequence_parallel=True)["activation_bytes"]}
 
 
+# "fsdp_placements" (notebook 13): models.Block under fsdp_tp(plans.block()), dp=2 x tp=2
+FSDP_PLACEMENTS = {
+    "attention.wq.weight": {"dp": "_StridedShard(dim=0, split_factor=2)", "tp": "Shard(0)"},
+    "attention.wo.weight": {"dp": "Shard(0)", "tp": "Shard(1)"},
+    "attention_norm.weight": {"dp": "Shard(0)"},
+}
+
+
 SOLUTIONS = {
     "f": F_, "g": G, "column_parallel": ColumnParallel, "row_parallel": RowParallel,
     "sp_pair": SP_PAIR, "mlp_plan": MLP_PLAN, "block_sp_plan": BLOCK_SP_PLAN,
     "fix_plan": FIXED_PLAN, "block_counts": block_counts, "cost_prediction": cost_prediction,
     "block_memory": block_memory, "qk_norm_grad": qk_norm_solution,
     "clip_grad": clipping.clip_tp,
+    "fsdp_placements": FSDP_PLACEMENTS,
 }

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-import tplab
-from tplab import megatron, tracing
+from tplab import megatron, plans, tracing
 from tplab.mesh import make_mesh
 
 
@@ -116,7 +115,7 @@ def plan_counts(build_model, plan, make_input) -> dict:
     build_model() under `plan` (a dict, or a callable (model, mesh) -> model)."""
     mesh = make_mesh()
     model = build_model()
-    model = plan(model, mesh) if callable(plan) else tplab.apply_plan(model, mesh, plan)
+    model = plans.parallelizer(plan)(model, mesh)
     x = make_input()
     if x.is_floating_point():
         x = x.clone().requires_grad_()

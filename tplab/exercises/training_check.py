@@ -1,5 +1,6 @@
 """Exercise "clip_grad" (lesson 12), notebook side: the answer trains a TinyLM under the
-hand-written Megatron path, and `tplab.train_check` judges it step by step."""
+hand-written Megatron path on the ranks, and `tplab.train_check` judges it step by step
+against one device clipped by torch's own `clip_grad_norm_` (`clipping.judged`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import functools
 
 import tplab
 from tplab import megatron, models
-from tplab.errors import LabError, RankError
+from tplab.errors import CellTimeout, LabError, RankError
+from tplab.exercises import clipping
 from tplab.exercises.feedback import fail
 from tplab.training import lm, steps
 
@@ -23,12 +25,15 @@ def check_clip(name, answer, lab):
     cfg = models.Config(vocab_size=8 * lab.world_size, dim=4 * lab.world_size, n_layers=1,
                         n_heads=lab.world_size, hidden_dim=8 * lab.world_size, seq_len=4,
                         batch_size=2)
-    step = functools.partial(steps.lm_step, max_norm=0.05, clip=answer)
+    step = functools.partial(steps.lm_step, max_norm=0.05,
+                             clip=functools.partial(clipping.judged, answer=answer))
     try:
         report = tplab.train_check(lab, functools.partial(models.TinyLM, cfg),
                                    megatron.parallelize, lm.counting_batches(cfg),
                                    steps=STEPS, step=step, make_optimizer=steps.sgd,
                                    live=False)
+    except CellTimeout:
+        raise  # the time limit: `exercises.check` says so
     except RankError as err:
         last = next(iter(err.tracebacks.values())).strip().splitlines()[-1]
         raise fail(name, f"your clip raised an exception on the ranks: {last}") from None

@@ -31,6 +31,7 @@ from tplab.lab.cluster import LabProcesses, choose_kind
 from tplab.lab.joining import Rendezvous
 from tplab.lab.magics import register_magics
 from tplab.lab.names import RankNames
+from tplab.lab.time_limit import stop_after
 from tplab.lab.validate import (
     check_launch_args,
     check_threads,
@@ -149,15 +150,21 @@ class Lab:
     @contextlib.contextmanager
     def time_limit(self, seconds: float):
         """Every cell in the block gets `cell_timeout=seconds` (the watchdog interrupts the
-        ranks, a CellTimeout, and the lab stays usable), whatever the lab's own is. Yields
-        the limit (`.reached`: a cell ran past it)."""
+        ranks, a CellTimeout, and the lab stays usable), whatever the lab's own is; the
+        learner's code that runs in this process meanwhile (a one-device reference) is
+        stopped between bytecodes (tplab/lab/time_limit.py). Yields the limit (`.reached`:
+        a cell, or code here, ran past it)."""
         seconds = check_timeout(seconds, "time_limit")
         if seconds is None:
             raise ValueError("time_limit needs a positive number of seconds, got None")
         limit, before = CellLimit(seconds), self.cell_timeout
         self.cell_timeout = seconds
         try:
-            yield limit
+            with stop_after(seconds) as here:
+                try:
+                    yield limit
+                finally:
+                    limit.reached = limit.reached or here.reached
         except CellTimeout:
             limit.reached = True
             raise

@@ -6,6 +6,11 @@ report. `RankFiles` reads those files as they grow; `LiveOutput` turns the text 
 labelled lines:
 - a line that several ranks print at the same place is shown once, as `[ranks 0-3] ...`,
   when every rank has printed it (or, for lines that differ, at once, or after `window`);
+  by line order, not by the clock alone: while a silent rank has printed fewer lines than
+  the line's place (it has not reached that line yet: a loaded machine, 4 ranks on 2
+  cores, or engines on other hosts), the line waits the long window, which grows with the
+  lag seen between ranks printing the same line in this cell; only a rank that has got
+  past that place gets the short one;
 - carriage-return progress (a plain tqdm bar) is one line per rank, updated in place (a
   display in Jupyter; its last state only elsewhere).
 """
@@ -23,7 +28,9 @@ from IPython import get_ipython
 from tplab.output import format_rank_list
 
 WINDOW_S = 0.03  # how long a line waits for the same line from the other ranks
-ALIKE_WINDOW_S = 1.0  # ... from a rank whose last line was shown with it (it lags behind)
+ALIKE_WINDOW_S = 1.0  # ... from a rank behind in line order, or last shown with it (at least)
+LAG_FACTOR = 4  # ... or this many times the largest lag seen between ranks' same lines
+MAX_WINDOW_S = 10.0
 PROGRESS_EVERY_S = 0.1
 
 
@@ -162,6 +169,15 @@ class _Stream:
         self.head: dict[int, int] = {}
         self.progress: dict[int, _Progress] = {}
         self.grouped_with: dict[int, frozenset[int]] = {}  # rank -> its last line's ranks
+        self.shown: dict[int, int] = {}  # rank -> how many of its lines were shown
+        self.lag = 0.0  # the largest lag seen between ranks printing the same line
+
+    def _seen_lag(self, ranks) -> None:
+        arrivals = [self.times[r][self.head[r]] for r in ranks]
+        self.lag = max(self.lag, max(arrivals) - min(arrivals))
+
+    def long_window(self) -> float:
+        return min(MAX_WINDOW_S, max(ALIKE_WINDOW_S, LAG_FACTOR * self.lag))
 
     def _queue(self, rank: int, now: float, lines: list[str]) -> None:
         if rank not in self.lines:
@@ -173,6 +189,7 @@ class _Stream:
         return len(self.lines[rank]) - self.head[rank] if rank in self.lines else 0
 
     def _pop(self, rank: int, k: int = 1) -> None:
+        self.shown[rank] = self.shown.get(rank, 0) + k
         head = self.head[rank] = self.head[rank] + k
         if head > 4096 and head * 2 > len(self.lines[rank]):  # drop what was shown
             del self.lines[rank][:head], self.times[rank][:head]
@@ -223,6 +240,7 @@ class _Stream:
         if not k:
             return []
         alike = texts[0][:k]
+        self._seen_lag(ranks)
         group = frozenset(participants)
         for r in ranks:
             self._pop(r, len(alike))
@@ -257,9 +275,13 @@ class _Stream:
             arrived, line = heads[first]
             same = [r for r, (_, text) in heads.items() if text == line]
             silent = [r for r in participants if r not in heads]
-            lagging = any(s in self.grouped_with.get(same[0], ()) for s in silent)
-            window = ALIKE_WINDOW_S if lagging else WINDOW_S
+            place = self.shown.get(first, 0)  # the line's place in its rank's output
+            lagging = any(self.shown.get(s, 0) <= place or  # s has not got this far yet
+                          s in self.grouped_with.get(same[0], ()) for s in silent)
+            window = self.long_window() if lagging else WINDOW_S
             if final or not silent or now - arrived >= window:
+                if len(same) > 1:
+                    self._seen_lag(same)
                 out.append(f"[{format_rank_list(same)}] {line}")
                 group = frozenset(same)
                 for r in same:

@@ -23,9 +23,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from tplab import placements
 from tplab.errors import LabError
+from tplab.fsdp import refuse_in_simulation
 from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh
-from tplab.plans import apply_plan
+from tplab.plans import parallelizer
 from tplab.pytrees import call_model, leaves, map_tensors
 
 __all__ = ["call_loss", "loss_context", "parallel_step", "replica_slice", "with_grad"]
@@ -85,7 +86,8 @@ def parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     mesh = make_mesh(tp=world) if dp == 1 else make_mesh(dp=dp, tp=world // dp)
     model = build_model()
     model.load_state_dict(state)
-    model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
+    model = parallelizer(plan)(model, mesh)
+    refuse_in_simulation(model)
     if dp > 1:
         x = map_tensors(lambda t: replica_slice(t, mesh), x)
     x = with_grad(x)
@@ -112,7 +114,8 @@ def replica_slice(x, mesh):
 def _on_whole_mesh(mesh, outs, loss, grads, params, average_dp):
     """dp > 1: outputs and input grads as DTensors on the whole (dp, tp) mesh, Shard(0)
     over dp, so that the notebook places them; the loss Partial over dp (each replica holds
-    loss_d / dp of the mean); parameter gradients averaged over dp (DDP)."""
+    loss_d / dp of the mean); parameter gradients averaged over dp (DDP), but not those FSDP2
+    manages (already reduce-scattered and averaged over dp)."""
     dp = mesh["dp"].size()
 
     def whole(t, over_dp):
@@ -130,7 +133,8 @@ def _on_whole_mesh(mesh, outs, loss, grads, params, average_dp):
 
     for info in params.values():
         g = info["value"]
-        if g is not None and info["placement"] != placements.MESH and average_dp:
+        if g is not None and info["placement"] != placements.MESH and average_dp and \
+                not info.get("fsdp"):
             g = g.detach().clone()
             dist.all_reduce(g, group=mesh.get_group("dp"))
             info["value"] = g / dp

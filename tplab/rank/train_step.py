@@ -12,6 +12,7 @@ every step.
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 
@@ -22,28 +23,82 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tplab import placements
+from tplab.fsdp import managed, refuse_in_simulation, tp_view
 from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh, split, tp_group
 from tplab.pairing import pair
-from tplab.plans import apply_plan
+from tplab.plans import parallelizer
 from tplab.pytrees import call_model, leaves, map_tensors
 from tplab.rank.grad_step import call_loss, loss_context, replica_slice
+from tplab.rng import rank_free_randomness
 
 LIVE_PREFIX = "\x1b[8m[tplab-train]"  # concealed: an old terminal shows nothing of it
 LIVE_SUFFIX = "\x1b[0m"
 
 
-def default_step(model, optimizer, batch, loss_fn=None):
+def default_step(model, optimizer, batch, loss_fn=None, dp: int = 1):
     """forward, loss (`loss_fn(output, batch)`, as grad_check's; under `loss_parallel()`
     when the logits are vocab-sharded DTensors), backward, `optimizer.step()`,
-    `optimizer.zero_grad()`; returns the loss."""
+    `optimizer.zero_grad()`; returns the loss. `dp` > 1 (one device standing for dp
+    replicas): the mean of the loss of each of the dp slices of dim 0, what the replicas'
+    averaged gradients minimise (with a sum loss the whole batch's would be dp times it)."""
     out = call_model(model, batch)
     with loss_context(out):
-        loss = call_loss(loss_fn, out, batch)
+        if dp > 1:
+            loss = sum(call_loss(loss_fn, *map_tensors(lambda t, d=d: t.chunk(dp)[d],
+                                                       (out, batch)))
+                       for d in range(dp)) / dp
+        else:
+            loss = call_loss(loss_fn, out, batch)
         loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss
+
+
+def make_training(make_optimizer, params):
+    """(optimizer, scheduler or None) from `make_optimizer(params)`, which returns an
+    optimizer or (optimizer, scheduler), as torch.optim.lr_scheduler's are made."""
+    made = (make_optimizer or default_optimizer)(params)
+    scheduler = None
+    if isinstance(made, (tuple, list)):
+        if len(made) != 2:
+            raise TypeError(f"make_optimizer returned {len(made)} things; return an optimizer, "
+                            "or (optimizer, scheduler)")
+        made, scheduler = made
+    if not isinstance(made, torch.optim.Optimizer):
+        raise TypeError(f"make_optimizer must return a torch.optim.Optimizer (or (optimizer, "
+                        f"scheduler)); got {type(made).__name__}")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise TypeError(f"make_optimizer's scheduler must have a step() method; got "
+                        f"{type(scheduler).__name__}")
+    return made, scheduler
+
+
+def step_scheduler(scheduler, loss) -> None:
+    """After each training step, as a training loop does (ReduceLROnPlateau gets the loss)."""
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(float(loss))
+    else:
+        scheduler.step()
+
+
+def takes_step_number(make_batch) -> bool:
+    """Whether `make_batch` is called as make_batch(i) (else make_batch(), the same batch
+    every step, as grad_check's make_input)."""
+    try:
+        params = inspect.signature(make_batch).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+               for p in params)
+
+
+def batch_of(make_batch, i: int):
+    """Step i's batch: make_batch(i), or make_batch() when it takes no step number."""
+    return make_batch(i) if takes_step_number(make_batch) else make_batch()
 
 
 def default_optimizer(params):
@@ -69,17 +124,26 @@ def plain_loss(loss) -> torch.Tensor:
 
 
 def batch_sum(batch) -> torch.Tensor:
-    """A checksum of a batch (float64 sum of its tensors): do ranks and notebook agree?"""
-    total = torch.zeros((), dtype=torch.float64)
+    """A checksum of a batch: (float64 sum of its tensors, the same with every element
+    weighted by its position), so that the same rows in another order are another batch."""
+    total = torch.zeros(2, dtype=torch.float64)
+    start = 0
     for _, t in leaves(batch, "batch"):
-        total = total + t.detach().double().sum()
+        flat = t.detach().double().reshape(-1)
+        # weights 1 + frac(k * golden ratio): different at every position, exact to compute
+        weights = 1 + torch.frac((torch.arange(flat.numel(), dtype=torch.float64) + start)
+                                 * 0.6180339887498949)
+        total = total + torch.stack([flat.sum(), (flat * weights).sum()])
+        start += flat.numel()
     return total
 
 
 def average_over_dp(model, mesh) -> None:
     """DDP's gradient all-reduce, as hooks: each gradient averaged over the dp replicas as
-    soon as backward has accumulated it (before the user's clipping and optimizer step)."""
+    soon as backward has accumulated it (before the user's clipping and optimizer step).
+    Not the parameters FSDP2 manages: FSDP2 reduce-scatters and averages those itself."""
     group, dp = mesh.get_group("dp"), mesh["dp"].size()
+    fsdp = managed(model)
 
     def hook(p):
         g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
@@ -87,12 +151,13 @@ def average_over_dp(model, mesh) -> None:
         g.div_(dp)
 
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in fsdp:
             p.register_post_accumulate_grad_hook(hook)
 
 
 def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
-    """This rank's piece of the reference tensor `ref`, laid out as the ranks' parameter."""
+    """This rank's piece of the reference tensor `ref`, laid out as the ranks' parameter
+    (`param=None`: its TP piece, for FSDP2's shards of a hand-written TP piece)."""
     if isinstance(param, DTensor):
         return distribute_tensor(ref, param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
@@ -104,6 +169,21 @@ def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
         pad = [0, 0] * (ref.ndim - dim - 1) + [0, info["padded"] - ref.shape[dim]]
         ref = torch.nn.functional.pad(ref, pad)
     return split(ref, size, rank, dim)
+
+
+def local_and_expected(param, pair: dict, ref: torch.Tensor, mesh, piece: bool):
+    """(this rank's piece of `param`, the same piece of the reference `ref`). `piece`: FSDP2
+    sharded a hand-written TP piece (tplab.layouts' "dp_placement")."""
+    if not piece:
+        return layout_value(param), expected_local(ref, pair, param, mesh)
+    if "tp" in (param.device_mesh.mesh_dim_names or ()):
+        # FSDP2 given the tp dim over hand-written pieces: the TP piece it gathers for the
+        # forward (a mixture of the tp ranks' pieces), all-gathered here
+        return tp_view(param.detach()), expected_local(ref, pair, None, mesh)
+    # FSDP2's shard of this rank's TP piece: no communication
+    want = distribute_tensor(expected_local(ref, pair, None, mesh).contiguous(),
+                             param.device_mesh, param.placements, src_data_rank=None)
+    return layout_value(param), want.to_local()
 
 
 def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> None:
@@ -127,27 +207,29 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     model = build_model()
     model.load_state_dict(state)
     per_rank_parameters(model)
-    model = apply_plan(model, mesh, plan) if isinstance(plan, dict) else plan(model, mesh)
+    model = parallelizer(plan)(model, mesh)
+    refuse_in_simulation(model)
     if dp > 1:
         average_over_dp(model, mesh)
-    optimizer = (make_optimizer or default_optimizer)(model.parameters())
+    optimizer, scheduler = make_training(make_optimizer, model.parameters())
     layout = tp_layout(model, of="param")
     described = {n: {k: v for k, v in i.items() if k != "value"} for n, i in layout.items()}
     pairs, lone_ranks, lone_ref, problems = pair(ref_info["shapes"], described, tp, param_map,
                                                  ref_info["aliases"])
     params = dict(model.named_parameters())
-    kept = [p for p in pairs if p["placement"] != placements.MESH]
-    if len(kept) < len(pairs):
-        raise TypeError("train_check compares parameters laid out on the tp dim; FSDP2 "
-                        "(fully_shard) parameters on the whole mesh are not supported")
-    copies = [p["ranks"] for p in kept if dp > 1 or not (p["placement"] or "").startswith(
-        ("Shard", "Partial"))]
+    kept = pairs
+    # FSDP2's shards differ across dp by design: each rank's piece is compared with the
+    # reference's piece instead (every element is held by some rank)
+    copies = [p["ranks"] for p in kept if (dp > 1 or not (p["placement"] or "").startswith(
+        ("Shard", "Partial"))) and not described[p["ranks"]].get("fsdp")
+        and p["placement"] != placements.MESH]
 
     def measure():
         diffs = {}
         for p in kept:
-            local = layout_value(params[p["ranks"]])
-            want = expected_local(reference[p["ref"]][len(losses)], p, params[p["ranks"]], mesh)
+            local, want = local_and_expected(params[p["ranks"]], p,
+                                             reference[p["ref"]][len(losses)], mesh,
+                                             "dp_placement" in described[p["ranks"]])
             diffs[p["ranks"]] = (local.float() - want.float()).abs().max() if local.numel() \
                 else torch.zeros(())
         for name in copies:
@@ -161,11 +243,13 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     user_step = step or (lambda m, o, b: default_step(m, o, b, loss_fn))
     rank = dist.get_rank() if live else 0
     for i in range(steps):
-        batch = make_batch(i)
+        with rank_free_randomness():  # a seeded torch.Generator draws alike on every rank
+            batch = batch_of(make_batch, i)
         sums.append(batch_sum(batch))
         if dp > 1:
             batch = map_tensors(lambda t: replica_slice(t, mesh), batch)
         losses.append(plain_loss(user_step(model, optimizer, batch)))
+        step_scheduler(scheduler, losses[-1])
         diffs.append(measure())
         if live:
             emit_live(i + 1, losses[-1], diffs[-1], rank)
@@ -173,7 +257,7 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     return {"pairs": kept, "lone_ranks": lone_ranks, "lone_ref": lone_ref, "problems": problems,
             "layout": {n: described[n] for n in names},
             "losses": torch.stack(losses) if losses else torch.zeros(0),
-            "batch_sums": torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64),
+            "batch_sums": torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64),
             "diffs": torch.stack([torch.stack([d[n] for n in names]) if names
                                   else torch.zeros(0) for d in diffs]),
             "replicas": {n: torch.stack(v) for n, v in replicas.items()}}

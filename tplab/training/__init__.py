@@ -3,7 +3,8 @@
 Rank side (loaded with the package; what a rank's own training step may call):
 - `clip_grad_norm` / `grad_norm` (clip.py): Megatron-LM's TP-aware gradient clipping for
   hand-written models whose parameters are plain local shards.
-- `ReductionOrder` (noise.py): a legitimate other reduction order, what the band measures.
+- `ReductionOrder`, `ReorderedProducts` (noise.py): a legitimate other reduction order (of
+  the forward's products; of every product, forward and backward: what the band measures).
 
 Notebook side (loaded on first use, so a rank that imports tplab.training loads no plotly):
 - `train_check` (check.py): the user's own training step on the ranks (their half is
@@ -17,11 +18,12 @@ from __future__ import annotations
 import importlib
 
 from tplab.training.clip import clip_grad_norm, grad_norm
-from tplab.training.noise import ReductionOrder
+from tplab.training.noise import ReductionOrder, ReorderedProducts
 
 _NOTEBOOK_SIDE = {"train_check": "tplab.training.check", "TrainReport": "tplab.training.report"}
 
-__all__ = ["ReductionOrder", "TrainReport", "clip_grad_norm", "grad_norm", "train_check"]
+__all__ = ["ReductionOrder", "ReorderedProducts", "TrainReport", "clip_grad_norm", "grad_norm",
+           "train_check"]
 
 
 def __getattr__(name: str):

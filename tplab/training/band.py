@@ -1,8 +1,10 @@
 """The noise band: how far a correct run may drift from one device, measured.
 
-The reference (one device) runs twice: once plainly, once under `ReductionOrder(tp)`
-(every matrix product as tp partial sums added in another order: tplab/training/noise.py).
-Both are correct; their difference at step i is what reduction order alone does by then.
+The reference (one device) runs twice: once plainly, once under `ReorderedProducts(tp)`
+(every matrix product, forward and backward, as tp partial sums added in another order:
+tplab/training/noise.py), on the same batches from the same RNG state. Both are correct;
+their difference at step i is what reduction order alone does by then (and what the
+optimizer makes of it).
 The band at step i is FACTOR times the largest such difference up to step i (so it only
 grows with the step), plus a floor of a few units in the last place of the values
 compared (a run whose products do not split still rounds somewhere).

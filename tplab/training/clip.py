@@ -35,7 +35,8 @@ def find_mesh(model: torch.nn.Module):
     """The mesh a parallel model was split over: a DTensor parameter's, or a hand-written
     layer's `mesh` attribute (tplab.megatron's); None for a model on one device."""
     for p in model.parameters():
-        if isinstance(p, DTensor):
+        # not FSDP2's 1-D dp mesh over hand-written TP pieces: the layers' own mesh below
+        if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ("tp",)):
             return p.device_mesh
     for m in model.modules():
         if getattr(m, "tp_placements", None) and getattr(m, "mesh", None) is not None:
@@ -62,13 +63,12 @@ def grad_norm(model: torch.nn.Module, mesh=None, norm_type: float = 2.0) -> torc
         g = info["value"]
         if g is None:
             continue
-        if info["placement"] == placements.MESH:
-            raise ValueError("grad_norm: a parameter is a DTensor on a 2-D mesh (FSDP2): use "
-                             "torch.nn.utils.clip_grad_norm_, which reduces it itself")
         grad = model.get_parameter(name).grad
-        if isinstance(grad, DTensor):
+        if isinstance(grad, DTensor) and "dp_placement" not in info:
             # a DTensor op: Shard pieces summed over the mesh, a Partial(sum) gradient reduced
-            # before it is squared, a Replicate one taken once
+            # before it is squared, a Replicate one taken once (FSDP2 x TP on the whole
+            # (dp, tp) mesh too). FSDP2's shards of a hand-written TP piece are not: their
+            # piece (`info["value"]`, gathered over dp) counts as the TP layout says, below
             whole = whole + grad.detach().float().pow(2).sum().full_tensor()
             continue
         square = g.detach().float().pow(2).sum()

@@ -1,0 +1,74 @@
+"""torch.compile (inductor, CPU) on a TP model: grad_check, train_check and tplab.trace.
+
+Compiling costs tens of seconds per rank here, so these run at world 2 on one small MLP
+(g's all-reduce forward, f's backward), sharing inductor's cache.
+The truth: the compiled model's whole gradients (`full_tensor()`) against the eager model's,
+and the trace of the same step eager and compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import tplab
+from tplab import compiling, models, plans
+
+CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=4,
+                    batch_size=2)
+MLP = functools.partial(models.MLP, CFG)
+INPUT = functools.partial(models.make_input, CFG)
+SP = plans.mlp()  # f and g: an all-reduce each way (an SP MLP hung compiled here: gloo)
+COMPILED = functools.partial(compiling.compiled, plan=SP)
+
+
+def _step(model, x):
+    model(x).pow(2).sum().backward()
+
+
+def _on_rank(compile_it: bool):
+    from tplab.mesh import make_mesh
+
+    torch.manual_seed(0)
+    model = MLP()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model = (COMPILED if compile_it else functools.partial(tplab.apply_plan, plan=SP))(
+        model, make_mesh(tp=2))
+    x = INPUT().requires_grad_()
+    _step(model, x)  # compiles
+    model.zero_grad()
+    counts = compiling.collectives(_step, model, x)
+    grads = {n.replace("_orig_mod.", ""): p.grad.full_tensor() for n, p in
+             model.named_parameters()}
+    return counts, grads, state
+
+
+@pytest.mark.slow
+def test_a_compiled_tp_step_issues_the_collectives_of_eager_mode_and_its_gradients(labs):
+    lab = labs.get(2)
+    eager = lab.run(_on_rank, False)[0]
+    compiled = lab.run(_on_rank, True)[0]
+    assert compiled[0] == eager[0], (compiled[0], eager[0])
+    assert eager[0]["forward"] and eager[0]["backward"]  # g, and f (the input's gradient)
+    for name, g in eager[1].items():
+        torch.testing.assert_close(compiled[1][name], g)
+    # grad_check and train_check on the compiled model
+    report = tplab.grad_check(lab, MLP, COMPILED, INPUT)
+    assert report.ok, str(report)
+    assert any(r["pair"].startswith("_orig_mod.") for r in report.rows)  # paired by name
+    run = tplab.train_check(lab, MLP, COMPILED, lambda i: models.make_input(CFG, seed=i),
+                            steps=2, loss_fn=lambda out, x: out.pow(2).mean(), live=False)
+    assert run.ok, str(run)
+
+
+def test_inductor_is_refused_with_torchs_reason_where_there_is_no_compiler():
+    from torch._inductor import config
+
+    with config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
+        why = compiling.why_not_inductor()
+        assert why and "no-such-c++-compiler" in why and "InvalidCxxCompiler" in why, why
+        with pytest.raises(tplab.PlanError, match="cannot build C\\+\\+ here"):
+            compiling.compiled(MLP(), None, None)
+    assert compiling.why_not_inductor() is None  # this machine has one
