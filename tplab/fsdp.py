@@ -220,7 +220,8 @@ def apply_hsdp(model, mesh, replicate: int = 2):
     """HSDP (FSDP2 on a 2-D mesh: replicas of shards): the dp dim split into
     (dp_replicate, dp_shard); parameters replicated over the first, sharded over the second.
     torch needs a tp of 1 here (HSDP x TP would need a 3-D mesh: 8 ranks at least)."""
-    from torch.distributed.device_mesh import init_device_mesh  # deferred: HSDP only
+    # deferred: only HSDP needs a mesh of its own (replicas of shards)
+    from torch.distributed.device_mesh import init_device_mesh
 
     dp = mesh["dp"].size()
     if mesh["tp"].size() != 1 or dp % replicate:
