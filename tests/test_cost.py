@@ -75,7 +75,7 @@ def test_hardware_uses_nvlink_inside_a_node_and_striped_nics_beyond():
     assert hw.link(8) is hw.intra and hw.intra.bandwidth == 370e9    # nccl-tests #212
     across = hw.link(16)
     assert across.name == "8 x InfiniBand NDR (nccl-tests)"
-    assert across.bandwidth == min(370e9, 8 * 48e9) == 370e9         # 8 NICs, capped by NVLink
+    assert across.bandwidth == min(450e9, 8 * 48e9) == 384e9         # 8 NICs bind (#319)
     assert hw.with_(nics_per_node=1).link(16).bandwidth == 48e9      # the old one-NIC model
     assert hw.with_(nics_per_node=4).link(16).bandwidth == 4 * 48e9
     assert cost.HARDWARE["A100 SXM"].link(16).bandwidth == 8 * 24e9  # 192 GB/s (nccl #812)

@@ -329,3 +329,26 @@ def test_hsdp_replicas_of_shards_pass_against_one_device(lab4):
 
 def _seeded(cfg, i):
     return models.make_input(cfg, seed=i)
+
+
+def _reduce_scatters(sync_each):
+    import torch.distributed as dist
+
+    from tplab.mesh import make_mesh
+    from tplab.tracing import trace
+
+    mesh = make_mesh(dp=2, tp=dist.get_world_size() // 2)
+    model = CORRECT["DTensor TP + FSDP2 on the root only"](TINY(), mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = BATCHES(0).chunk(2)[mesh.get_local_rank("dp")]
+    with trace() as t:
+        fsdp.accumulate_step(model, optimizer, batch, micro=2, loss_fn=_lm_loss,
+                             sync_each=sync_each)
+    return sum(r["op"] == "reduce_scatter" and r["group"] == "dp" for r in t.records)
+
+
+@pytest.mark.slow
+def test_no_sync_defers_fsdp2s_reduce_scatter_to_the_last_micro_batch(lab4):
+    each = lab4.run(_reduce_scatters, True)
+    last = lab4.run(_reduce_scatters, False)
+    assert set(each) == {2} and set(last) == {1}, (each, last)  # one FSDP unit, 2 micro-batches

@@ -110,11 +110,7 @@ def test_the_graph_reads_tplabs_imports():
 
 # Cycles closed by an import inside a function, known and to be broken (#29): remove each
 # once it is (the test below fails on one that no longer exists).
-KNOWN_DEFERRED_CYCLES = [
-    # fsdp's rank-side lesson helpers (accumulate_step, placements_after, traced_step) use
-    # grad_step and layouts, which import fsdp: they belong in a module of their own
-    ["tplab.fsdp", "tplab.layouts", "tplab.rank.grad_step"],
-]
+KNOWN_DEFERRED_CYCLES: list[list[str]] = []
 
 
 @pytest.mark.parametrize("inside_functions", [False, True])
@@ -162,7 +158,7 @@ SIDES = {
                      "tplab.handovers", "tplab.layout_contracts", "tplab.layout_flow",
                      "tplab.parallel_styles",
                      "tplab.hf", "tplab.tracing", "tplab.causes", "tplab.explain",
-                     "tplab.layouts", "tplab.fsdp", "tplab.checkpointing",
+                     "tplab.layouts", "tplab.fsdp", "tplab.fsdp_layout", "tplab.checkpointing",
                      "tplab.compiling", "tplab.pairing",
                      "tplab.report",
                      "tplab.memory_use",
@@ -175,7 +171,9 @@ SIDES = {
                      "tplab.cost.data_parallel", "tplab.cost.gemm", "tplab.cost.hardware",
                      "tplab.cost.lab_models", "tplab.cost.memory", "tplab.cost.nccl",
                      "tplab.cost.shapes", "tplab.cost.step", "tplab.cost.transformer",
-                     "tplab.cost.validate", "tplab.cost.calibrate"], BOTH),
+                     "tplab.cost.validate", "tplab.cost.calibrate", "tplab.cost.kernels",
+                     "tplab.cost.pipeline", "tplab.cost.training_run",
+                     "tplab.cost.published"], BOTH),
     # the notebook's kernel: the launcher, checks that drive a lab, figures, widgets, tools
     **dict.fromkeys(["tplab.__main__", "tplab.check", "tplab.cli_check", "tplab.doctor",
                      "tplab.smoke", "tplab.hf_models", "tplab.testing", "tplab.widgets",

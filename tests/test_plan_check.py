@@ -236,6 +236,10 @@ def test_a_prepare_module_input_of_equal_layouts_hands_its_module_a_shard():
     raises(models.MLP(CFG), plan, X, "w1 (ColwiseParallel",
            "w2 (nn.Linear, whose weights PrepareModuleInput leaves whole)",
            "give w1 output_layouts=Replicate()")
+    # on the root (plan key ""), the message names the model, not an empty path
+    root = {"": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Shard(1))}
+    raises(models.MLP(CFG), root | plans.mlp(), X, "hands the model (PrepareModuleInput)",
+           "give the model's PrepareModuleInput input_layouts=Replicate()")
     # one that gathers first is right, on the ranks and here
     ok = {"w1": ColwiseParallel(), "w2": PrepareModuleInput(
         input_layouts=Shard(-1), desired_input_layouts=Replicate(), use_local_output=True)}

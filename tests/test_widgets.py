@@ -95,3 +95,20 @@ def test_explorer_on_rank_processes(labs):
     ex = Explorer(labs.get(2), model="mlp")
     assert ex.report.ok, ex.report.summary()
     assert counts(ex.trace, 1) == {("forward", "all_reduce"): 1, ("backward", "all_reduce"): 1}
+
+
+def test_cost_explorer_prices_whole_runs_with_pp_cp_and_sharding():
+    from tplab import cost
+    from tplab.cost.explorer import CostExplorer
+
+    ex = CostExplorer(model="Llama-3 70B", hw="H100 SXM")
+    ex.update(pp=4, sharding="fsdp", gpus=512, global_batch=1024, seq=8192)
+    ok = {tp: p for tp, p in ex.runs.items() if not isinstance(p, str)}
+    assert ok and all(p.run.pp == 4 and p.run.sharding == "fsdp" for p in ok.values())
+    want = cost.predict(cost.TrainingRun(ex.shape, ex.hw, 512, tp=8, pp=4, micro_batch=1,
+                                         global_batch=1024, seq_len=8192, sharding="fsdp"))
+    assert ok[8].tokens_per_s_per_gpu == want.tokens_per_s_per_gpu
+    best = max((p for p in ok.values() if p.fits), key=lambda p: p.tokens_per_s_per_gpu)
+    assert ex.run_tp == best.run.tp and f"TP {ex.run_tp}</b>" in ex.summary.value
+    ex.update(cp=16, seq=4096, gpus=64)     # 64 GPUs: tp x pp x cp > 64 beyond TP 1
+    assert all("tp x pp x cp" in ex.runs[tp] for tp in ex.runs if tp > 1)

@@ -31,28 +31,28 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed._local_tensor import enabled_local_tensor_mode
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from tplab.errors import PlanError
+from tplab.fsdp_layout import (
+    SIMULATE_REASON,
+    managed,
+    over_piece,
+    refuse_in_simulation,
+    tp_placement,
+    tp_view,
+)
+from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh
-from tplab.placements import MESH
 from tplab.plans import apply_plan
 from tplab.pytrees import call_model, map_tensors
+from tplab.rank.grad_step import call_loss, loss_context
 from tplab.tracing import trace
 
 __all__ = ["SIMULATE_REASON", "accumulate_step", "apply_fsdp_tp", "fsdp_tp", "managed",
            "over_piece", "placements_after", "refuse_in_simulation", "tp_placement",
            "traced_step", "tp_view"]
-
-SIMULATE_REASON = (
-    "FSDP2 (fully_shard) does not run under tplab.simulate: after each forward FSDP2 frees "
-    "its unsharded parameters with `untyped_storage().resize_(0)`, and torch's LocalTensor "
-    "(one tensor holding every simulated rank's value) has no storage of its own; torch "
-    f"{torch.__version__} fails there with \"RuntimeError: Attempted to call resize_() on an "
-    "invalid python storage.\" Run it on rank processes: tplab.launch(4)")
-
 
 def apply_fsdp_tp(model, mesh, tp_plan=None, per_module=(), on: str = "dp",
                   reshard_after_forward: bool = True, batch: str = "dp", reduce: str = "mean"):
@@ -118,40 +118,12 @@ def fsdp_tp(tp_plan=None, per_module=(), on: str = "dp", reshard_after_forward: 
                              batch=batch, reduce=reduce)
 
 
-def managed(model: torch.nn.Module) -> set[int]:
-    """ids of the parameters FSDP2 manages: every parameter under an FSDPModule."""
-    out: set[int] = set()
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            out.update(id(p) for p in m.parameters())
-    return out
-
-
-def over_piece(p, declared: bool) -> bool:
-    """FSDP2's sharding of a hand-written TP piece: a DTensor on a 1-D mesh that is not the
-    tp dim, or one whose module declares the TP layout itself (`tp_placements`: FSDP2 was
-    given the tp dim, on top of the pieces the tp ranks hold)."""
-    if not isinstance(p, DTensor) or p.device_mesh.ndim != 1:
-        return False
-    return declared or "tp" not in (p.device_mesh.mesh_dim_names or ())
-
-
-def tp_view(value):
-    """The rank's whole TP piece of a dp-sharded DTensor (all-gathered over dp)."""
-    if isinstance(value, DTensor):
-        return value.full_tensor()
-    return value
-
-
 def accumulate_step(model, optimizer, batch, micro: int = 2, loss_fn=None,
                     sync_each: bool = False):
     """A training step in `micro` micro-batches (dim 0 of the batch): FSDP2 reduce-scatters
     after every backward (`sync_each=True`), or, torchtitan's way, keeps unsharded gradients
     under `set_requires_gradient_sync(False)` until the last one. On one device (no FSDP) the
     same arithmetic: the loss of each micro-batch divided by `micro`."""
-    # deferred: tplab.rank.grad_step imports this module
-    from tplab.rank.grad_step import call_loss, loss_context
-
     parts = [map_tensors(lambda t, i=i: t.chunk(micro)[i], batch) for i in range(micro)]
     fsdp = isinstance(model, FSDPModule)
     total = 0.0
@@ -168,26 +140,9 @@ def accumulate_step(model, optimizer, batch, micro: int = 2, loss_fn=None,
     return total
 
 
-def tp_placement(placement: str | None, info: dict | None) -> str | None:
-    """A parameter's placement on the tp dim: its own, or, for a DTensor on the whole
-    (dp, tp) mesh ("mesh"), its placement on the mesh dim named "tp"."""
-    if placement == MESH and info and info.get("mesh_placements"):
-        return info["mesh_placements"].get("tp", placement)
-    return placement
-
-
-def refuse_in_simulation(model) -> None:
-    """Under tplab.simulate, a PlanError with torch's reason if FSDP2 manages any parameter
-    of `model` (its first forward would fail on `resize_()`)."""
-    if enabled_local_tensor_mode() is not None and managed(model):
-        raise PlanError(SIMULATE_REASON)
-
-
 def placements_after(build_model, plan, dp: int) -> dict[str, dict[str, str]]:
     """Rank side, for a lesson: {parameter: {mesh dim: placement}} of `build_model()` after
     `plan` on a (dp, tp) mesh of the whole world."""
-    from tplab.layouts import tp_layout  # deferred: tplab.layouts imports this module
-
     mesh = make_mesh(dp=dp, tp=dist.get_world_size() // dp)
     model = plan(build_model(), mesh)
     return {n: i["mesh_placements"] for n, i in tp_layout(model, of="param").items()}
@@ -197,9 +152,6 @@ def traced_step(build_model, plan, dp: int, x, loss_fn=None) -> list[dict]:
     """Rank side, for a lesson: tplab.trace's records of one forward and backward of the
     planned model on this replica's slice of `x` (FSDP2's all-gathers and reduce-scatters
     on "dp" among TP's collectives on "tp"), after one untraced step (FSDP2's lazy init)."""
-    # deferred: tplab.rank.grad_step imports this module
-    from tplab.rank.grad_step import call_loss, loss_context
-
 
     mesh = make_mesh(dp=dp, tp=dist.get_world_size() // dp)
     model = plan(build_model(), mesh)
@@ -220,9 +172,6 @@ def apply_hsdp(model, mesh, replicate: int = 2):
     """HSDP (FSDP2 on a 2-D mesh: replicas of shards): the dp dim split into
     (dp_replicate, dp_shard); parameters replicated over the first, sharded over the second.
     torch needs a tp of 1 here (HSDP x TP would need a 3-D mesh: 8 ranks at least)."""
-    # deferred: only HSDP needs a mesh of its own (replicas of shards)
-    from torch.distributed.device_mesh import init_device_mesh
-
     dp = mesh["dp"].size()
     if mesh["tp"].size() != 1 or dp % replicate:
         raise PlanError(f"hsdp: a (dp, tp=1) mesh with dp divisible by {replicate} (HSDP x TP "

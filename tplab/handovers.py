@@ -81,6 +81,7 @@ def _fix(flow: Flow, consumer: str, style, actual, expected, ndim: int) -> str:
 def _mismatch(flow: Flow, consumer: str, style, actual, expected, ndim: int,
               output: bool = False) -> PlanError:
     kind = type(style).__name__
+    consumer = consumer or "the model"  # the plan key "": the root module
     got = local_description(dataclasses.replace(flow, layout=actual), ndim)
     if output:  # PrepareModuleOutput reads the module's own output
         return PlanError(

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from tplab import placements
-from tplab.fsdp import managed, over_piece, tp_view
+from tplab.fsdp_layout import managed, over_piece, tp_view
 
 __all__ = ["global_index", "tp_layout"]
 

@@ -13,7 +13,9 @@ Korthikanti et al. 2022, the Ultra-Scale Playbook, the JAX scaling book), `memor
 (per-GPU memory: Megatron-LM's and ZeRO's bytes per parameter, Korthikanti et al. 2022's
 activations, tplab's own block), `gemm` (per-shape GEMM efficiency), `data_parallel` (DP
 gradient and ZeRO traffic), `step` (a step's time and the TP degree rows recommend),
-`validate` (one check of every input), `calibrate` (the fit). Also: `lab_models` (the
+`validate` (one check of every input), `calibrate` (the fit), `training_run` (a whole
+run: `TrainingRun`, `predict`), with `kernels` and `pipeline`, and `published` (the published
+runs it is checked against, docs/VALIDATION.md). Also: `lab_models` (the
 lab's own MLP and Block under its plans, checked against `tplab.trace` and
 `tplab.memory`), `figures` (plotly) and `explorer` (an ipywidgets explorer); those two
 import plotly and ipywidgets, so they are not imported here.
@@ -50,6 +52,7 @@ from tplab.cost.step import (
     step_time,
     sweep,
 )
+from tplab.cost.training_run import Prediction, TrainingRun, best_layout, layouts, predict
 from tplab.cost.transformer import (
     MFU,
     OVERLAPS,
@@ -61,6 +64,7 @@ from tplab.cost.transformer import (
 )
 
 __all__ = [
+    "Prediction", "TrainingRun", "best_layout", "layouts", "predict",
     "ALGORITHMS", "BLOCK_SAVES", "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS",
     "OVERLAPS", "PRECISIONS", "PROTOCOLS", "BlockShape", "Calibration", "Hardware", "Link",
     "activation_bytes", "allowed_tps", "best_tp", "block_collectives", "block_flops",

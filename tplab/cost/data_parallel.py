@@ -7,8 +7,9 @@ TP rank in every replica):
 | zero | once per optimizer step | per micro-batch |
 |---|---|---|
 | 0 | all-reduce of the gradients (N x grad bytes) | - |
-| 1, 2 | reduce-scatter of the gradients, all-gather of the updated bf16 parameters | - |
-| 3 | reduce-scatter of the gradients | all-gather of the parameters in forward, again in backward |
+| 1 | reduce-scatter of the gradients, all-gather of the updated bf16 parameters | - |
+| 2 | all-gather of the updated bf16 parameters | reduce-scatter of the gradients |
+| 3 | - | reduce-scatter of the gradients; all-gather of the parameters, forward and backward |
 
 (Rajbhandari et al. 2020, "ZeRO", section 7: stages 1 and 2 move what an all-reduce moves,
 stage 3 1.5 times that; Megatron-LM's distributed optimizer is stage 1, its gradient
@@ -61,7 +62,10 @@ def dp_collectives(shape: BlockShape, tp: int, dp: int, zero: int = 0,
 
     if zero == 0:
         return [rec("all_reduce", grads, "step", "gradients")]
-    out = [rec("reduce_scatter", grads, "step", "gradients")]
+    # sharded gradients (stages 2, 3) cannot accumulate whole: reduce-scattered every
+    # micro-batch (ZeRO section 5.2; DeepSpeed and FSDP do), where stage 1 keeps a whole
+    # gradient buffer and reduce-scatters it once per step (Megatron-LM)
+    out = [rec("reduce_scatter", grads, "step" if zero == 1 else "micro_batch", "gradients")]
     if zero < 3:
         return out + [rec("all_gather", params, "step", "updated parameters")]
     return out + [rec("all_gather", params, "micro_batch", "parameters, forward"),
@@ -82,8 +86,9 @@ def dp_times(shape: BlockShape, tp: int, hw: Hardware, dp: int = 1, zero: int = 
     view = dp_group_hardware(hw, tp)
     for r in records:
         r["time_s"] = collective_time(r["op"], r["bytes"], dp, view, "auto")
-    step = [r["time_s"] for r in records if r["per"] == "step"]
-    grad_s, gather_s = (step + [0.0, 0.0])[:2]
+    grad_s = sum(r["time_s"] for r in records if r["per"] == "step"
+                 and r["what"] == "gradients")
+    gather_s = sum(r["time_s"] for r in records if r["what"] == "updated parameters")
     mb_s = sum(r["time_s"] for r in records if r["per"] == "micro_batch")
     if overlap:
         exposed_step = max(0.0, grad_s - backward_s) + max(0.0, gather_s - forward_s)

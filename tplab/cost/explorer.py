@@ -7,6 +7,11 @@ within the GPU's usable memory, and `fastest_tp` the latency answer (the shortes
 micro-batch, objective "latency": serving, or a fixed group of GPUs). The sweep runs the
 TP degrees the model's heads allow (`allowed_tps`).
 
+The whole-run controls (GPUs, global batch, PP, CP, sharding) price a whole training run at
+each TP degree with `cost.predict` (`tplab.cost.training_run`): `runs` maps each TP degree
+to its `Prediction` (or the rule that refuses it), and `run_tp` is the degree that trains
+the most tokens per second per GPU among the runs that fit in memory.
+
 The widgets only set values; `update(**values)` does the same from code, so a notebook run
 by papermill drives the explorer (and asserts on `rows`) without anyone clicking. The figure
 lives in an ipywidgets Output whose `outputs` are set directly (as the Explorer's are): not
@@ -26,6 +31,7 @@ from tplab.cost.figures import memory_bars, step_breakdown
 from tplab.cost.hardware import HARDWARE, Hardware
 from tplab.cost.shapes import MODELS, BlockShape, scaled
 from tplab.cost.step import best_tp, comm_bound_tp, sweep
+from tplab.cost.training_run import SHARDINGS, TrainingRun, predict
 from tplab.cost.transformer import allowed_tps
 
 TPS = (1, 2, 4, 8, 16, 32, 64)
@@ -60,6 +66,16 @@ class CostExplorer:
             "layout": w.Dropdown(options=[("tplab's block", "tplab"),
                                           ("the paper's GPT layer", "gpt")],
                                  description="activations", style=style),
+            "gpus": w.Dropdown(options=[8, 64, 256, 512, 1024, 2048, 4096, 8192, 16384],
+                               value=512, description="GPUs (run)", style=style),
+            "global_batch": w.Dropdown(options=[64, 256, 512, 1024, 2048, 4096], value=1024,
+                                       description="global batch", style=style),
+            "pp": w.Dropdown(options=[1, 2, 4, 8, 16], value=1, description="PP",
+                             style=style),
+            "cp": w.Dropdown(options=[1, 2, 4, 8, 16], value=1, description="CP",
+                             style=style),
+            "sharding": w.Dropdown(options=list(SHARDINGS), value="zero1",
+                                   description="sharding", style=style),
         }
         self.summary = w.HTML()
         self.figure = None          # the plotly figure of the current rows
@@ -70,8 +86,9 @@ class CostExplorer:
         self._preset(model, hw)
         for control in self.controls.values():
             control.observe(self._on_change, names="value")
-        self.widget = w.VBox([w.HBox([w.VBox(list(self.controls.values())[:5]),
-                                      w.VBox(list(self.controls.values())[5:])]),
+        boxes = list(self.controls.values())
+        self.widget = w.VBox([w.HBox([w.VBox(boxes[:5]), w.VBox(boxes[5:10]),
+                                      w.VBox(boxes[10:])]),
                               self.summary, self.figure_output, self.memory_output])
         self.update()
 
@@ -136,8 +153,36 @@ class CostExplorer:
         self.fastest_tp = best_tp(self.rows, "latency")          # latency: serving
         self.fits_tp = best_tp(self.rows, memory_limit=self.hw.usable_memory)  # None: no fit
         self.comm_bound_tp = comm_bound_tp(self.shape, self.hw)
+        self.runs = self._runs(v, tps)
+        fitting = [(tp, p) for tp, p in self.runs.items() if not isinstance(p, str) and p.fits]
+        self.run_tp = min(fitting, key=lambda tp_p: (-tp_p[1].tokens_per_s_per_gpu,
+                                                     tp_p[0]))[0] if fitting else None
         self._draw()
         return self.rows
+
+    def _runs(self, v: dict, tps) -> dict:
+        """{tp: Prediction, or the rule that refuses the run} at the whole-run controls."""
+        out = {}
+        for tp in tps:
+            try:
+                out[tp] = predict(TrainingRun(
+                    self.shape, self.hw, v["gpus"], tp=tp, pp=v["pp"], cp=v["cp"],
+                    micro_batch=v["batch"], global_batch=v["global_batch"], seq_len=v["seq"],
+                    recompute=v["recompute"], sharding=v["sharding"]))
+            except ValueError as e:
+                out[tp] = str(e)
+        return out
+
+    def _run_summary(self) -> str:
+        v = {name: c.value for name, c in self.controls.items()}
+        head = (f" Whole run ({v['gpus']} GPUs, global batch {v['global_batch']}, PP "
+                f"{v['pp']}, CP {v['cp']}, {v['sharding']}): ")
+        if self.run_tp is None:
+            return head + "<b>no TP degree fits or is valid</b>."
+        p = self.runs[self.run_tp]
+        return head + (f"<b>TP {self.run_tp}</b>, {p.tokens_per_s_per_gpu:,.0f} tokens/s "
+                       f"per GPU, MFU {p.mfu:.2f} end to end, {p.memory_per_gpu / 1e9:.0f} "
+                       "GB per GPU.")
 
     def _scaled(self, v: dict) -> BlockShape:
         base = self.models[v["model"]]
@@ -156,8 +201,8 @@ class CostExplorer:
                f"<b>nothing fits</b> up to TP {self.rows[-1]['tp']}")
             + f". Shortest micro-batch (latency): <b>TP {self.fastest_tp}</b> "
             f"({fast['step_s'] * 1e3:.1f} ms, {fast['comm_fraction']:.0%} communication); "
-            f"communication-bound from <b>TP {bound if bound else '> 1024'}</b>. "
-            "Model only: not measured on a GPU here.")
+            f"communication-bound from <b>TP {bound if bound else '> 1024'}</b>."
+            + self._run_summary() + " Model only: not measured on a GPU here.")
         self.figure = step_breakdown({self.shape.name: self.rows}, title=f"{self.hw.name}")
         self.memory_figure = memory_bars(self.rows, f"Memory per GPU, {self.hw.name}",
                                          self.shape.name, memory=self.hw.usable_memory)

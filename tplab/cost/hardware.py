@@ -11,9 +11,11 @@ A `Hardware` is a GPU (its peak dense bf16 FLOP/s) in a node: collectives among 
 `gpus_per_node` GPUs use `intra`; larger groups cross nodes. Between nodes each GPU has a
 NIC of its own (`inter` is ONE NIC, `nics_per_node` of them per node) and NCCL runs one
 ring per NIC, striping the message over them, so a ring that leaves the node moves data
-at nics_per_node x inter.bandwidth, up to the NVLink bandwidth it also crosses
-(`Hardware.link`). Its latency is NCCL's: the steps inside a node at intra.latency, the
-steps between nodes at inter.latency (src/graph/tuning.cc, `ncclTopoTuneModel`).
+at nics_per_node x inter.bandwidth: the NICs bind (nccl-tests #319: 384-396 GB/s across
+DGX H100 nodes, above a ring's 370 inside one), up to the NVLink datasheet peak
+(`Link.peak_bandwidth`; `Hardware.link`). Its latency is NCCL's: the steps inside a node
+at intra.latency, the steps between nodes at inter.latency (src/graph/tuning.cc,
+`ncclTopoTuneModel`).
 
 Sources. Datasheet peaks (`LINKS` "NVLink 4", "InfiniBand NDR", ...):
 
@@ -105,6 +107,7 @@ class Link:
     nvls_bandwidth: float = 0.0
     kind: str = ""
     nvls_ramp: float = 0.0
+    peak_bandwidth: float = 0.0      # the datasheet's one-way peak (0: `bandwidth`)
 
     def __post_init__(self):
         check_type("name", self.name, str, "a string")
@@ -113,6 +116,7 @@ class Link:
         check_number("base_latency", self.base_latency)
         check_number("nvls_bandwidth", self.nvls_bandwidth)
         check_number("nvls_ramp", self.nvls_ramp)
+        check_number("peak_bandwidth", self.peak_bandwidth)
         check_choice("kind", self.kind, KINDS)
         check_type("per_op", self.per_op, dict, "a dict {op: (latency, bandwidth)}")
 
@@ -147,6 +151,10 @@ class Hardware:
     memory_bandwidth: float = 3.35e12
     memory_reserve: float = 2 * GiB
     collnet: bool = False
+    fp8_flops: float = 0.0           # peak dense fp8 FLOP/s (0: no fp8 Tensor Cores)
+    matmul_efficiency: float = 0.80  # a large bf16 GEMM's measured rate / peak (MAMF)
+    fp8_matmul_efficiency: float = 0.70
+    attention_efficiency: float = 0.35   # flash attention's rate / peak, fwd + bwd
 
     def __post_init__(self):
         check_type("name", self.name, str, "a string")
@@ -162,6 +170,12 @@ class Hardware:
         check_number("memory_bandwidth", self.memory_bandwidth, strict=True)
         check_number("memory_reserve", self.memory_reserve, maximum=self.memory)
         check_bool("collnet", self.collnet)
+        check_number("fp8_flops", self.fp8_flops)
+        check_number("matmul_efficiency", self.matmul_efficiency, strict=True, maximum=1.0)
+        check_number("fp8_matmul_efficiency", self.fp8_matmul_efficiency, strict=True,
+                     maximum=1.0)
+        check_number("attention_efficiency", self.attention_efficiency, strict=True,
+                     maximum=1.0)
 
     @property
     def usable_memory(self) -> float:
@@ -170,8 +184,10 @@ class Hardware:
 
     def link(self, group_size: int, op: str = "all_reduce") -> Link:
         """The link a collective over `group_size` GPUs runs at: `intra` inside a node;
-        beyond, the node's NICs striped (nics_per_node x inter.bandwidth, at most the
-        intra-node bandwidth the rings also cross), with inter's latencies. An all-to-all
+        beyond, the node's NICs striped (nics_per_node x inter.bandwidth: the NICs bind, as
+        nccl-tests #319 measured 384-396 GB/s bus bandwidth across DGX H100 nodes, above
+        the 370 of a ring inside one; at most the intra link's datasheet peak,
+        `peak_bandwidth`), with inter's latencies. An all-to-all
         across nodes gets one GPU's share of the NICs: NCCL cannot aggregate them for
         point-to-point traffic (nccl-tests #267)."""
         check_int("group_size", group_size)
@@ -183,8 +199,9 @@ class Hardware:
             return self.inter.with_(name=f"{self.inter.name}, one NIC per GPU",
                                     bandwidth=min(share, self.inter.bandwidth))
         name = self.inter.name if nics == 1 else f"{nics} x {self.inter.name}"
+        cap = self.intra.peak_bandwidth or self.intra.bandwidth
         return self.inter.with_(name=name, per_op={},
-                                bandwidth=min(self.intra.bandwidth, nics * self.inter.bandwidth),
+                                bandwidth=min(cap, nics * self.inter.bandwidth),
                                 base_latency=max(self.intra.base_latency,
                                                  self.inter.base_latency))
 
@@ -220,9 +237,11 @@ LINKS: dict[str, Link] = {
     # measured bus bandwidth, with NCCL's latency tables (see the module doc)
     "NVLink 4 (nccl-tests)": Link("NVLink 4 (nccl-tests)", 370 * GB, SIMPLE_STEP["nvlink"],
                                   base_latency=NCCL_BASE_LATENCY, nvls_bandwidth=480 * GB,
-                                  kind="nvlink", nvls_ramp=NVLS_RAMP),
+                                  kind="nvlink", nvls_ramp=NVLS_RAMP,
+                                  peak_bandwidth=450 * GB),
     "NVLink 3 (nccl-tests)": Link("NVLink 3 (nccl-tests)", 230 * GB, SIMPLE_STEP["nvlink"],
-                                  base_latency=NCCL_BASE_LATENCY, kind="nvlink"),
+                                  base_latency=NCCL_BASE_LATENCY, kind="nvlink",
+                                  peak_bandwidth=300 * GB),
     "InfiniBand NDR (nccl-tests)": Link("InfiniBand NDR (nccl-tests)", 48 * GB,
                                         SIMPLE_STEP["net"], base_latency=NCCL_BASE_LATENCY,
                                         kind="net"),
@@ -234,12 +253,52 @@ LINKS: dict[str, Link] = {
 _NV4, _NV3 = LINKS["NVLink 4 (nccl-tests)"], LINKS["NVLink 3 (nccl-tests)"]
 _NDR, _HDR = LINKS["InfiniBand NDR (nccl-tests)"], LINKS["InfiniBand HDR (nccl-tests)"]
 
+# Blackwell's NVLink 5: 1,800 GB/s bidirectional per GPU, 900 each way (NVIDIA DGX B200 and
+# GB200 NVL72 datasheets). No nccl-tests figure is published for it that tplab could cite:
+# the ring and NVLS bus bandwidths take NVLink 4's measured fractions of its peak
+# (370/450 and 480/450), an assumption stated as such.
+_NV5 = _NV4.with_(name="NVLink 5 (NVLink 4's measured fractions)",
+                  bandwidth=900 * GB * 370 / 450, nvls_bandwidth=900 * GB * 480 / 450,
+                  peak_bandwidth=900 * GB)
+
+# Matmul efficiency: the Maximum Achievable Matmul FLOPS over the datasheet peak measured by
+# S. Bekman's mamf-finder (stas00/ml-engineering, compute/accelerator/README.md, "Maximum
+# Achievable Matmul FLOPS comparison table"): bf16 A100 SXM 271.2/312, H100 SXM 794.5/989
+# ("H200 is the same"), B200 1745/2250, GB200 1822/2500; fp8 H100 1402.6/1979, H200
+# 1453.4/1979, B200 3432.5/4500, GB200 3615.6/5000.
+# Attention efficiency: FlashAttention-2 reaches "50-73% of the theoretical maximum FLOPs/s
+# on A100" (Dao 2023, abstract; its backward is the slower part: 0.5 on A100) and "only 35%
+# utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3, abstract): 0.35 on
+# Hopper, and on Blackwell, where no published figure is used (an assumption).
 HARDWARE: dict[str, Hardware] = {
-    "H100 SXM": Hardware("H100 SXM", 989e12, _NV4, _NDR),
+    "H100 SXM": Hardware("H100 SXM", 989e12, _NV4, _NDR, fp8_flops=1979e12,
+                         matmul_efficiency=794.5 / 989, fp8_matmul_efficiency=1402.6 / 1979),
     "H200 SXM": Hardware("H200 SXM", 989e12, _NV4, _NDR, memory=143771 * MiB,
-                         memory_bandwidth=4.8e12),
+                         memory_bandwidth=4.8e12, fp8_flops=1979e12,
+                         matmul_efficiency=794.5 / 989, fp8_matmul_efficiency=1453.4 / 1979),
     "A100 SXM": Hardware("A100 SXM", 312e12, _NV3, _HDR, memory=81920 * MiB, arch="ampere",
-                         cpu="amd", sms=108, memory_bandwidth=2.039e12),
+                         cpu="amd", sms=108, memory_bandwidth=2.039e12,
+                         matmul_efficiency=271.2 / 312, attention_efficiency=0.5),
+    # Meta's Grand Teton H100 (torchtitan docs/performance.md): 96 GB HBM2e at 2.4 TB/s,
+    # 400 Gb/s per GPU, a 500 W power limit; its peak "is between SXM and NVL, and we don't
+    # know its exact value": the preset takes the SXM's peak and matmul efficiency (as
+    # torchtitan's MFU does), so it errs fast by up to NVL/SXM = 835/989.
+    "H100 96GB (500 W)": Hardware("H100 96GB (500 W)", 989e12, _NV4, _NDR, memory=96e9,
+                                  memory_bandwidth=2.4e12, fp8_flops=1979e12,
+                                  matmul_efficiency=794.5 / 989,
+                                  fp8_matmul_efficiency=1402.6 / 1979),
+    # DGX B200: 8 B200 (2.25 PFLOP/s dense bf16, 4.5 fp8, as NVIDIA's dgxc-benchmarking
+    # llama3.1 README tabulates them), 180 GB HBM3e at 8 TB/s, 148 SMs, 8 ConnectX-7 NDR.
+    # NCCL's tables for it are taken as Hopper's (tplab models NCCL 2.21.5).
+    "B200": Hardware("B200", 2250e12, _NV5, _NDR, memory=180e9, memory_bandwidth=8e12,
+                     sms=148, fp8_flops=4500e12, matmul_efficiency=1745 / 2250,
+                     fp8_matmul_efficiency=3432.5 / 4500),
+    # GB200 NVL72: 72 GPUs in one NVLink domain, one ConnectX-7 per GPU; 2.45 PFLOP/s bf16
+    # (dgxc-benchmarking's figure, which its MFU uses), 186 GB HBM3e at 8 TB/s.
+    "GB200 NVL72": Hardware("GB200 NVL72", 2450e12, _NV5, _NDR, gpus_per_node=72,
+                            nics_per_node=72, memory=186e9, memory_bandwidth=8e12, sms=148,
+                            fp8_flops=4900e12, matmul_efficiency=1822 / 2500,
+                            fp8_matmul_efficiency=3615.6 / 5000),
     "H100 PCIe": Hardware("H100 PCIe", 756e12, LINKS["PCIe Gen5 x16"], _NDR, sms=114,
                           memory_bandwidth=2.0e12),
     "A100 PCIe": Hardware("A100 PCIe", 312e12, LINKS["PCIe Gen4 x16"], _HDR,

@@ -77,6 +77,34 @@ MODELS: dict[str, BlockShape] = {
                              name="GPT-3 6.7B"),
     "GPT-3 175B": BlockShape(hidden=12288, heads=96, layers=96, seq=2048, vocab=50257,
                              name="GPT-3 175B"),
+    # Llama 3.1 405B: "The Llama 3 Herd of Models" (2024), table 3.
+    "Llama-3.1 405B": BlockShape(hidden=16384, heads=128, kv_heads=8, ffn=53248, gated=True,
+                                 layers=126, vocab=128256, name="Llama-3.1 405B"),
+    # Llama 2 13B and 70B: Touvron et al. 2023 and their Hugging Face configs
+    # (intermediate_size 13824 and 28672; 70B has 8 KV heads; vocabulary 32000).
+    "Llama-2 13B": BlockShape(hidden=5120, heads=40, ffn=13824, gated=True, layers=40,
+                              vocab=32000, name="Llama-2 13B"),
+    "Llama-2 70B": BlockShape(hidden=8192, heads=64, kv_heads=8, ffn=28672, gated=True,
+                              layers=80, vocab=32000, name="Llama-2 70B"),
+    # The GPT shapes of Korthikanti et al. 2022, Table 3 (vocabulary 51200, section 6).
+    "GPT 22B": BlockShape(hidden=6144, heads=64, layers=48, seq=2048, vocab=51200,
+                          name="GPT 22B"),
+    "GPT 175B": BlockShape(hidden=12288, heads=96, layers=96, seq=2048, vocab=51200,
+                           name="GPT 175B"),
+    "GPT 530B": BlockShape(hidden=20480, heads=128, layers=105, seq=2048, vocab=51200,
+                           name="GPT 530B"),
+    "GPT 1T": BlockShape(hidden=25600, heads=160, layers=128, seq=2048, vocab=51200,
+                         name="GPT 1T"),
+    # MosaicML's MPT benchmark shapes (llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml:
+    # d_model, n_layers; expansion 4, GELU, vocabulary 50368). The heads do not enter the
+    # FLOPs or bytes at TP 1; the sizes reproduce the NumParams column of llm-foundry's
+    # scripts/train/benchmarking/README.md (12 L h^2 + V h to 0.2%).
+    "MPT 1B": BlockShape(hidden=2048, heads=16, layers=24, vocab=50368, name="MPT 1B"),
+    "MPT 3B": BlockShape(hidden=2560, heads=20, layers=32, vocab=50368, name="MPT 3B"),
+    "MPT 7B": BlockShape(hidden=4096, heads=32, layers=32, vocab=50368, name="MPT 7B"),
+    "MPT 13B": BlockShape(hidden=5120, heads=40, layers=40, vocab=50368, name="MPT 13B"),
+    "MPT 30B": BlockShape(hidden=7168, heads=64, layers=48, vocab=50368, name="MPT 30B"),
+    "MPT 70B": BlockShape(hidden=8192, heads=64, layers=80, vocab=50368, name="MPT 70B"),
 }
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from tplab import placements
 from tplab.errors import LabError
-from tplab.fsdp import refuse_in_simulation
+from tplab.fsdp_layout import refuse_in_simulation
 from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh
 from tplab.plans import parallelizer

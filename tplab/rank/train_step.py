@@ -23,7 +23,7 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tplab import placements
-from tplab.fsdp import managed, refuse_in_simulation, tp_view
+from tplab.fsdp_layout import managed, refuse_in_simulation, tp_view
 from tplab.layouts import tp_layout
 from tplab.mesh import make_mesh, split, tp_group
 from tplab.pairing import pair

@@ -54,7 +54,7 @@ import torch
 from tplab import placements, rng
 from tplab.check import mesh_shape
 from tplab.errors import LabError
-from tplab.fsdp import tp_placement
+from tplab.fsdp_layout import tp_placement
 from tplab.lab.contract import Ranks
 from tplab.pairing import gather
 from tplab.plans import parallelizer

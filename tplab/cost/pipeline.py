@@ -1,0 +1,177 @@
+"""Pipeline, data-parallel and memory terms of a `TrainingRun` (`tplab.cost.training_run`).
+
+Pipeline (Narayanan et al. 2021, sections 2.2 and 4.1; Korthikanti et al. 2022, 4.2.3):
+
+- Stages: the layers split evenly over p x v virtual stages, or, as Megatron-LM's
+  `account_for_embedding_in_pipeline_split` and `account_for_loss_in_pipeline_split` and
+  Llama 3 (section 3.3.2: "we reduce one Transformer layer each from the first and the last
+  stages") do, with the embedding and the LM head counted as a layer each. The slowest
+  stage (the last one carries the head) sets the pace.
+- Bubble: (p - 1) / v of one stage's micro-batch time per step, (p-1)/(v m) of the step.
+- P2P: each stage boundary sends b s h / (t cp) activations per rank (Megatron-LM's
+  scatter-gather over the TP ranks, Narayanan 2021 section 4.1), over one NIC per GPU when
+  TP x CP fill the node. Non-interleaved 1F1B waits on 2 m of them per step; interleaved
+  (with `--overlap-p2p-comm`) only the 2 (p - 1) of the fill and the drain.
+- First stage memory: 1F1B keeps min(p, m) micro-batches in flight, interleaving
+  x (1 + (p-1)/(p v)).
+
+Data parallel: gradients reduced in fp32 (Megatron-LM's default under --bf16; torchtitan's
+reduce dtype), parameters gathered in bf16, over the dp x cp GPUs that hold the same shard;
+NCCL's model on the fabric that group sees (`tplab.cost.data_parallel.dp_group_hardware`).
+FSDP without PP reshards after forward (torchtitan's default), with PP it does not (Llama 3,
+torchtitan's PP default).
+
+Memory headroom (each an assumption, stated): activation and transient memory x
+(1 + FRAGMENTATION) for the caching allocator's fragmentation, NCCL_RESERVE for NCCL's
+buffers (and NVLS's), plus `Hardware.memory_reserve` (CUDA context, cuBLAS workspaces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tplab.cost.collectives import collective_time
+from tplab.cost.data_parallel import dp_group_hardware
+from tplab.cost.hardware import GiB
+from tplab.cost.kernels import local_params
+from tplab.cost.memory import layer_saved
+
+FRAGMENTATION = 0.10
+NCCL_RESERVE = 1 * GiB
+
+
+def check_stages(layers: int, pp: int, vpp: int) -> None:
+    """Layers per stage: L or L + 2 (embedding and head as layers) divides by p x v."""
+    slots = pp * vpp
+    if pp > 1 and layers % slots and (layers + 2) % slots:
+        raise ValueError(f"layers per stage: {layers} layers (or {layers + 2} with the "
+                         f"embedding and LM head counted as layers) do not divide into "
+                         f"pp x vpp = {slots} stages")
+
+
+def stage_time(layers: int, pp: int, vpp: int, per_layer: float, head: float) -> dict:
+    """Seconds the slowest pipeline stage spends on one micro-batch, and its layers."""
+    if pp == 1:
+        return {"slowest_s": layers * per_layer + head, "layers": layers}
+    if layers % (pp * vpp) == 0:
+        per_stage = layers // pp
+        return {"slowest_s": per_stage * per_layer + head, "layers": per_stage}
+    slots = (layers + 2) // pp
+    middle, last = slots * per_layer, (slots - 1) * per_layer + head
+    return {"slowest_s": max(middle, last), "layers": slots}
+
+
+def p2p_time(shape, tp: int, cp: int, hw) -> float:
+    """Seconds of one stage-to-stage send of a micro-batch's activations on one rank."""
+    nbytes = shape.tokens // cp * shape.hidden * shape.dtype_bytes / tp
+    crosses = tp * cp >= hw.gpus_per_node
+    link = hw.inter if crosses else hw.intra
+    return link.base_latency + link.latency + nbytes / link.bandwidth
+
+
+def schedule(slowest: float, pp: int, vpp: int, m: int, p2p: float) -> dict:
+    """Compute, bubble and exposed P2P seconds of one step (module doc)."""
+    if pp == 1:
+        return {"compute_s": m * slowest, "bubble_s": 0.0, "p2p_s": 0.0}
+    exposed = 2 * m * p2p if vpp == 1 else 2 * (pp - 1) * p2p
+    return {"compute_s": m * slowest, "bubble_s": (pp - 1) / vpp * slowest, "p2p_s": exposed}
+
+
+def comm_share(stage: dict, lt: dict) -> float:
+    """Seconds of a stage's micro-batch that are exposed TP and CP communication."""
+    return stage["layers"] * (lt["tp_exposed_s"] + lt["cp_exposed_s"])
+
+
+def data_parallel(run, stage: dict, lt: dict, m: int) -> dict:
+    """{comm_s, exposed_s}: the step's DP traffic and what the compute does not hide."""
+    shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
+    group = run.dp * cp
+    if group == 1:
+        return {"comm_s": 0.0, "exposed_s": 0.0}
+    n = local_params(shape, tp, run.pp)
+    view = dp_group_hardware(hw, tp * cp)
+    fwd = stage["layers"] * lt["forward_s"]
+    bwd = stage["layers"] * lt["backward_s"]
+    shard = group
+    if run.sharding == "hsdp":
+        shard = min(group, max(1, hw.gpus_per_node // (tp * cp)))
+
+    def t(op, nbytes, size=shard):
+        return collective_time(op, nbytes, size, view, "auto") if size > 1 else 0.0
+
+    rs, ag = t("reduce_scatter", 4 * n), t("all_gather", 2 * n)
+    if run.sharding == "ddp":
+        ar = t("all_reduce", 4 * n)
+        return {"comm_s": ar, "exposed_s": max(0.0, ar - bwd)}
+    if run.sharding == "zero1":
+        return {"comm_s": rs + ag, "exposed_s": max(0.0, rs - bwd) + max(0.0, ag - fwd)}
+    if run.sharding == "zero2":
+        return {"comm_s": m * rs + ag,
+                "exposed_s": m * max(0.0, rs - bwd) + max(0.0, ag - fwd)}
+    gathers = 1 if run.pp > 1 else 2      # reshard after forward only without PP
+    per_mb = max(0.0, ag - fwd) + max(0.0, (gathers - 1) * ag + rs - bwd)
+    comm, exposed = m * (gathers * ag + rs), m * per_mb
+    if run.sharding == "hsdp" and group > shard:
+        ar = t("all_reduce", 4 * n / shard, group // shard)
+        comm, exposed = comm + ar, exposed + max(0.0, ar - bwd)
+    return {"comm_s": comm, "exposed_s": exposed}
+
+
+def in_flight(pp: int, vpp: int, m: int) -> float:
+    """Micro-batches of activations the first stage holds at its peak."""
+    if pp == 1:
+        return 1.0
+    return min(pp, m) * (1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1)
+
+
+def layer_bytes(run, local, recompute: str) -> float:
+    """Activation bytes one layer keeps per micro-batch on one rank: Megatron-LM's fused
+    block for gated shapes, the paper's GPT layer otherwise (`tplab.cost.memory`); under
+    fp8 the linears' saved inputs are their 1-byte fp8 copies (Transformer Engine keeps
+    the quantised input for the weight gradient)."""
+    gated = local.gated
+    opts = ({"norm": "fused", "swiglu": "fused"} if gated else {})
+    items = layer_saved(local, recompute, "tplab" if gated else "gpt", sp_saves="shard", **opts)
+    if run.precision == "fp8":
+        items = [replace(i, element_bytes=1) if i.linear_input else i for i in items]
+    return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)
+
+
+def memory(run) -> dict:
+    """Bytes per GPU on the first (most loaded) stage, by kind (module doc)."""
+    shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
+    n = local_params(shape, tp, run.pp)
+    group = run.dp * cp
+    shard = {"ddp": 1, "hsdp": min(group, max(1, hw.gpus_per_node // (tp * cp)))}.get(
+        run.sharding, group)
+    states = {"param_bytes": 2 * n / (shard if run.sharding in ("fsdp", "hsdp") else 1),
+              "grad_bytes": 4 * n / (shard if run.sharding in ("zero2", "fsdp", "hsdp")
+                                     else 1),
+              "optimizer_bytes": 12 * n / (1 if run.sharding == "ddp" else shard)}
+    local = shape.with_(seq=shape.seq // cp)
+    # flash attention keeps no s x s scores: what "selective" drops is never saved
+    # "op" keeps about what "selective" does; "half_layers" half of "none", half of "full"
+    kept = {"op": "selective"}.get(run.recompute, run.recompute)
+    if run.attention == "flash" and kept == "none":
+        kept = "selective"
+    if kept == "half_layers":
+        layer = (layer_bytes(run, local, "full")
+                 + layer_bytes(run, local, "selective" if run.attention == "flash" else "none")) / 2
+    else:
+        layer = layer_bytes(run, local, kept)
+    layers = -(-shape.layers // run.pp)
+    acts = layers * layer * in_flight(run.pp, run.vpp, run.micro_batches)
+    transient = 0.0
+    if run.recompute in ("full", "half_layers"):   # one layer's, rebuilt for its backward
+        transient += layer_bytes(run, local, "selective" if run.attention == "flash"
+                                 else "none")
+    if run.sharding in ("fsdp", "hsdp"):   # the gathered layer and the prefetched one
+        transient += 2 * 2 * n / layers
+    # the fp32 logits and their gradient live on the last stage, counted when it is also
+    # the first (pp = 1); with pp > 1 the first stage's in-flight activations dominate
+    logits = 2 * 4 * local.tokens * -(-shape.vocab // tp) if shape.vocab and run.pp == 1 else 0.0
+    headroom = FRAGMENTATION * (acts + transient + logits) + NCCL_RESERVE + hw.memory_reserve
+    out = states | {"activation_bytes": acts, "transient_bytes": transient,
+                    "logits_bytes": logits, "headroom_bytes": headroom}
+    out["total_bytes"] = sum(out.values())
+    return out

@@ -1,0 +1,287 @@
+"""A whole training run on paper: `TrainingRun` (a model on `gpus` GPUs in a (TP, PP, CP, DP)
+layout) and `predict(run)`, its step time, tokens per second per GPU, end-to-end MFU and
+memory per GPU, checked against published runs (`tplab.cost.published`, docs/VALIDATION.md).
+
+How a step is priced (one set of constants per hardware preset, each cited where defined):
+
+- **GEMMs** at a kernel rate: peak x `Hardware.matmul_efficiency` (mamf-finder's measured
+  maximum, `tplab.cost.hardware`) x the shape's tile and wave quantisation, or the memory
+  roofline (bytes / bandwidth) if that is slower: one roofline, applied once
+  (`tplab.cost.kernels`). fp8 runs the linears at `fp8_flops` x `fp8_matmul_efficiency`.
+- **Attention**: flash attention (causal: half of 4 b s^2 h) at
+  `Hardware.attention_efficiency`, or materialised scores (`attention="unfused"`).
+- **Element-wise work** (norms, RoPE, SwiGLU/GELU, residuals, the loss) as bytes over the
+  memory bandwidth, fused (Megatron-LM) or eager (PyTorch) (`kernels.elementwise_bytes`).
+- **TP**: the block's collectives (`tplab.cost.transformer.block_collectives`, sequence
+  parallel, Megatron-LM's layout) priced by NCCL's model; the input-gradient collectives
+  hide behind the weight-gradient GEMMs (Megatron-LM's overlap), the rest is exposed.
+- **PP** (`tplab.cost.pipeline`): 1F1B or interleaved, the bubble (p-1)/(v m), P2P, the
+  slowest stage (embedding and LM head), the first stage's in-flight activations.
+- **CP**: all-gather of K and V (and reduce-scatter of their gradients), load balanced.
+- **DP / sharding**: gradient reduce-scatter (or all-reduce) and parameter all-gather over
+  the DP x CP group, behind the backward and forward passes where they fit;
+  "zero2"/"fsdp"/"hsdp" reduce-scatter every micro-batch, "fsdp"/"hsdp" also gather the
+  parameters every micro-batch (HSDP shards inside the node and all-reduces across).
+- **Recomputation**: "full" re-runs the forward; "selective" re-runs the attention core
+  (Korthikanti et al. 2022's selective recomputation). Two more, torchtitan's
+  (torchtitan/models/llama3/infra/parallelize.py, `_apply_ac`): "op", its op-level SAC,
+  saves the outputs of every other matmul and of attention, so it re-runs half the linear
+  GEMMs and every element-wise op of the forward; "half_layers", its layer-level
+  selective AC at frequency 2, re-runs the whole forward of every second layer.
+- The optimizer step: Adam reads and writes 16 + 2 bytes per local parameter (fp32 master,
+  m, v, grad; the bf16 copy), at the memory bandwidth.
+
+MFU (`Prediction.mfu`) is end to end: the model's FLOPs (6 N per token plus causal
+attention, no recomputation) over the step time x peak, communication and bubbles included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tplab.cost import kernels, pipeline
+from tplab.cost.collectives import collective_time
+from tplab.cost.data_parallel import dp_group_hardware
+from tplab.cost.hardware import HARDWARE, Hardware
+from tplab.cost.shapes import MODELS, BlockShape
+from tplab.cost.transformer import block_collectives, tp_allowed
+from tplab.cost.validate import check_choice, check_int, check_type
+
+PRECISIONS = ("bf16", "fp8")
+RECOMPUTES = ("none", "selective", "full", "op", "half_layers")
+SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+KERNELS = ("fused", "eager")
+ATTENTIONS = ("flash", "unfused")
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """One training run: `model` (a `MODELS` name or a `BlockShape`) on `gpus` GPUs of
+    `hardware` (a `HARDWARE` name or a `Hardware`), gpus = tp x pp x cp x dp; see the
+    module doc. `global_batch` and `micro_batch` are in sequences of `seq_len` tokens.
+    `kernels` ("fused": Megatron-LM / Transformer Engine; "eager": PyTorch eager) and
+    `attention` ("flash"; "unfused": materialised scores) say how the framework runs the
+    layer (`tplab.cost.kernels`)."""
+
+    model: str | BlockShape
+    hardware: str | Hardware
+    gpus: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    micro_batch: int = 1
+    global_batch: int | None = None
+    seq_len: int | None = None
+    precision: str = "bf16"
+    recompute: str = "none"
+    sharding: str = "zero1"
+    gpus_per_node: int | None = None
+    nics_per_node: int | None = None
+    kernels: str = "fused"
+    attention: str = "flash"
+    shape: BlockShape = field(init=False, repr=False)
+    hw: Hardware = field(init=False, repr=False)
+
+    def __post_init__(self):
+        shape = MODELS.get(self.model) if isinstance(self.model, str) else self.model
+        if shape is None:
+            raise ValueError(f"model = {self.model!r} is not in cost.MODELS "
+                             f"({', '.join(MODELS)}); pass a BlockShape instead")
+        check_type("model", shape, BlockShape, "a cost.MODELS name or a BlockShape")
+        hw = HARDWARE.get(self.hardware) if isinstance(self.hardware, str) else self.hardware
+        if hw is None:
+            raise ValueError(f"hardware = {self.hardware!r} is not in cost.HARDWARE "
+                             f"({', '.join(HARDWARE)})")
+        check_type("hardware", hw, Hardware, "a cost.HARDWARE name or a Hardware")
+        for name in ("gpus", "tp", "pp", "vpp", "cp", "ep", "micro_batch"):
+            check_int(name, getattr(self, name))
+        changes = {k: v for k, v in (("gpus_per_node", self.gpus_per_node),
+                                     ("nics_per_node", self.nics_per_node)) if v is not None}
+        hw = hw.with_(**changes) if changes else hw
+        seq = self.seq_len if self.seq_len is not None else shape.seq
+        check_int("seq_len", seq)
+        shape = shape.with_(seq=seq, batch=self.micro_batch)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "hw", hw)
+        if self.global_batch is None:
+            object.__setattr__(self, "global_batch", self.micro_batch * self.dp)
+        check_int("global_batch", self.global_batch)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("recompute", self.recompute, RECOMPUTES)
+        check_choice("sharding", self.sharding, SHARDINGS)
+        check_choice("kernels", self.kernels, KERNELS)
+        check_choice("attention", self.attention, ATTENTIONS)
+        check_rules(self)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def micro_batches(self) -> int:
+        """m: micro-batches per DP replica per optimizer step."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+
+def check_rules(run: TrainingRun) -> None:
+    """The rules a framework enforces, each a ValueError that names it."""
+    shape, hw = run.shape, run.hw
+    if run.gpus % (run.tp * run.pp * run.cp):
+        raise ValueError(f"gpus = {run.gpus} is not tp x pp x cp x dp: tp {run.tp} x pp "
+                         f"{run.pp} x cp {run.cp} = {run.tp * run.pp * run.cp} does not "
+                         "divide it")
+    why = tp_allowed(shape, run.tp)
+    if why:
+        raise ValueError(f"tp = {run.tp}: {why}")
+    if run.ep != 1:
+        raise ValueError("ep must be 1: tplab prices dense models only (no experts)")
+    if run.vpp > 1 and run.pp == 1:
+        raise ValueError(f"vpp = {run.vpp} needs pp > 1: interleaving splits pipeline stages")
+    pipeline.check_stages(shape.layers, run.pp, run.vpp)
+    if run.global_batch % (run.micro_batch * run.dp):
+        raise ValueError(f"global_batch = {run.global_batch} is not micro_batch x dp x "
+                         f"micro-batches: micro_batch {run.micro_batch} x dp {run.dp} does "
+                         "not divide it")
+    if run.vpp > 1 and run.micro_batches % run.pp:
+        raise ValueError(f"the interleaved schedule needs the micro-batches per step "
+                         f"({run.micro_batches}) to be a multiple of pp = {run.pp} "
+                         "(Megatron-LM's rule)")
+    if run.cp > 1 and shape.seq % (2 * run.cp):
+        raise ValueError(f"seq_len = {shape.seq} must divide into 2 x cp = {2 * run.cp} "
+                         "chunks: load-balanced context parallelism gives each rank two")
+    if run.precision == "fp8" and not hw.fp8_flops:
+        raise ValueError(f"precision = 'fp8' needs fp8 Tensor Cores; {hw.name} has none "
+                         "(Hardware.fp8_flops = 0)")
+    if run.sharding == "hsdp" and run.dp % max(1, hw.gpus_per_node // (run.tp * run.cp)):
+        raise ValueError(f"sharding = 'hsdp' shards inside a node: dp = {run.dp} must be a "
+                         "multiple of the GPUs per node over tp x cp")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What `predict` returns; `breakdown` is seconds per optimizer step by cause."""
+
+    run: TrainingRun
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    memory_per_gpu: float
+    fits: bool
+    breakdown: dict
+    memory: dict
+
+
+def model_flops_per_token(shape: BlockShape) -> float:
+    """Forward + backward FLOPs per token, no recomputation: 3 x (every layer's linears,
+    2 x their weights, plus causal attention, 2 s h; the LM head, 2 h V). Chowdhery et
+    al. 2022's MFU convention, with the causal half of the attention that flash attention
+    computes."""
+    layer = kernels.layer_linear_flops(shape) + 2 * shape.seq * shape.hidden
+    return 3 * (shape.layers * layer + 2 * shape.hidden * shape.vocab)
+
+
+def layer_times(run: TrainingRun) -> dict:
+    """Seconds of one layer on one micro-batch on one GPU: forward, backward, the TP
+    collectives' exposed time, the CP collectives'."""
+    shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
+    tokens = shape.tokens // cp
+    fwd = kernels.linear_time(shape, tokens, tp, hw, run.precision)
+    bwd_dgrad, bwd_wgrad = 2 * [fwd]
+    attn_s = kernels.attention_time(shape, cp, tp, hw, run.attention)
+    elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.memory_bandwidth
+    forward = fwd + attn_s + elem
+    backward = bwd_dgrad + bwd_wgrad + 2 * attn_s + 2 * elem
+    if run.recompute == "full":
+        backward += forward
+    elif run.recompute == "selective":
+        backward += attn_s
+    elif run.recompute == "op":
+        backward += fwd / 2 + elem
+    elif run.recompute == "half_layers":
+        backward += forward / 2
+    local = shape.with_(seq=shape.seq // cp)
+    exposed = 0.0
+    for r in block_collectives(local, tp, True, sp_saves="shard") if tp > 1 else []:
+        t = collective_time(r["op"], r["bytes"], tp, hw, "auto")
+        hidden_by = bwd_wgrad / 2 if r["role"] == "bwd_in" else 0.0   # per region
+        again = {"full": 1.0, "half_layers": 0.5}.get(run.recompute, 0.0)
+        exposed += max(0.0, t - hidden_by) * (1 + again * (r["phase"] == "forward"))
+    cp_s = 0.0
+    if cp > 1:   # all-gather K and V in forward, reduce-scatter dK, dV in backward
+        kv = 2 * shape.batch * shape.seq * shape.kv_dim * shape.dtype_bytes / max(
+            1, tp // max(1, min(tp, shape.kv_heads or shape.heads)))
+        view = dp_group_hardware(hw, tp)
+        ag = collective_time("all_gather", kv / tp, cp, view, "auto")
+        cp_s = max(0.0, ag - attn_s / 2) + max(0.0, ag - attn_s)   # behind the attention
+    return {"forward_s": forward, "backward_s": backward, "tp_exposed_s": exposed,
+            "cp_exposed_s": cp_s, "gemm_fwd_s": fwd, "attention_s": attn_s,
+            "elementwise_s": elem}
+
+
+def predict(run: TrainingRun) -> Prediction:
+    """The step of `run`: see the module doc."""
+    check_type("run", run, TrainingRun, "a cost.TrainingRun")
+    shape, hw = run.shape, run.hw
+    lt = layer_times(run)
+    per_layer = lt["forward_s"] + lt["backward_s"] + lt["tp_exposed_s"] + lt["cp_exposed_s"]
+    head = kernels.head_time(shape, shape.tokens // run.cp, run.tp, hw, run.precision)
+    stage = pipeline.stage_time(shape.layers, run.pp, run.vpp, per_layer, head)
+    m = run.micro_batches
+    p2p = pipeline.p2p_time(shape, run.tp, run.cp, hw)
+    pipe = pipeline.schedule(stage["slowest_s"], run.pp, run.vpp, m, p2p)
+    data = pipeline.data_parallel(run, stage, lt, m)
+    optimizer = kernels.optimizer_time(shape, run.tp, run.pp, run.dp * run.cp,
+                                       run.sharding, hw)
+    step = pipe["compute_s"] + pipe["bubble_s"] + pipe["p2p_s"] + data["exposed_s"] + optimizer
+    tokens = run.global_batch * shape.seq
+    flops = model_flops_per_token(shape) * tokens
+    compute = m * stage["slowest_s"] - m * pipeline.comm_share(stage, lt)
+    breakdown = {"compute_s": compute, "tp_exposed_s": m * stage["layers"] * lt["tp_exposed_s"],
+                 "cp_exposed_s": m * stage["layers"] * lt["cp_exposed_s"],
+                 "pp_bubble_s": pipe["bubble_s"], "pp_p2p_s": pipe["p2p_s"],
+                 "dp_exposed_s": data["exposed_s"], "dp_comm_s": data["comm_s"],
+                 "optimizer_s": optimizer}
+    memory = pipeline.memory(run)
+    return Prediction(run=run, step_s=step, tokens_per_s_per_gpu=tokens / (step * run.gpus),
+                      mfu=flops / (step * run.gpus * hw.flops),
+                      memory_per_gpu=memory["total_bytes"],
+                      fits=memory["total_bytes"] <= hw.memory, breakdown=breakdown,
+                      memory=memory)
+
+
+def layouts(model, hardware, gpus: int, global_batch: int, seq_len: int | None = None,
+            tps=(1, 2, 4, 8, 16), pps=(1, 2, 4, 8, 16), cps=(1, 2), vpps=(1, 2, 4),
+            micro_batches=(1, 2), shardings=SHARDINGS, recomputes=("none", "selective", "full"),
+            precision: str = "bf16") -> list[Prediction]:
+    """Every valid layout of `model` on `gpus` GPUs among the degrees given, predicted;
+    the invalid ones (a ValueError naming their rule) are left out."""
+    out = []
+    for tp in tps:
+        for pp in pps:
+            for cp in cps:
+                for vpp in (vpps if pp > 1 else (1,)):
+                    for mb in micro_batches:
+                        for sharding in shardings:
+                            for recompute in recomputes:
+                                try:
+                                    run = TrainingRun(model, hardware, gpus, tp=tp, pp=pp,
+                                                      vpp=vpp, cp=cp, micro_batch=mb,
+                                                      global_batch=global_batch,
+                                                      seq_len=seq_len, precision=precision,
+                                                      recompute=recompute, sharding=sharding)
+                                except ValueError:
+                                    continue
+                                out.append(predict(run))
+    return out
+
+
+def best_layout(model, hardware, gpus: int, global_batch: int, **kw) -> Prediction | None:
+    """The layout that fits in memory and trains the most tokens per second per GPU (ties
+    to the smaller TP, then PP); None if none fits. `best_tp` is its special case with
+    pp = cp = 1 and one sharding. Keywords as `layouts`."""
+    fitting = [p for p in layouts(model, hardware, gpus, global_batch, **kw) if p.fits]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda p: (-p.tokens_per_s_per_gpu, p.run.tp, p.run.pp))
