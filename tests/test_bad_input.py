@@ -110,10 +110,15 @@ def test_each_kind_checks_the_size_it_can_run():
 class NoRanks:
     """A lab whose ranks must not be reached: the plan is refused before."""
 
-    world_size, closed, in_process = 2, False, True
+    world_size, closed, in_process, backend = 2, False, True, "simulated"
+    threads_per_rank = shared_dir = None
+    rank_pids: list[int] = []
 
     def run(self, *args, **kwargs):
         raise AssertionError("the ranks were asked to run")
+
+    # the rest of tplab.lab.contract.Ranks: none may be called either
+    execute = push = pull = reload = restart = shutdown = time_limit = run
 
 
 BAD_PLANS = [

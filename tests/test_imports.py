@@ -108,15 +108,24 @@ def test_the_graph_reads_tplabs_imports():
     assert "tplab.cost.shapes" in graph["tplab.cost.memory"]
 
 
+# Cycles closed by an import inside a function, known and to be broken (#29): remove each
+# once it is (the test below fails on one that no longer exists).
+KNOWN_DEFERRED_CYCLES: list[list[str]] = []
+
+
 @pytest.mark.parametrize("inside_functions", [False, True])
 def test_tplab_has_no_import_cycles(inside_functions):
     # also through imports inside functions: a deferred import that closes a loop is a
     # cycle all the same, only one that shows later (doctor <-> smoke did)
     graph = import_graph(inside_functions)
-    loops = cycles(graph)
+    found = cycles(graph)
+    known = KNOWN_DEFERRED_CYCLES if inside_functions else []
+    loops = [loop for loop in found if loop not in known]
     assert not loops, "import cycles among tplab's modules: " + "; ".join(
         " <-> ".join(f"{m} (imports {sorted(graph[m] & set(loop))})" for m in loop)
         for loop in loops)
+    gone = [loop for loop in known if loop not in found]
+    assert not gone, f"no longer cycles: remove them from KNOWN_DEFERRED_CYCLES: {gone}"
 
 
 def test_the_graph_sees_imports_inside_functions():

@@ -124,12 +124,63 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
     a DTensor redistribution's placements in short ("P(sum)→R") and tplab.megatron's
     operator names; the hover text the whole cause and the conjugate collective.
     """
+    pick, recs = _one_rank(trace, rank)
+    names, stages, sides = _place(recs, modules)
+    col_of = {i: (s + 1, b) for s, st in enumerate(stages) for b, i in enumerate(st)}
+    groups, branch_of = _group(sides, stages, col_of)
+    stacked: dict[tuple, int] = {}
+    for phase, edge, lane, *_ in groups:
+        stacked[(phase, edge, lane)] = stacked.get((phase, edge, lane), 0) + 1
+    deepest = max(stacked.values(), default=1)
+    lane_depth = max((n for k, n in stacked.items() if k[2] is not None), default=1)
+    # labels of two lines (a redistribution's placements under the op) need more room
+    stack = STACK * (1.7 if any(short_cause(r.get("cause") or "") for r in recs) else 1)
+    pitch = 2 * (ROW_Y + stack * (lane_depth - 1)) + GAP
+    offsets = [[0.0], *[[((len(st) - 1) / 2 - b) * pitch for b in range(len(st))]
+                        for st in stages], [0.0]]
+    fig = go.Figure()
+    prefix = _draw_modules(fig, names, col_of, offsets)
+    traces = _markers(groups, branch_of, offsets, stack, names)
+    _add_markers(fig, traces)
+    if not recs:
+        fig.add_annotation(text="no collectives in this trace", x=len(offsets) / 2 - 0.5,
+                           y=ROW_Y + 0.35, showarrow=False, font={"size": 14})
+    reach = max(abs(c) for cs in offsets for c in cs) + ROW_Y + stack * (deepest - 1) + 0.55
+    fig.update_xaxes(visible=False, range=[-1.7, len(offsets) - 0.4])
+    fig.update_yaxes(visible=False, range=[-reach, reach])
+    fwd = sum(len(rs) for k, rs in groups.items() if k[0] == "forward")
+    bwd = sum(len(rs) for k, rs in groups.items() if k[0] != "forward")
+    sub = (f"rank {pick}: {fwd} collective(s) in the forward pass, {bwd} in the backward pass"
+           + (f" · modules under {prefix.rstrip('.')}" if prefix else ""))
+    notes = _notes([m for t in traces.values() for m in t["meta"]], stages)
+    if notes:
+        fig.add_annotation(text="<br>".join(notes), x=0, y=0, xref="paper", yref="paper",
+                           yanchor="top", xanchor="left", align="left", showarrow=False,
+                           yshift=-4,
+                           font={"size": 13, "color": "#424242"})
+    style(fig, title or "Where the collectives sit: forward above, backward below", sub,
+          height=int(170 + 85 * 2 * reach) + 18 * max(0, len(notes) - 2),
+          width=min(1200, max(900 if len(notes) > 2 else 0, 120 * len(offsets) + 200)),
+          legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 1,
+                  "xanchor": "right"},
+          margin={"t": 110, "l": 20, "r": 20, "b": 60 + 18 * max(0, len(notes) - 2)})
+    return fig
+
+
+def _one_rank(trace, rank: int | None) -> tuple[int, list[dict]]:
+    """(the rank drawn, its records in call order)."""
     recs = flatten(trace)
     ranks = sorted({r.get("rank", 0) for r in recs})
     pick = rank if rank is not None else (ranks[0] if ranks else 0)
     if recs and pick not in ranks:
         raise ValueError(f"no records of rank {pick} in the trace (ranks: {ranks})")
-    recs = sorted((r for r in recs if r.get("rank", 0) == pick), key=lambda r: r.get("seq", 0))
+    return pick, sorted((r for r in recs if r.get("rank", 0) == pick),
+                        key=lambda r: r.get("seq", 0))
+
+
+def _place(recs: list[dict], modules) -> tuple[list[str], list, list[tuple]]:
+    """(module names, stages: columns of sibling indices, (record, module indices, side)
+    of every record); records outside the modules get a column of their own."""
     names, stages = split_modules(modules) if modules is not None else (module_order(recs),
                                                                           None)
     found = [(rec, match(rec.get("module") or "", names)) for rec in recs]
@@ -142,8 +193,12 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
         stages = [*stages, [len(names) - 1]]
         sides += [(rec, [len(names) - 1], side_in_context(rec, [len(names) - 1], []))
                   for rec, w in found if not w]
-    col_of = {i: (s + 1, b) for s, st in enumerate(stages) for b, i in enumerate(st)}
-    # Group identical collectives on one spot: (phase, edge, lane, op, side) -> records.
+    return names, stages, sides
+
+
+def _group(sides, stages, col_of) -> tuple[dict[tuple, list[dict]], dict[tuple, int | None]]:
+    """Identical collectives on one spot: (phase, edge, lane, op, side) -> records, and the
+    branch (a module index, or None) each spot belongs to."""
     groups: dict[tuple, list[dict]] = {}
     branch_of: dict[tuple, int | None] = {}
     for rec, where, sd in sides:
@@ -151,18 +206,12 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
         key = (rec.get("phase"), edge, lane, rec.get("op"), sd)
         groups.setdefault(key, []).append(rec)
         branch_of[key] = branch
-    stacked: dict[tuple, int] = {}
-    for phase, edge, lane, *_ in groups:
-        stacked[(phase, edge, lane)] = stacked.get((phase, edge, lane), 0) + 1
-    deepest = max(stacked.values(), default=1)
-    lane_depth = max((n for k, n in stacked.items() if k[2] is not None), default=1)
-    # labels of two lines (a redistribution's placements under the op) need more room
-    stack = STACK * (1.7 if any(short_cause(r.get("cause") or "") for r in recs) else 1)
-    pitch = 2 * (ROW_Y + stack * (lane_depth - 1)) + GAP
-    offsets = [[0.0], *[[((len(st) - 1) / 2 - b) * pitch for b in range(len(st))]
-                        for st in stages], [0.0]]
+    return groups, branch_of
 
-    fig = go.Figure()
+
+def _draw_modules(fig: go.Figure, names: list[str], col_of, offsets) -> str:
+    """The modules' boxes and names, the edges between them, the passes' labels; returns
+    the prefix the names were shown without."""
     nodes = ["input", *names, "loss"]
     labels, prefix = _display(names)
     xs = [0, *[col_of[i][0] for i in range(len(names))], len(offsets) - 1]
@@ -182,20 +231,17 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
         fig.add_annotation(x=-0.5, y=y, xref="x", yref="y", text=f"<b>{text}</b>",
                            showarrow=False, xanchor="right",
                            font={"color": PHASE_COLORS[phase], "size": 14})
+    return prefix
 
+
+def _markers(groups, branch_of, offsets, stack: float, names) -> dict[tuple, dict]:
+    """(phase, op) -> the marker trace's columns (x, y, text, custom, meta, pos)."""
     slot: dict[tuple, int] = {}
     traces: dict[tuple, dict] = {}
     for (phase, edge, lane, op, sd), rs in groups.items():
         j = slot.get((phase, edge, lane), 0)
         slot[(phase, edge, lane)] = j + 1
-        sign = 1 if phase == "forward" else -1
-        fan_src, fan_dst = len(offsets[edge]) > 1, len(offsets[edge + 1]) > 1
-        if lane is None:
-            x, c = edge + (0.5 if fan_src == fan_dst else 0.27 if fan_dst else 0.73), 0.0
-        elif lane[0] == "in":
-            x, c = edge + 0.72, offsets[edge + 1][lane[1]]
-        else:
-            x, c = edge + 0.28, offsets[edge][lane[1]]
+        x, c = _marker_at(edge, lane, offsets)
         letter, words = role(rs[0], sd)
         cause = rs[0].get("cause") or ""
         if cause in ("f", "g"):  # tplab.megatron's operator says it: no guessing
@@ -209,7 +255,7 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
         lean = "" if lane is None else " right" if lane[0] == "in" else " left"
         t["pos"].append(("top" if phase == "forward" else "bottom") + (lean or " center"))
         t["x"].append(x)
-        t["y"].append(c + sign * (ROW_Y + stack * j))
+        t["y"].append(c + (1 if phase == "forward" else -1) * (ROW_Y + stack * j))
         t["text"].append((f"<b>{letter}</b>: {op_words(op)}{count}" if letter
                           else f"{op_words(op)}{count}") + (f"<br>{short}" if short else ""))
         t["custom"].append([words, rs[0].get("module") or "(none)", sd,
@@ -220,6 +266,20 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
                           "branch": names[branch] if branch is not None else None,
                           "side": sd, "phase": phase, "op": op, "group": rs[0].get("group"),
                           "count": len(rs), "role": letter, "cause": cause})
+    return traces
+
+
+def _marker_at(edge: int, lane, offsets) -> tuple[float, float]:
+    """(x, y of the row's middle) of a marker on `edge`: mid-edge, or on a branch's lane."""
+    fan_src, fan_dst = len(offsets[edge]) > 1, len(offsets[edge + 1]) > 1
+    if lane is None:
+        return edge + (0.5 if fan_src == fan_dst else 0.27 if fan_dst else 0.73), 0.0
+    if lane[0] == "in":
+        return edge + 0.72, offsets[edge + 1][lane[1]]
+    return edge + 0.28, offsets[edge][lane[1]]
+
+
+def _add_markers(fig: go.Figure, traces: dict[tuple, dict]) -> None:
     for (phase, op), t in traces.items():
         fig.add_trace(go.Scatter(
             x=t["x"], y=t["y"], mode="markers+text", text=t["text"],
@@ -233,17 +293,10 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
                            "<br>bytes: %{customdata[4]} in %{customdata[5]} call(s)"
                            " on the %{customdata[6]} group<br>why: %{customdata[7]}"
                            "<br>its conjugate: %{customdata[8]}<extra></extra>")))
-    if not recs:
-        fig.add_annotation(text="no collectives in this trace", x=len(offsets) / 2 - 0.5,
-                           y=ROW_Y + 0.35, showarrow=False, font={"size": 14})
-    reach = max(abs(c) for cs in offsets for c in cs) + ROW_Y + stack * (deepest - 1) + 0.55
-    fig.update_xaxes(visible=False, range=[-1.7, len(offsets) - 0.4])
-    fig.update_yaxes(visible=False, range=[-reach, reach])
-    fwd = sum(len(rs) for k, rs in groups.items() if k[0] == "forward")
-    bwd = sum(len(rs) for k, rs in groups.items() if k[0] != "forward")
-    sub = (f"rank {pick}: {fwd} collective(s) in the forward pass, {bwd} in the backward pass"
-           + (f" · modules under {prefix.rstrip('.')}" if prefix else ""))
-    metas = [m for t in traces.values() for m in t["meta"]]
+
+
+def _notes(metas: list[dict], stages) -> list[str]:
+    """The figure's footnotes: the roles drawn, and the branches' rules where there are."""
     letters = {m["role"] for m in metas}
     notes = [text for letter, text in (
         ("f", "<b>f</b>: identity forward, all-reduce backward (into a column-parallel layer)"),
@@ -256,15 +309,4 @@ def grad_flow(trace, modules: Sequence | None = None, *, rank: int | None = None
     if any(m["role"] == "f" and m["branch"] for m in metas):
         notes.append("an <b>f</b> on each branch sums that branch's part of dL/dx over the "
                      "ranks; one f on the shared edge would sum the branches first, once")
-    if notes:
-        fig.add_annotation(text="<br>".join(notes), x=0, y=0, xref="paper", yref="paper",
-                           yanchor="top", xanchor="left", align="left", showarrow=False,
-                           yshift=-4,
-                           font={"size": 13, "color": "#424242"})
-    style(fig, title or "Where the collectives sit: forward above, backward below", sub,
-          height=int(170 + 85 * 2 * reach) + 18 * max(0, len(notes) - 2),
-          width=min(1200, max(900 if len(notes) > 2 else 0, 120 * len(offsets) + 200)),
-          legend={"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 1,
-                  "xanchor": "right"},
-          margin={"t": 110, "l": 20, "r": 20, "b": 60 + 18 * max(0, len(notes) - 2)})
-    return fig
+    return notes

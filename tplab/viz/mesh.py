@@ -39,6 +39,20 @@ def _outline(fig, x0, x1, y0, y1, dim: str, names, index: int, ranks: list[int],
         meta={"dim": dim, "group": index, "ranks": ranks}))
 
 
+def _squares(fig: go.Figure, grid, names, ndim: int) -> None:
+    """Each rank's square, in its colour; its trace's `meta` holds rank and coordinate."""
+    for i, row in enumerate(grid):
+        for j, r in enumerate(row):
+            coord = (i, j) if ndim == 2 else (j,)
+            where = ", ".join(f"{n}={c}" for n, c in zip(names, coord, strict=True))
+            x0, x1, y0, y1 = j + INSET, j + 1 - INSET, -i - INSET, -i - 1 + INSET
+            fig.add_trace(go.Scatter(
+                x=[x0, x1, x1, x0, x0], y=[y0, y0, y1, y1, y0], mode="lines", fill="toself",
+                fillcolor=rank_color(r), line={"color": "white", "width": 1},
+                hoveron="fills", hoverinfo="text", text=f"rank {r} at ({where})",
+                name=f"rank {r}", showlegend=False, meta={"rank": r, "coordinate": coord}))
+
+
 def mesh_map(shape: int | Sequence[int], dim_names: Sequence[str] | None = None, *,
              ranks: Sequence | None = None, title: str | None = None) -> go.Figure:
     """Draw the ranks of a mesh of `shape` (1-D or 2-D), each in its colour with its
@@ -58,16 +72,7 @@ def mesh_map(shape: int | Sequence[int], dim_names: Sequence[str] | None = None,
     grid = _grid(shape, ranks)
     nrows, ncols = len(grid), len(grid[0])
     fig = go.Figure()
-    for i, row in enumerate(grid):
-        for j, r in enumerate(row):
-            coord = (i, j) if len(shape) == 2 else (j,)
-            where = ", ".join(f"{n}={c}" for n, c in zip(names, coord, strict=True))
-            x0, x1, y0, y1 = j + INSET, j + 1 - INSET, -i - INSET, -i - 1 + INSET
-            fig.add_trace(go.Scatter(
-                x=[x0, x1, x1, x0, x0], y=[y0, y0, y1, y1, y0], mode="lines", fill="toself",
-                fillcolor=rank_color(r), line={"color": "white", "width": 1},
-                hoveron="fills", hoverinfo="text", text=f"rank {r} at ({where})",
-                name=f"rank {r}", showlegend=False, meta={"rank": r, "coordinate": coord}))
+    _squares(fig, grid, names, len(shape))
     cells = [(j + 0.5, -i - 0.5, r, (i, j) if len(shape) == 2 else (j,))
              for i, row in enumerate(grid) for j, r in enumerate(row)]
     fig.add_trace(go.Scatter(
