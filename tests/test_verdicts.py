@@ -160,7 +160,6 @@ def test_adams_first_step_on_a_gradient_that_cancels_is_inside_the_band():
                                cancelling_batch, steps=2, loss_fn=mean_loss, dp=2,
                                make_optimizer=adam)
     assert report.ok, str(report)
-    del ranks
 
 
 def _llama():
