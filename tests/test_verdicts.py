@@ -270,6 +270,14 @@ def test_grad_check_takes_the_tolerances_of_the_models_dtype(dtype):
                             loss_fn=models.lm_loss, rtol=1e-4).ok is False  # given: kept
 
 
+def test_a_one_device_run_that_overflows_is_named_not_compared():
+    def explode(params):
+        return torch.optim.SGD(params, lr=1e30)
+    with pytest.raises(tplab.LabError, match="one-device run's loss is (inf|nan) at step 2"):
+        tplab.train_check(tplab.simulate(2), _mlp, megatron.parallelize, _mlp_batch,
+                          steps=3, make_optimizer=explode)
+
+
 # 13: train_check's own arguments ------------------------------------------------------------
 
 def sgd_with_scheduler(params):

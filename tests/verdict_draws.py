@@ -357,6 +357,9 @@ def truth(lab, dr: Draw) -> str:
     model = dr.build()()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     want = one_device(dr, state)
+    values = want.values() if isinstance(want, dict) else [t for w in want for t in w.values()]
+    if any(t is not None and not torch.isfinite(t).all() for t in values):
+        return "unclear"  # the training itself overflows: nothing to judge
     try:
         got = lab.run(on_ranks, dr, state)
     except tplab.LabError as e:

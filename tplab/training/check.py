@@ -180,6 +180,16 @@ def _refuse_torch_dropout(lab, model) -> None:
                            "(tplab.launch)")
 
 
+def _refuse_non_finite(losses: torch.Tensor) -> None:
+    """A one-device run that overflows has nothing to be compared with: say where."""
+    bad = (~torch.isfinite(losses)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise LabError(f"train_check: the one-device run's loss is {float(losses[i])} at step "
+                       f"{i + 1}: the training itself diverges there, so no run can be "
+                       "compared with it (lower the learning rate, or check fewer steps)")
+
+
 def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
                 make_optimizer=None, loss_fn=None, *, dp: int | None = None,
                 tp: int | None = None, param_map: dict | None = None,
@@ -222,6 +232,7 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
                                                   make_optimizer, loss_fn, dp=dp,
                                                   batches=batches)
         end = torch.get_rng_state()
+        _refuse_non_finite(ref_losses)
         # The band's run needs nothing from the ranks, nor they from it: with rank
         # processes it runs in a thread of this process while they train (benchmarks/
         # train_check.py); a Simulation computes in this process, so it runs first.
