@@ -167,8 +167,8 @@ TORCH_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torc
 
 
 def _refuse_torch_dropout(lab, model) -> None:
-    """tplab.simulate's ranks draw every random op per rank (LocalTensorMode), so torch's
-    own dropout there cannot draw one device's masks: say so, rather than fail a run."""
+    """tplab.simulate's ranks draw each random op per rank: torch's dropout cannot draw one
+    device's masks there. Say so, rather than fail a correct run."""
     if getattr(lab, "backend", "") != "simulated":
         return
     for name, m in model.named_modules():
@@ -190,6 +190,15 @@ def _refuse_non_finite(losses: torch.Tensor) -> None:
                        "compared with it (lower the learning rate, or check fewer steps)")
 
 
+def _describe(model):
+    """(weights, {name: shape}, {tied name: the name it shares}, {name: requires_grad})."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    aliases = {n: ref for n, p in model.named_parameters(remove_duplicate=False)
+               for ref, q in model.named_parameters() if p is q and n != ref}
+    return state, shapes, aliases, {n: p.requires_grad for n, p in model.named_parameters()}
+
+
 def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
                 make_optimizer=None, loss_fn=None, *, dp: int | None = None,
                 tp: int | None = None, param_map: dict | None = None,
@@ -208,11 +217,7 @@ def train_check(lab, build_model, plan, make_batch, steps: int = 50, step=None,
     _refuse_torch_dropout(lab, model)
     if isinstance(plan, dict):
         check_plan(model, plan, tp)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    aliases = {n: ref for n, p in model.named_parameters(remove_duplicate=False)
-               for ref, q in model.named_parameters() if p is q and n != ref}
-    kinds = {n: p.requires_grad for n, p in model.named_parameters()}
+    state, shapes, aliases, kinds = _describe(model)
     rng.reference_tracker(model, tp)
     twin = build_model()
     twin.load_state_dict(state)
@@ -357,8 +362,6 @@ def _spreads(results, pairs, ref, tp, steps) -> list[tuple[float, str]]:
             if spread is not None and spread > out[i][0]:
                 out[i] = (spread, p["ranks"])
     return out
-
-
 
 
 def _diverged(row) -> tuple[list[str], str]:
