@@ -251,7 +251,7 @@ def one_device(dr: Draw, state: dict):
     for i in range(dr.steps):
         batch = dr.make_batch()(i)
         if dr.step() is not None:
-            dr.step()(model, opt, batch)
+            loss = dr.step()(model, opt, batch)
         else:
             out = model(batch)
             loss = sum(_loss(dr, o, b) for o, b in zip(out.chunk(dr.dp), batch.chunk(dr.dp),
@@ -261,7 +261,8 @@ def one_device(dr: Draw, state: dict):
             opt.zero_grad()
         if sched is not None:
             sched.step()
-        traj.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        traj.append({"loss": loss.detach(),  # (only the ranks' names are compared)
+                     **{n: p.detach().clone() for n, p in model.named_parameters()}})
     return traj
 
 
