@@ -160,7 +160,6 @@ def test_adams_first_step_on_a_gradient_that_cancels_is_inside_the_band():
                                cancelling_batch, steps=2, loss_fn=mean_loss, dp=2,
                                make_optimizer=adam)
     assert report.ok, str(report)
-    del ranks
 
 
 def _llama():
@@ -269,6 +268,14 @@ def test_grad_check_takes_the_tolerances_of_the_models_dtype(dtype):
     assert not bad.ok and any(r["max_rel"] > 2 * report.rtol for r in bad.failures)
     assert tplab.grad_check(sim, build, megatron.parallelize, tokens,
                             loss_fn=models.lm_loss, rtol=1e-4).ok is False  # given: kept
+
+
+def test_a_one_device_run_that_overflows_is_named_not_compared():
+    def explode(params):
+        return torch.optim.SGD(params, lr=1e30)
+    with pytest.raises(tplab.LabError, match="one-device run's loss is (inf|nan) at step 2"):
+        tplab.train_check(tplab.simulate(2), _mlp, megatron.parallelize, _mlp_batch,
+                          steps=3, make_optimizer=explode)
 
 
 # 13: train_check's own arguments ------------------------------------------------------------

@@ -251,7 +251,7 @@ def one_device(dr: Draw, state: dict):
     for i in range(dr.steps):
         batch = dr.make_batch()(i)
         if dr.step() is not None:
-            dr.step()(model, opt, batch)
+            loss = dr.step()(model, opt, batch)
         else:
             out = model(batch)
             loss = sum(_loss(dr, o, b) for o, b in zip(out.chunk(dr.dp), batch.chunk(dr.dp),
@@ -261,7 +261,8 @@ def one_device(dr: Draw, state: dict):
             opt.zero_grad()
         if sched is not None:
             sched.step()
-        traj.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        traj.append({"loss": loss.detach(),  # (only the ranks' names are compared)
+                     **{n: p.detach().clone() for n, p in model.named_parameters()}})
     return traj
 
 
@@ -357,6 +358,9 @@ def truth(lab, dr: Draw) -> str:
     model = dr.build()()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     want = one_device(dr, state)
+    values = want.values() if isinstance(want, dict) else [t for w in want for t in w.values()]
+    if any(t is not None and not torch.isfinite(t).all() for t in values):
+        return "unclear"  # the training itself overflows: nothing to judge
     try:
         got = lab.run(on_ranks, dr, state)
     except tplab.LabError as e:

@@ -14,13 +14,16 @@ collective's order), so its drift is of the same size but not the same number. M
 here (TinyLM and tplab.training.lm.DropoutLM, TP, SP, hand-written and DTensor, world 2
 and 4): correct runs stayed below 0.1 x the band (1 x the measured noise); every bug of
 lesson 12 was 10^3 to 10^4 x outside it from its first bad step (tests/test_training.py).
+A run that explodes (tests/verdict_draws.py, benchmarks/verdicts.py seed 0 draw 423: SGD
+with momentum on a sum loss, the loss 20 -> 2e5 in 3 steps) amplifies the two runs'
+rounding by different factors: its ranks drifted 10 x its noise run, so FACTOR is 30.
 """
 
 from __future__ import annotations
 
 import torch
 
-FACTOR = 10.0
+FACTOR = 30.0
 ULPS = 16.0
 
 

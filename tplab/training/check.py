@@ -181,6 +181,25 @@ def _refuse_torch_dropout(lab: Ranks, model) -> None:
                            "(tplab.launch)")
 
 
+def _refuse_non_finite(losses: torch.Tensor) -> None:
+    """A one-device run that overflows has nothing to be compared with: say where."""
+    bad = (~torch.isfinite(losses)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise LabError(f"train_check: the one-device run's loss is {float(losses[i])} at step "
+                       f"{i + 1}: the training itself diverges there, so no run can be "
+                       "compared with it (lower the learning rate, or check fewer steps)")
+
+
+def _describe(model):
+    """(weights, {name: shape}, {tied name: the name it shares}, {name: requires_grad})."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    aliases = {n: ref for n, p in model.named_parameters(remove_duplicate=False)
+               for ref, q in model.named_parameters() if p is q and n != ref}
+    return state, shapes, aliases, {n: p.requires_grad for n, p in model.named_parameters()}
+
+
 def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step=None,
                 make_optimizer=None, loss_fn=None, *, dp: int | None = None,
                 tp: int | None = None, param_map: dict | None = None,
@@ -198,11 +217,7 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
     _bound_memory(model, steps)
     _refuse_torch_dropout(lab, model)
     parallelizer(plan, model, tp)  # a PlanError here, before anything reaches the ranks
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    aliases = {n: ref for n, p in model.named_parameters(remove_duplicate=False)
-               for ref, q in model.named_parameters() if p is q and n != ref}
-    kinds = {n: p.requires_grad for n, p in model.named_parameters()}
+    state, shapes, aliases, kinds = _describe(model)
     rng.reference_tracker(model, tp)
     twin = build_model()
     twin.load_state_dict(state)
@@ -222,6 +237,7 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
                                                   make_optimizer, loss_fn, dp=dp,
                                                   batches=batches)
         end = torch.get_rng_state()
+        _refuse_non_finite(ref_losses)
         # The band's run needs nothing from the ranks, nor they from it: with rank
         # processes it runs in a thread of this process while they train (benchmarks/
         # train_check.py); a Simulation computes in this process, so it runs first.
@@ -347,8 +363,6 @@ def _spreads(results, pairs, ref, tp, steps) -> list[tuple[float, str]]:
             if spread is not None and spread > out[i][0]:
                 out[i] = (spread, p["ranks"])
     return out
-
-
 
 
 def _diverged(row) -> tuple[list[str], str]:
