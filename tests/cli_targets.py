@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 
+import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tplab import megatron, models
@@ -13,6 +14,14 @@ CFG = models.Config(dim=16, hidden_dim=32, n_heads=4, seq_len=4, batch_size=2)
 build = functools.partial(models.MLP, CFG)
 make_input = functools.partial(models.make_input, CFG)
 broken = functools.partial(megatron.parallelize, reduce_grad=False)
+
+
+def build_bf16():
+    return models.MLP(CFG).to(torch.bfloat16)
+
+
+def make_input_bf16():
+    return models.make_input(CFG).to(torch.bfloat16)
 
 
 def loss(out):

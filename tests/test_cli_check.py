@@ -29,6 +29,16 @@ def test_check_passes_and_fails_with_its_exit_code():
 
 
 @pytest.mark.slow
+def test_a_correct_bf16_model_passes_at_the_default_tolerances(capsys):
+    """--atol/--rtol left out follow the model's dtype (grad_check's TOLERANCES): a correct
+    bf16 MLP passes, and the report names the dtype; fp32's tolerances fail it."""
+    bf16 = args_for(build=T + "build_bf16", make_input=T + "make_input_bf16",
+                    extra=("--simulated",))
+    assert cli(*bf16) == 0, capsys.readouterr().out
+    assert "bfloat16" in capsys.readouterr().out
+    assert cli(*bf16, "--atol", "1e-5", "--rtol", "1e-4") == 1
+
+
 def test_check_on_rank_processes_imports_the_targets_there_too():
     bad = check("cli_targets:build", "cli_targets:broken", "cli_targets:make_input",
                 "--world-size", "2")

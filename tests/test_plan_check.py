@@ -411,3 +411,21 @@ def test_a_reduction_over_the_sharded_dim_is_named_exactly_when_the_ranks_go_wro
                "w1 (ColwiseParallel)", "output_layouts=Replicate()")
     else:
         assert check_layouts(ReduceBetween(op), plans.mlp(), x) is not None
+
+
+def _planned_at(tp: int, plan, x):
+    model = parallelize_module(models.MLP(CFG), make_mesh(tp=tp)["tp"], plan)
+    out = model(x)
+    return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+
+def test_layouts_that_do_not_chain_are_right_on_one_tp_rank():
+    """At tp = 1 every layout holds the whole tensor: a plan whose layouts would not chain
+    at tp = 2 computes one device's values (the simulated rank says so), and check_plan
+    passes it there; at tp = 2 it is refused."""
+    plan = {"w1": ColwiseParallel(), "w2": ColwiseParallel()}
+    (out,) = tplab.simulate(1).run(_planned_at, 1, plan, X)
+    assert torch.allclose(out, models.MLP(CFG)(X), atol=1e-5)
+    tplab.plans.check_plan(models.MLP(CFG), plan, 1, X)
+    with pytest.raises(tplab.PlanError, match="layouts do not chain"):
+        tplab.plans.check_plan(models.MLP(CFG), plan, 2, X)

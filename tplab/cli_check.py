@@ -75,8 +75,8 @@ class Targets:
     loss: object
     world_size: int
     simulated: bool
-    atol: float
-    rtol: float
+    atol: float | None
+    rtol: float | None
     show_traceback: bool
     train: int | None = None  # --train STEPS: train_check instead of grad_check
     step: object = None  # --step MOD:fn, the user's training step
@@ -97,8 +97,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", type=int, metavar="N",
                    help="data-parallel degree: a (dp, tp) mesh with tp = world size / N; the "
                         "plan gets the whole mesh (FSDP2 x TP: tplab.fsdp.fsdp_tp)")
-    p.add_argument("--atol", type=float, default=1e-5)
-    p.add_argument("--rtol", type=float, default=1e-4)
+    # None: grad_check's own, which follow the model's dtype (tplab.check.TOLERANCES)
+    p.add_argument("--atol", type=float, default=None)
+    p.add_argument("--rtol", type=float, default=None)
     p.add_argument("--traceback", action="store_true", dest="show_traceback",
                    help="print the whole traceback of a failure, not only its line")
     p.add_argument("--train", type=int, metavar="STEPS",
@@ -181,7 +182,9 @@ def _check_world_size(world_size: int, simulated: bool) -> None:
         raise BadArgument(f"--world-size {world_size}: {exc}") from exc
 
 
-def _check_tolerance(value: float, flag: str) -> float:
+def _check_tolerance(value: float | None, flag: str) -> float | None:
+    if value is None:
+        return None
     if not math.isfinite(value) or value < 0:
         raise BadArgument(f"{flag} must be a finite number >= 0, got {value!r} "
                           "(with it every row would be judged wrong, or none)")

@@ -191,8 +191,8 @@ def check_plan(model: nn.Module, plan: dict, tp: int | None = None,
                example_input=None) -> None:
     """Raise PlanError if a key matches no module, a style does not fit its module, or a
     sharded dimension (or the number of heads) is not divisible by the tp size; given
-    `example_input` (what the model is called with), also if the layouts do not chain
-    from one planned module to the next (`check_layouts`)."""
+    `example_input` (what the model is called with) and tp > 1, also if the layouts do not
+    chain from one planned module to the next (`check_layouts`)."""
     check_plan_type(plan)
     if not isinstance(plan, dict):
         raise PlanError(f"check_plan checks a dict plan; a (model, mesh) -> model function "
@@ -222,7 +222,8 @@ def check_plan(model: nn.Module, plan: dict, tp: int | None = None,
             if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear):
                 _check_heads(parent, path, module, tp, path.rpartition(".")[0] or
                              type(model).__name__, name)
-    if example_input is not None:
+    # at tp = 1 every layout is the whole tensor: layouts that do not chain are right there
+    if example_input is not None and tp > 1:
         check_layouts(model, plan, example_input)
 
 
