@@ -9,8 +9,10 @@ labelled lines:
   by line order, not by the clock alone: while a silent rank has printed fewer lines than
   the line's place (it has not reached that line yet: a loaded machine, 4 ranks on 2
   cores, or engines on other hosts), the line waits the long window, which grows with the
-  lag seen between ranks printing the same line in this cell; only a rank that has got
-  past that place gets the short one;
+  lag seen between ranks printing the same line in this cell (MAX_WINDOW_S at once for a
+  rank that printed lines alike with the line's rank: it prints the same lines, later; a
+  line one rank alone prints then waits for the others' next line); only a rank that has
+  got past that place gets the short one;
 - carriage-return progress (a plain tqdm bar) is one line per rank, updated in place (a
   display in Jupyter; its last state only elsewhere).
 """
@@ -169,6 +171,7 @@ class _Stream:
         self.head: dict[int, int] = {}
         self.progress: dict[int, _Progress] = {}
         self.grouped_with: dict[int, frozenset[int]] = {}  # rank -> its last line's ranks
+        self.ever_with: dict[int, set[int]] = {}  # rank -> every rank it shared a line with
         self.shown: dict[int, int] = {}  # rank -> how many of its lines were shown
         self.lag = 0.0  # the largest lag seen between ranks printing the same line
 
@@ -187,6 +190,11 @@ class _Stream:
 
     def _waiting(self, rank: int) -> int:
         return len(self.lines[rank]) - self.head[rank] if rank in self.lines else 0
+
+    def _grouped(self, rank: int, group: frozenset[int]) -> None:
+        self.grouped_with[rank] = group
+        if len(group) > 1:
+            self.ever_with.setdefault(rank, set()).update(group - {rank})
 
     def _pop(self, rank: int, k: int = 1) -> None:
         self.shown[rank] = self.shown.get(rank, 0) + k
@@ -244,7 +252,7 @@ class _Stream:
         group = frozenset(participants)
         for r in ranks:
             self._pop(r, len(alike))
-            self.grouped_with[r] = group
+            self._grouped(r, group)
         label = f"[{format_rank_list(participants)}] "
         return [label + line for line in alike]
 
@@ -276,17 +284,23 @@ class _Stream:
             same = [r for r, (_, text) in heads.items() if text == line]
             silent = [r for r in participants if r not in heads]
             place = self.shown.get(first, 0)  # the line's place in its rank's output
-            lagging = any(self.shown.get(s, 0) <= place or  # s has not got this far yet
-                          s in self.grouped_with.get(same[0], ()) for s in silent)
-            window = self.long_window() if lagging else WINDOW_S
-            if final or not silent or now - arrived >= window:
+            # ranks that have not got to this place yet (silent, or with fewer lines queued)
+            behind = [s for s in participants if s not in same and
+                      self.shown.get(s, 0) + self._waiting(s) <= place]
+            # one that printed lines alike with this rank prints the same lines, only later
+            # (load): it gets the longest wait, not one learnt from earlier lags
+            following = any(s in self.ever_with.get(first, ()) for s in behind)
+            lagging = behind or any(s in self.grouped_with.get(same[0], ()) for s in silent)
+            window = MAX_WINDOW_S if following else self.long_window() if lagging \
+                else WINDOW_S
+            if final or not (silent or behind) or now - arrived >= window:
                 if len(same) > 1:
                     self._seen_lag(same)
                 out.append(f"[{format_rank_list(same)}] {line}")
                 group = frozenset(same)
                 for r in same:
                     self._pop(r)
-                    self.grouped_with[r] = group
+                    self._grouped(r, group)
             else:
                 break
         if out:
