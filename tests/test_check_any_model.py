@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from tp_fixtures import tp_lab  # noqa: F401
+from tp_fixtures import llama, tp_lab  # noqa: F401
 
 import tplab
 from tplab import plans
@@ -251,28 +251,18 @@ def test_tied_parameters_buffers_and_frozen_ones_are_noted():
     assert row["pair"] == "Shard(0); head2.weight Replicate() (name)"
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=16, use_cache=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
-
-
 def _tokens():
     return torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
 
 
-def test_a_transformers_llama_under_its_own_published_plan(tp_lab):  # noqa: F811
+def test_a_transformersllama_under_its_own_published_plan(tp_lab):  # noqa: F811
     pytest.importorskip("transformers")
     if tp_lab.world_size == 2 and tp_lab.backend != "simulated":
         pytest.skip("processes at world size 4 (and simulated at 2 and 4) are enough")
-    plan = plans.from_hf(_llama())
+    plan = plans.from_hf(llama())
     assert plan["model.layers.*.self_attn.q_proj"].__class__.__name__ == "ColwiseParallel"
     assert "lm_head" in plan  # the model class's own _tp_plan
-    report = tplab.grad_check(tp_lab, _llama, plan, _tokens,
+    report = tplab.grad_check(tp_lab, llama, plan, _tokens,
                               loss_fn=lambda out: out.logits.pow(2).mean())
     assert report.ok, str(report)
     assert report.pairs["model.layers.0.self_attn.o_proj.weight"] == "Shard(1)"

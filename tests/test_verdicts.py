@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import verdict_draws
+from tp_fixtures import llama
 
 import tplab
 from tplab import megatron, models, plans, rng
@@ -162,28 +163,18 @@ def test_adams_first_step_on_a_gradient_that_cancels_is_inside_the_band():
     assert report.ok, str(report)
 
 
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=16, use_cache=False)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
-
-
-def _llama_tokens(i):
+def llama_tokens(i):
     return torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(i))
 
 
-def _llama_loss(out, tokens):
+def llama_loss(out, tokens):
     return models.lm_loss(out.logits, tokens)
 
 
-def test_a_transformers_llama_trains_under_the_default_adamw():
+def test_a_transformersllama_trains_under_the_default_adamw():
     pytest.importorskip("transformers")
-    report = tplab.train_check(tplab.simulate(2), _llama, plans.from_hf(_llama()),
-                               _llama_tokens, steps=2, loss_fn=_llama_loss)
+    report = tplab.train_check(tplab.simulate(2), llama, plans.from_hf(llama()),
+                               llama_tokens, steps=2, loss_fn=llama_loss)
     assert report.ok, str(report)
 
 

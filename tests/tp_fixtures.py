@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 import tplab
 from tplab import models
@@ -41,3 +42,14 @@ def activations(cfg=CFG):
 
 def tokens(cfg=CFG):
     return functools.partial(models.make_tokens, cfg)
+
+
+def llama():
+    """A one-layer transformers Llama built from a config (random weights, seeded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional: the hf extra
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=16, use_cache=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
