@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 import tplab
-from tplab import exercises, models
-from tplab.exercises import clipping, mistakes, solutions
-from tplab.training import lm
-from tplab.training.steps import lm_step, sgd
+from tplab import exercises
+from tplab.core import models
+from tplab.core.answers import clipping, mistakes, solutions
+from tplab.core.training import lm
+from tplab.core.training.steps import lm_step, sgd
 
 
 def test_catalog():
@@ -95,7 +96,7 @@ def test_rank_side_imports_no_notebook_side():
     import subprocess
     import sys
 
-    code = ("import sys, tplab.exercises.steps, tplab.exercises.mistakes; print([m for m in "
+    code = ("import sys, tplab.rank.exercise_steps, tplab.core.answers.mistakes; print([m for m in "
             "sys.modules if m.startswith(('IPython', 'ipywidgets', 'tplab.lab', "
             "'tplab.exercises.checks', 'tplab.exercises.catalog', 'tplab.exercises.feedback'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tplab import ops
+from tplab.core import ops
+from tplab.core.errors import LabError
 from tplab.cost.collectives import collective_terms
 from tplab.cost.hardware import Hardware, Link
-from tplab.errors import LabError
 
 if TYPE_CHECKING:  # the ranks load this module: tplab.lab is the notebook's side
     from tplab.lab.contract import Ranks

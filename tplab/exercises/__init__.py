@@ -23,13 +23,12 @@ import importlib
 import inspect
 import re
 
-from tplab.errors import CellTimeout, LabError
-
 # Only rank-side modules at import time: the ranks import this package to reach `steps`,
 # `solutions` and `mistakes`, and must not import the notebook side (catalog, checks,
 # feedback, IPython); those load on first use.
-from tplab.exercises import mistakes
-from tplab.exercises.solutions import SOLUTIONS
+from tplab.core.answers import mistakes
+from tplab.core.answers.solutions import SOLUTIONS
+from tplab.core.errors import CellTimeout, LabError
 
 _NOTEBOOK_SIDE = {"Feedback": "tplab.exercises.feedback",
                   "CHECK_TIMEOUT_S": "tplab.exercises.feedback",
@@ -113,7 +112,7 @@ class Solution(Text):
 
 
 def solution(name: str) -> Solution:
-    """The reference solution of exercise `name` (tplab/exercises/solutions.py)."""
+    """The reference solution of exercise `name` (tplab/core/answers/solutions.py)."""
     _get(name)
     answer = SOLUTIONS[name]
     parts = answer if isinstance(answer, tuple) else (answer,)

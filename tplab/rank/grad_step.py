@@ -1,4 +1,4 @@
-"""Rank side of `tplab.grad_check` (tplab/check.py): the step every rank runs.
+"""Rank side of `tplab.grad_check` (tplab/checks/grad.py): the step every rank runs.
 
 `parallel_step` builds the model, loads the notebook's reference weights, parallelises it
 with the plan, runs one forward and backward, and returns what the notebook compares:
@@ -21,13 +21,13 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
-from tplab import placements
-from tplab.errors import LabError
-from tplab.fsdp_layout import refuse_in_simulation
-from tplab.layouts import tp_layout
-from tplab.mesh import make_mesh
-from tplab.plans import parallelizer
-from tplab.pytrees import call_model, leaves, map_tensors
+from tplab.core import placements
+from tplab.core.errors import LabError
+from tplab.core.fsdp_layout import refuse_in_simulation
+from tplab.core.layouts import tp_layout
+from tplab.core.mesh import make_mesh
+from tplab.core.plans import parallelizer
+from tplab.core.pytrees import call_model, leaves, map_tensors
 
 __all__ = ["call_loss", "loss_context", "parallel_step", "replica_slice", "with_grad"]
 
@@ -81,7 +81,7 @@ def with_grad(x):
 
 def parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     """Build, load the reference weights, parallelise, one forward and backward. With
-    dp > 1 on a (dp, tp) mesh: this replica's slice of the batch (see tplab/check.py)."""
+    dp > 1 on a (dp, tp) mesh: this replica's slice of the batch (see tplab/checks/grad.py)."""
     world = dist.get_world_size()
     mesh = make_mesh(tp=world) if dp == 1 else make_mesh(dp=dp, tp=world // dp)
     model = build_model()

@@ -22,15 +22,15 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tplab import placements
-from tplab.fsdp_layout import managed, refuse_in_simulation, tp_view
-from tplab.layouts import tp_layout
-from tplab.mesh import make_mesh, split, tp_group
-from tplab.pairing import pair
-from tplab.plans import parallelizer
-from tplab.pytrees import call_model, leaves, map_tensors
+from tplab.core import placements
+from tplab.core.fsdp_layout import managed, refuse_in_simulation, tp_view
+from tplab.core.layouts import tp_layout
+from tplab.core.mesh import make_mesh, split, tp_group
+from tplab.core.pairing import pair
+from tplab.core.plans import parallelizer
+from tplab.core.pytrees import call_model, leaves, map_tensors
+from tplab.core.rng import rank_free_randomness
 from tplab.rank.grad_step import call_loss, loss_context, replica_slice
-from tplab.rng import rank_free_randomness
 
 LIVE_PREFIX = "\x1b[8m[tplab-train]"  # concealed: an old terminal shows nothing of it
 LIVE_SUFFIX = "\x1b[0m"
@@ -187,7 +187,7 @@ def local_and_expected(param, pair: dict, ref: torch.Tensor, mesh, piece: bool):
 
 
 def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> None:
-    """One line per step for the notebook's live figure (see tplab/training/live.py)."""
+    """One line per step for the notebook's live figure (see tplab/checks/train_live.py)."""
     record = {"rank": rank, "step": step, "loss": float(loss),
               "diff": max((float(d) for d in diffs.values()), default=0.0)}
     sys.stdout.write(f"{LIVE_PREFIX}{json.dumps(record)}{LIVE_SUFFIX}\n")

@@ -17,9 +17,9 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from tplab import placements
-from tplab.output import format_rank_list
-from tplab.transfer import LocalShard
+from tplab.core import placements
+from tplab.core.output import format_rank_list
+from tplab.core.transfer import LocalShard
 from tplab.viz.palette import SHARED_COLOR, rank_color, style
 
 

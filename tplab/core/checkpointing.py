@@ -1,0 +1,110 @@
+"""Activation checkpointing under TP, with tplab.rng's dropout masks kept through the
+recomputation (what Megatron-LM's `CheckpointFunction` does for its RNG tracker).
+
+`torch.utils.checkpoint` recomputes a block's forward during backward. With
+`preserve_rng_state=True` (its default) it restores torch's DEFAULT generator before the
+recomputation, but tplab.rng's dropout draws from its tracker's own generators
+(`rng.RNGTracker`: one "replicated" stream, one "tp" stream per rank). Those have moved on by
+then, so a plain checkpoint redraws OTHER masks in the recomputation: the backward pass
+differentiates another network than the forward ran, and nothing fails.
+
+- `keep_masks(module)`: a `context_fn` for `torch.utils.checkpoint.checkpoint(...,
+  use_reentrant=False, context_fn=...)` and `checkpoint_wrapper(..., context_fn=...)`: the
+  forward saves every tracker's state as it starts; the recomputation starts from that state
+  and hands the trackers back as it found them.
+- `checkpoint_blocks(model, per_module=("Block",), masks="keep")`: wrap every submodule of
+  those class names (or module names) in `checkpoint_wrapper` (non-reentrant);
+  `masks="redraw"` is the bug: torch's checkpoint alone.
+- `checkpointed(model, mesh, plan, per_module, masks)`: a `(model, mesh) -> model` plan:
+  `plan` (a dict or a callable, such as `rng.parallelize`'s partial), then
+  `checkpoint_blocks` (torchtitan's order: TP, then activation checkpointing, then FSDP2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from tplab.core.errors import PlanError
+from tplab.core.plans import apply_plan
+from tplab.core.rng import Dropout
+
+__all__ = ["checkpoint_blocks", "checkpointed", "keep_masks", "trackers"]
+
+
+def trackers(module: torch.nn.Module) -> list:
+    """The distinct RNG trackers of every tplab.rng Dropout in `module`."""
+    seen: dict[int, object] = {}
+    for m in module.modules():
+        if isinstance(m, Dropout):
+            seen.setdefault(id(m.tracker), m.tracker)
+    return list(seen.values())
+
+
+def _generators(tracker) -> list[torch.Generator]:
+    return [tracker.replicated, *tracker.tp]
+
+
+def keep_masks(module: torch.nn.Module):
+    """A checkpoint `context_fn` that keeps `module`'s tplab.rng masks through the
+    recomputation (see the module docstring)."""
+    gens = [g for t in trackers(module) for g in _generators(t)]
+
+    def context_fn():
+        saved: list[torch.Tensor] = []
+
+        @contextlib.contextmanager
+        def forward():
+            saved[:] = [g.get_state() for g in gens]
+            yield
+
+        @contextlib.contextmanager
+        def recompute():
+            now = [g.get_state() for g in gens]
+            for g, state in zip(gens, saved, strict=True):
+                g.set_state(state)
+            try:
+                yield
+            finally:
+                for g, state in zip(gens, now, strict=True):
+                    g.set_state(state)
+
+        return forward(), recompute()
+
+    return context_fn
+
+
+def checkpoint_blocks(model: torch.nn.Module, per_module=("Block",),
+                      masks: str = "keep") -> torch.nn.Module:
+    """Wrap each submodule whose class name (a subclass's too) or module name is in
+    `per_module` in a non-reentrant `checkpoint_wrapper`; `masks="redraw"` plants the bug
+    of not restoring tplab.rng's streams. Returns the model."""
+    if masks not in ("keep", "redraw"):
+        raise PlanError(f"checkpoint_blocks: masks is 'keep' or 'redraw' (the bug), not "
+                        f"{masks!r}")
+    wanted = set(per_module)
+    found = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            kinds = {c.__name__ for c in type(child).__mro__}
+            if not (kinds & wanted or name in wanted):
+                continue
+            kw = {"context_fn": keep_masks(child)} if masks == "keep" else {}
+            setattr(parent, name, checkpoint_wrapper(child, **kw))  # non-reentrant: its default
+            found += 1
+    if not found:
+        raise PlanError(f"checkpoint_blocks: no submodule of {type(model).__name__} is a "
+                        f"{' or '.join(sorted(wanted))}")
+    return model
+
+
+def checkpointed(model: torch.nn.Module, mesh, plan=None, per_module=("Block",),
+                 masks: str = "keep") -> torch.nn.Module:
+    """A `(model, mesh) -> model` plan: `plan`, then `checkpoint_blocks`."""
+    if isinstance(plan, dict):
+        model = apply_plan(model, mesh, plan)
+    elif plan is not None:
+        model = plan(model, mesh)
+    return checkpoint_blocks(model, per_module, masks)
