@@ -197,7 +197,8 @@ def under(name: str, prefixes) -> bool:
 def notebook_imports(module: str, path: pathlib.Path, modules) -> list[str]:
     """The notebook side's modules a rank-side or both-sides file imports, with their lines."""
     allowed = RANK_MAY_IMPORT if side_of(module) == RANK else ()
-    return [f"{path.relative_to(ROOT.parent)}:{line}: {dep}"
+    where = path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path
+    return [f"{where}:{line}: {dep}"
             for dep, line in imports_of(module, path, modules).items()
             if (module, dep) not in ALLOWED and not under(dep, allowed)
             and (side_of(dep) == NOTEBOOK if dep in modules else under(dep, NOTEBOOK_PACKAGES))]
@@ -213,7 +214,8 @@ def test_the_rank_side_and_both_sides_name_nothing_of_the_notebook_side():
 def test_the_side_check_sees_a_notebook_import(tmp_path):
     path = tmp_path / "x.py"
     path.write_text("import torch\n\n\ndef show():\n    import plotly.graph_objects\n"
-                    "    from tplab.checks.grad import grad_check\n    from IPython import display\n")
+                    "    from tplab.checks.grad import grad_check\n"
+                    "    from IPython import display\n")
     modules = {**module_files(), "tplab.core.x": path, "tplab.rank.x": path}
     assert [line.rsplit(" ", 1)[1] for line in notebook_imports("tplab.core.x", path, modules)] \
         == ["plotly.graph_objects", "tplab.checks.grad", "IPython"]

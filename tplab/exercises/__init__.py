@@ -23,12 +23,14 @@ import importlib
 import inspect
 import re
 
-# Only rank-side modules at import time: the ranks import this package to reach `steps`,
-# `solutions` and `mistakes`, and must not import the notebook side (catalog, checks,
-# feedback, IPython); those load on first use.
-from tplab.core.answers import mistakes
-from tplab.core.answers.solutions import SOLUTIONS
+from tplab.core.answers import mistakes, solutions
 from tplab.core.errors import CellTimeout, LabError
+from tplab.exercises import predictions
+
+# every exercise's reference solution, and its typical mistakes: those the ranks run
+# (tplab/core/answers/) and those the notebook judges alone (predictions.py)
+SOLUTIONS = {**solutions.SOLUTIONS, **predictions.SOLUTIONS}
+MISTAKES = {**mistakes.MISTAKES, **predictions.MISTAKES}
 
 _NOTEBOOK_SIDE = {"Feedback": "tplab.exercises.feedback",
                   "CHECK_TIMEOUT_S": "tplab.exercises.feedback",
@@ -41,7 +43,8 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_NOTEBOOK_SIDE[name]), name)
     raise AttributeError(f"module 'tplab.exercises' has no attribute {name!r}")
 
-__all__ = ["CHECK_TIMEOUT_S", "CHECK_TIME_LIMIT_S", "Feedback", "Workbook", "broken_plan",
+__all__ = ["CHECK_TIMEOUT_S", "CHECK_TIME_LIMIT_S", "MISTAKES", "SOLUTIONS", "Feedback",
+           "Workbook", "broken_plan",
            "check", "hint", "names", "reference_answer", "solution", "task"]
 
 
@@ -112,7 +115,8 @@ class Solution(Text):
 
 
 def solution(name: str) -> Solution:
-    """The reference solution of exercise `name` (tplab/core/answers/solutions.py)."""
+    """The reference solution of exercise `name` (tplab/core/answers/solutions.py, or
+    predictions.py beside this file)."""
     _get(name)
     answer = SOLUTIONS[name]
     parts = answer if isinstance(answer, tuple) else (answer,)
@@ -225,7 +229,7 @@ class Workbook:
         if self.inject == "solutions":
             answer = reference_answer(name, self.lab)
         elif self.inject == "mistakes":
-            _, answer, expect = mistakes.MISTAKES[name][0]
+            _, answer, expect = MISTAKES[name][0]
         fb = check(name, answer, self.lab)
         self.results[name] = fb
         if self.inject == "solutions":

@@ -13,10 +13,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tplab.core import models
 from tplab.core.answers import clipping
 from tplab.core.answers import solutions as ok
-from tplab.cost.lab_models import lab_memory
 from tplab.rank import qk_norm_step
 
 
@@ -216,10 +214,6 @@ NO_SP_PLAN = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel
               "feed_forward.w2": RowwiseParallel()}
 
 # name -> [(what the learner did, the answer, a phrase the feedback must contain)]
-def _no_sp_bytes() -> int:
-    return lab_memory("block", models.Config(), 4)["activation_bytes"]
-
-
 MISTAKES = {
     "f": [("no all-reduce in backward", FNoReduce, "each rank's own term"),
           ("an all-reduce in forward", FForwardReduce, "the all-reduce belongs in its backward"),
@@ -250,7 +244,6 @@ MISTAKES = {
                                             "backward": {"all_reduce": 2}}, "backward")],
     "cost_prediction": [("the tensor's bytes", {"bytes": 4096 * 8192 * 2, "seconds": 1e-4},
                          "bytes")],
-    "block_memory": [("TP without SP", {"activation_bytes": _no_sp_bytes()}, "without SP")],
     "qk_norm_grad": [("the gradient left as it is", qk_norm_step.leave_it, "only its own heads"),
                      ("the gradient averaged", qk_norm_step.average_it, "an average")],
     "clip_grad": [("torch's clip_grad_norm_", clipping.clip_per_rank, "its own norm"),

@@ -20,9 +20,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from tplab.core import models
 from tplab.core.answers import clipping
-from tplab.cost.lab_models import lab_memory
 from tplab.rank.qk_norm_step import solution as qk_norm_solution
 
 
@@ -187,13 +185,6 @@ def cost_prediction() -> dict:
     return {"bytes": sent, "seconds": base + 2 * (n - 1) * alpha + sent / bandwidth}
 
 
-def block_memory() -> dict:
-    """tplab's memory model for the Block at TP 4 with SP (notebook 10 derives it; it
-    equals what tplab.memory measures on the ranks)."""
-    return {"activation_bytes": lab_memory("block", models.Config(), 4,
-                                           sequence_parallel=True)["activation_bytes"]}
-
-
 # "fsdp_placements" (notebook 13): models.Block under fsdp_tp(plans.block()), dp=2 x tp=2
 FSDP_PLACEMENTS = {
     "attention.wq.weight": {"dp": "_StridedShard(dim=0, split_factor=2)", "tp": "Shard(0)"},
@@ -206,7 +197,7 @@ SOLUTIONS = {
     "f": F_, "g": G, "column_parallel": ColumnParallel, "row_parallel": RowParallel,
     "sp_pair": SP_PAIR, "mlp_plan": MLP_PLAN, "block_sp_plan": BLOCK_SP_PLAN,
     "fix_plan": FIXED_PLAN, "block_counts": block_counts, "cost_prediction": cost_prediction,
-    "block_memory": block_memory, "qk_norm_grad": qk_norm_solution,
+    "qk_norm_grad": qk_norm_solution,
     "clip_grad": clipping.clip_tp,
     "fsdp_placements": FSDP_PLACEMENTS,
 }
