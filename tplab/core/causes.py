@@ -1,4 +1,5 @@
-"""Rank side: why a collective ran, read from the Python stack when it is dispatched.
+"""Why a collective ran, read from the Python stack when it is dispatched (both sides: a
+rank traces its collectives, and so does a Simulation's in the notebook).
 
 Every collective answers to something the lessons teach (Shoeybi et al. 2019, section 3;
 docs/DESIGN.md): f, g, a DTensor redistribution. `tplab.trace` calls `find_cause` when a

@@ -1,4 +1,5 @@
-"""Rank side: where each rank's elements of a parallel model lie, read from the model itself.
+"""Where each rank's elements of a parallel model lie, read from the model itself (both
+sides: a rank reads its own model; the notebook, a Simulation's and its own checks').
 
 - `tp_layout(model)` is the one place that reads a parallel model's parameters: each one's
   local value (or gradient) and its placement on the tp dim, from a DTensor's own

@@ -1,10 +1,9 @@
 """Named device meshes for the lab: `make_mesh(tp=4)` or `make_mesh(dp=2, tp=2)`.
 
-Rank side. A thin layer over `torch.distributed.device_mesh.init_device_mesh` that picks
-the lab's device type, names the dimensions, and says clearly when the shape does not
-cover the world. Meshes are cached per shape, so a cell that runs twice does not create
-new process groups every time.
-"""
+Both sides (a rank, and a Simulation's ranks in the notebook). A thin layer over
+`torch.distributed.device_mesh.init_device_mesh` that picks the lab's device type, names the
+dimensions, and says clearly when the shape does not cover the world. Meshes are cached per
+shape, so a cell that runs twice does not create new process groups every time. """
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Grouping per-rank output: a line printed by every rank is shown once as [ranks 0-3].
-Imports nothing: both sides use it (rank.py strips colours from tracebacks too)."""
+Imports nothing: both sides use it (tplab/rank/runner.py strips colours from tracebacks
+too)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Notebook side: which parameter on the ranks is which parameter of the single-device model,
+"""Which parameter on the ranks is which parameter of the single-device model,
 and putting the ranks' pieces back together: what `grad_check` needs to compare gradients of
-any TP model. The ranks read their parameters with `tplab.layouts.tp_layout` (rank side).
+any TP model. Both sides: `grad_check` pairs in the notebook, `train_check`'s ranks pair
+their own (tplab/rank/train_step.py); the ranks read their parameters with
+`tplab.core.layouts.tp_layout`.
 
 - `pair(...)` pairs them with the reference's parameters: by `param_map` first, then by
   name, then by registration order and shape.

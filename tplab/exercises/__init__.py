@@ -19,29 +19,31 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib
 import inspect
 import re
+
+from IPython.display import Markdown
 
 from tplab.core.answers import mistakes, solutions
 from tplab.core.errors import CellTimeout, LabError
 from tplab.exercises import predictions
+from tplab.exercises.catalog import BY_NAME, EXERCISES
+from tplab.exercises.feedback import (
+    CHECK_TIME_LIMIT_S,
+    CHECK_TIMEOUT_S,
+    Feedback,
+    Stop,
+    time_bounded,
+    too_long,
+)
+from tplab.lab.contract import Ranks
+from tplab.lab.time_limit import TimeLimitReached
+from tplab.lab.validate import check_timeout
 
 # every exercise's reference solution, and its typical mistakes: those the ranks run
 # (tplab/core/answers/) and those the notebook judges alone (predictions.py)
 SOLUTIONS = {**solutions.SOLUTIONS, **predictions.SOLUTIONS}
 MISTAKES = {**mistakes.MISTAKES, **predictions.MISTAKES}
-
-_NOTEBOOK_SIDE = {"Feedback": "tplab.exercises.feedback",
-                  "CHECK_TIMEOUT_S": "tplab.exercises.feedback",
-                  "CHECK_TIME_LIMIT_S": "tplab.exercises.feedback",
-                  "EXERCISES": "tplab.exercises.catalog"}
-
-
-def __getattr__(name: str):
-    if name in _NOTEBOOK_SIDE:
-        return getattr(importlib.import_module(_NOTEBOOK_SIDE[name]), name)
-    raise AttributeError(f"module 'tplab.exercises' has no attribute {name!r}")
 
 __all__ = ["CHECK_TIMEOUT_S", "CHECK_TIME_LIMIT_S", "MISTAKES", "SOLUTIONS", "Feedback",
            "Workbook", "broken_plan",
@@ -50,16 +52,10 @@ __all__ = ["CHECK_TIMEOUT_S", "CHECK_TIME_LIMIT_S", "MISTAKES", "SOLUTIONS", "Fe
 
 def names() -> list[str]:
     """The exercises, in curriculum order."""
-    # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
-    from tplab.exercises.catalog import EXERCISES
-
     return [e.name for e in EXERCISES]
 
 
 def _get(name: str):
-    # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
-    from tplab.exercises.catalog import BY_NAME
-
     if name not in BY_NAME:
         close = difflib.get_close_matches(str(name), BY_NAME, n=1)
         raise KeyError(f"no exercise named {name!r}"
@@ -146,18 +142,6 @@ def check(name: str, answer, lab=None, time_limit: float | None = None):
     ValueError/TypeError for a missing or wrong `lab` or `time_limit`, LabError for a lab
     that was shut down or that has too few ranks to tell a right answer from a wrong one.
     """
-    # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
-    from tplab.exercises.feedback import (
-        CHECK_TIME_LIMIT_S,
-        Feedback,
-        Stop,
-        time_bounded,
-        too_long,
-    )
-    from tplab.lab.contract import Ranks
-    from tplab.lab.time_limit import TimeLimitReached
-    from tplab.lab.validate import check_timeout
-
     e = _get(name)
     limit = check_timeout(time_limit, "time_limit") or CHECK_TIME_LIMIT_S
     if e.needs_lab and lab is None:
@@ -240,9 +224,6 @@ class Workbook:
         return fb
 
     def summary(self):
-        # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
-        from IPython.display import Markdown
-
         rows = "".join(f"| `{n}` | {'passed' if fb.passed else 'not yet'} |\n"
                        for n, fb in self.results.items())
         return Markdown("| exercise | result |\n|---|---|\n" + rows)

@@ -1,4 +1,5 @@
-"""Exercise "clip_grad" (lesson 12), rank side: the reference solution and typical mistakes.
+"""Exercise "clip_grad" (lesson 12): the reference solution and typical mistakes (both sides:
+they run on the ranks; the notebook shows them).
 
 The answer is `clip(model, max_norm) -> total norm` for a hand-written TP model whose
 parameters are plain local shards (tplab.megatron's layers declare which in
