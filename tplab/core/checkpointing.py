@@ -28,7 +28,7 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from tplab.core.errors import PlanError
-from tplab.core.plans import apply_plan
+from tplab.core.plans import parallelizer
 from tplab.core.rng import Dropout
 
 __all__ = ["checkpoint_blocks", "checkpointed", "keep_masks", "trackers"]
@@ -103,8 +103,6 @@ def checkpoint_blocks(model: torch.nn.Module, per_module=("Block",),
 def checkpointed(model: torch.nn.Module, mesh, plan=None, per_module=("Block",),
                  masks: str = "keep") -> torch.nn.Module:
     """A `(model, mesh) -> model` plan: `plan`, then `checkpoint_blocks`."""
-    if isinstance(plan, dict):
-        model = apply_plan(model, mesh, plan)
-    elif plan is not None:
-        model = plan(model, mesh)
+    if plan is not None:
+        model = parallelizer(plan)(model, mesh)
     return checkpoint_blocks(model, per_module, masks)

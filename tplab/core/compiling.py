@@ -24,7 +24,7 @@ import torch
 
 from tplab.core.errors import PlanError
 from tplab.core.mesh import make_mesh
-from tplab.core.plans import apply_plan
+from tplab.core.plans import parallelizer
 from tplab.core.tracing import trace
 
 __all__ = ["collectives", "compiled", "eager_and_compiled", "why_not_inductor"]
@@ -52,10 +52,8 @@ def compiled(model: torch.nn.Module, mesh, plan=None, backend: str = "inductor")
         why = why_not_inductor()
         if why:
             raise PlanError(why)
-    if isinstance(plan, dict):
-        model = apply_plan(model, mesh, plan)
-    elif plan is not None:
-        model = plan(model, mesh)
+    if plan is not None:
+        model = parallelizer(plan)(model, mesh)
     return torch.compile(model, backend=backend)
 
 
@@ -74,9 +72,7 @@ def eager_and_compiled(build_model, plan, x) -> tuple[dict, dict]:
         model(inp).pow(2).sum().backward()
 
     out = []
-    for make in (lambda m, mesh: apply_plan(m, mesh, plan) if isinstance(plan, dict)
-                 else plan(m, mesh),
-                 lambda m, mesh: compiled(m, mesh, plan)):
+    for make in (parallelizer(plan), lambda m, mesh: compiled(m, mesh, plan)):
         model = make(build_model(), make_mesh(tp=torch.distributed.get_world_size()))
         inp = x.clone().requires_grad_()
         step(model, inp)
