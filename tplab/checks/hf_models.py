@@ -14,14 +14,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 
 from tplab.checks.grad import grad_check
 from tplab.core import hf
-from tplab.core.mesh import make_mesh
-from tplab.core.plans import parallelizer
-from tplab.core.tracing import trace
 from tplab.lab.contract import Ranks
+from tplab.rank.hf_step import layer_counts, logits_loss
 
 # small sizes every family understands; only keys a config already has are set
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -100,27 +97,6 @@ def tokens(name: str) -> dict:
     return {"input_ids": ids}
 
 
-def logits_loss(out):
-    """The mean square of the logits: every logit gets a gradient."""
-    return out.logits.float().pow(2).mean()
-
-
-def _layer_counts(build_model, state, plan, x) -> dict:
-    """Rank side: the collectives of decoder layer 0, forward and backward, from a trace."""
-    model = build_model()
-    model.load_state_dict(state)
-    mesh = make_mesh(tp=dist.get_world_size())
-    model = parallelizer(plan)(model, mesh)
-    with trace() as t:
-        logits_loss(model(**x)).backward()
-    counts: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
-    for r in t.records:
-        if ".layers.0." in f".{r.get('module') or ''}.":
-            phase = counts.setdefault(r["phase"], {})
-            phase[r["op"]] = phase.get(r["op"], 0) + 1
-    return counts
-
-
 def _short(counts: dict) -> str:
     return ", ".join(f"{n} {op}" for op, n in sorted(counts.items())) or "none"
 
@@ -153,7 +129,7 @@ def check_family(lab: Ranks, name: str, trace_layer: bool = True) -> dict:
             row[label] = f"cannot run: {type(e).__name__}: {str(e).strip().splitlines()[-1]}"
     if trace_layer and row["own"] == "ok":
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        counts = lab.run(_layer_counts, builder, state, hf.apply_transformers_plan,
+        counts = lab.run(layer_counts, builder, state, hf.apply_transformers_plan,
                          make())[0]
         row["forward"], row["backward"] = (_short(counts.get("forward", {})),
                                            _short(counts.get("backward", {})))

@@ -7,27 +7,11 @@ import functools
 import time
 
 import psutil
-import torch
-import torch.distributed as dist
 
 import tplab
 from tplab.core import megatron, models
 from tplab.lab.contract import Ranks
-
-
-def _mlp_step(cfg):
-    """Rank side: one traced Megatron MLP step."""
-    model = megatron.parallelize(models.MLP(cfg), tplab.make_mesh())
-    x = models.make_input(cfg).requires_grad_()
-    with tplab.trace() as t:
-        model(x).pow(2).sum().backward()
-    return {"counts": t.counts(), "finite": bool(torch.isfinite(x.grad).all())}
-
-
-def _all_reduce():
-    x = torch.full((4,), float(dist.get_rank() + 1))
-    dist.all_reduce(x)
-    return x.tolist()
+from tplab.rank.doctor_step import all_reduce_ranks, mlp_step
 
 
 def _rank_memory(lab: Ranks) -> int | None:
@@ -65,14 +49,14 @@ def smoke_test(world_size: int, timeout: float = 30) -> tuple[list[dict], dict]:
         facts["launch_s"] = round(time.perf_counter() - started, 2)
         checks.append(row("launch", True, f"{world_size} ranks ({lab.backend}) in "
                                             f"{facts['launch_s']} s"))
-        got = lab.run(_all_reduce)
+        got = lab.run(all_reduce_ranks)
         want = [float(world_size * (world_size + 1) / 2)] * 4
         ok = all(r == want for r in got)
         checks.append(row("all_reduce", ok, f"every rank got {got[0]}" if ok else
                             f"ranks got {got}, expected {want}",
                             "" if ok else "the ranks cannot sum: check the network notes"))
         cfg = models.Config(dim=16, hidden_dim=32 * world_size)
-        step = lab.run(_mlp_step, cfg)
+        step = lab.run(mlp_step, cfg)
         want_counts = {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
         ok = all(s["counts"] == want_counts and s["finite"] for s in step)
         checks.append(row("megatron_step", ok, f"traced {step[0]['counts']}",
