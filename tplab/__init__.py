@@ -38,7 +38,7 @@ MODULES = {
     **{name: f"tplab.core.{name}" for name in (
         "megatron", "models", "plans", "rng", "mesh", "hf", "parallel_styles", "plan_check",
         "tracing", "fsdp", "checkpointing", "compiling", "platforms", "training", "lessons",
-        "causes", "explain", "layouts")},
+        "causes", "explain", "layouts", "errors")},
     **{name: f"tplab.checks.{name}" for name in ("hf_models", "fsdp_report")},
     "widgets": "tplab.viz.widgets",
     "cost": "tplab.cost",
