@@ -28,7 +28,7 @@ from tplab.core import placements
 from tplab.core.parallel_styles import REPLICATED_GRAD_RULE
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
-_TPLAB = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TPLAB = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # tplab/
 _STYLE_HOOKS = {"_prepare_input_fn": "input", "_prepare_output_fn": "output",
                 "_prepare_out_fn": "output", "_prepare_input_kwarg_fn": "input",
                 "_prepare_input_redistribute_fn": "input",
