@@ -45,7 +45,7 @@ from tplab.core.fsdp_layout import (
 )
 from tplab.core.layouts import tp_layout
 from tplab.core.mesh import make_mesh
-from tplab.core.plans import parallelizer
+from tplab.core.plans import apply_plan
 from tplab.core.pytrees import call_model, map_tensors
 from tplab.core.tracing import trace
 from tplab.rank.grad_step import call_loss, loss_context
@@ -68,8 +68,10 @@ def apply_fsdp_tp(model, mesh, tp_plan=None, per_module=(), on: str = "dp",
                         f"mesh dims {names or 'unnamed'}")
     if on not in names:
         raise PlanError(f"fsdp_tp: on={on!r} is not a mesh dim ({', '.join(names)})")
-    if tp_plan is not None:  # a dict on mesh["tp"] (apply_plan takes the tp dim), a function
-        model = parallelizer(tp_plan)(model, mesh)  # on the whole (dp, tp) mesh
+    if isinstance(tp_plan, dict):
+        model = apply_plan(model, mesh["tp"], tp_plan)
+    elif tp_plan is not None:
+        model = tp_plan(model, mesh)
     wanted = set(per_module)
     for name, m in list(model.named_modules()):
         if name and ({c.__name__ for c in type(m).__mro__} & wanted or name in wanted):
