@@ -79,9 +79,9 @@ def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> d
             out = out.full_tensor()
         loss = 0.5 * out.pow(2).sum()
         loss.backward()
-    params = {name: _as_dtensor(info["value"], mesh, placements.placement(info["placement"]))
+    params = {name: _as_dtensor(info.value, mesh, placements.placement(info.placement))
               for name, info in tp_layout(model, of="param").items()}
-    grads = {name: _as_dtensor(info["value"], mesh, placements.placement(info["placement"]))
+    grads = {name: _as_dtensor(info.value, mesh, placements.placement(info.placement))
              for name, info in tp_layout(model).items()}
     # the loss as shape (1,): a 0-d tensor comes back from rank processes as (1,) anyway
     return {"output": out.detach(), "loss": loss.detach().reshape(1), "input_grad": x.grad,
