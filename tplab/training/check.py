@@ -71,7 +71,7 @@ from tplab.rank.train_step import (
 from tplab.training.band import FACTOR, noise_band
 from tplab.training.live import LiveTraining, live_default
 from tplab.training.noise import ReorderedProducts
-from tplab.training.report import WORDS, TrainReport
+from tplab.training.report import TrainReport, diverged
 
 
 def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order=None,
@@ -324,7 +324,7 @@ def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_gr
     bad = next((r for r in rows if not r["ok"]), None)
     if bad is not None:
         report.first_bad_step = bad["step"]
-        report.diverged, report.detail = _diverged(bad)
+        report.diverged, report.detail = diverged(bad)
     return report
 
 
@@ -374,35 +374,6 @@ def _spreads(results, pairs, ref, tp, steps) -> list[tuple[float, str]]:
             if spread is not None and spread > out[i][0]:
                 out[i] = (spread, p.ranks)
     return out
-
-
-def _diverged(row) -> tuple[list[str], str]:
-    ratios = {}
-    if row["loss_diff"] > row["loss_band"]:
-        ratios["loss"] = row["loss_diff"] / max(row["loss_band"], 1e-30)
-    for kind in ("sharded", "replicated"):
-        if row["by_kind"][kind][0] > row["param_band"]:
-            ratios[kind] = row["by_kind"][kind][0] / max(row["param_band"], 1e-30)
-    kinds = sorted(ratios, key=ratios.get, reverse=True)
-    if not kinds:  # cannot happen: a row is bad because something is outside its band
-        kinds = ["loss"]
-    parts = []
-    for kind in kinds:
-        if kind == "loss":
-            parts.append(f"the loss differs from one device's by {row['loss_diff']:.3g} "
-                         f"(band {row['loss_band']:.2g})")
-        elif kind == "replicated" and row["replica_spread"] > row["param_band"]:
-            parts.append(f"a replicated parameter, {row['spread_param']}, differs across "
-                         f"ranks by {row['replica_spread']:.3g} (band {row['param_band']:.2g})")
-        else:
-            value, name = row["by_kind"][kind]
-            parts.append(f"{WORDS[kind]}, {name}, drifted from one device's by {value:.3g} "
-                         f"(band {row['param_band']:.2g})")
-    what = WORDS[kinds[0]]
-    step = row["step"]
-    head = (f"{what} diverged first, at step {step}" if step else
-            "the ranks' initial weights differ from the notebook's (step 0)")
-    return kinds, f"{head}: " + "; ".join(parts)
 
 
 def _noise_words(band, tp) -> str:
