@@ -149,7 +149,7 @@ def test_the_parameters_end_with_strided_placements_on_both_mesh_dims(lab4):
         from tplab.core.mesh import make_mesh
 
         model = plan(TINY(), make_mesh(dp=2, tp=2))
-        return {n: (i["mesh_placements"], i["fsdp"]) for n, i in tp_layout(model).items()}
+        return {n: (i.mesh_placements, i.fsdp) for n, i in tp_layout(model).items()}
 
     got = lab4.run(placements_of, CORRECT["DTensor TP + FSDP2 per block"])[0]
     wq, _ = got["layers.0.attention.wq.weight"]  # colwise: dim 0 on tp, then FSDP on dim 0

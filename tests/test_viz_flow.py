@@ -177,7 +177,7 @@ def real():
     settings = Settings(model="attention", tp=4, path="dtensor", sequence_parallel=True)
     steps = sim.run(explore_step, "attention", CFG, model.state_dict(), models.make_input(CFG),
                     settings)
-    out[("attention", "dtensor", True)] = steps[0]["records"]
+    out[("attention", "dtensor", True)] = steps[0].records
     return out
 
 

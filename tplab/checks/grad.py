@@ -50,13 +50,16 @@ should be the same on every rank, the spread across ranks (kind "replica_spread"
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tplab.checks.fsdp_report import name_mesh_dims, replica_grads
 from tplab.checks.grad_report import GradCheckReport, compare, unpaired, unreadable
 from tplab.core import placements, rng
 from tplab.core.errors import LabError
-from tplab.core.pairing import gather, gather_indexed, pair
+from tplab.core.layouts import ParamLayout
+from tplab.core.pairing import Pair, gather, gather_indexed, pair
 from tplab.core.plans import parallelizer
 from tplab.core.pytrees import call_model, leaves, map_tensors
 from tplab.core.transfer import LocalShard
@@ -194,13 +197,13 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | N
     def add(name, kind, values, ref, note=""):
         rows.extend(tensor_rows(name, kind, values, ref, atol, rtol, note))
 
-    for name in [*out_ref, *(k for k in results[0]["outputs"] if k not in out_ref)]:
-        add(name, "output", [r["outputs"].get(name) for r in results], out_ref.get(name))
-    add("loss", "output", [r["loss"] for r in results], loss_ref,
+    for name in [*out_ref, *(k for k in results[0].outputs if k not in out_ref)]:
+        add(name, "output", [r.outputs.get(name) for r in results], out_ref.get(name))
+    add("loss", "output", [r.loss for r in results], loss_ref,
         f"the mean of the {dp} dp replicas' losses" if dp > 1 else "")
     for name, t in leaves(x_ref, "input"):
         if t.grad is not None:
-            add(name, "input_grad", [r["input_grads"].get(name) for r in results], t.grad)
+            add(name, "input_grad", [r.input_grads.get(name) for r in results], t.grad)
     wholes: dict = {}
     notes = _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes)
     if dp > 1 and any(r["kind"] == "param_grad" and not r["ok"] for r in rows):
@@ -218,16 +221,15 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes=None) ->
     aliases = {n: ref_name for n, p in model.named_parameters(remove_duplicate=False)
                for ref_name, q in ref.items() if p is q and n != ref_name}
     buffers = [n for n, _ in model.named_buffers()]
-    ranks = results[0]["params"]
-    assembled = wholes
+    ranks = results[0].params
     pairs, lone_ranks, lone_ref, problems = pair({n: tuple(p.shape) for n, p in ref.items()},
                                                  ranks, tp, param_map, aliases)
     notes = []
     if buffers:
         notes.append(f"buffers are not compared (they get no gradient): {', '.join(buffers)}")
-    by_ref: dict[str, list[dict]] = {}
+    by_ref: dict[str, list[Pair]] = {}
     for p in pairs:
-        by_ref.setdefault(p["ref"], []).append(p)
+        by_ref.setdefault(p.ref, []).append(p)
     frozen = []
     for name, p in ref.items():
         got = by_ref.get(name)
@@ -236,65 +238,107 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes=None) ->
         if not p.requires_grad:
             frozen.append(name)
             continue
-        wholes, spreads, why = [], [], None
-        for q in got:
-            infos = [r["params"][q["ranks"]] for r in results]
-            values = [info["value"] for info in infos]
-            why = why or next((i["unreadable"] for i in infos if i.get("unreadable")), None)
-            if why:
-                break
-            if q["placement"] == placements.MESH:
-                full, spread = assemble(values)
-            elif infos[0].get("index") is not None:  # a DTensor: placed as DTensor places it
-                full, spread = gather_indexed(values, [i.get("index") for i in infos],
-                                              tuple(p.shape),
-                                              placements.is_partial(q["placement"]), tp)
-            else:
-                dim = placements.shard_dim(q["placement"]) or 0
-                if placements.is_shard(q["placement"]) and values[0] is not None:
-                    # every rank's piece as long as rank 0's: a padded tensor (a vocabulary
-                    # padded to a multiple of tp), cut back to the reference's length
-                    length = sum(v.shape[dim] for v in values[:tp])
-                    q["padded"] = length if length > p.shape[dim] else 0
-                full, spread = gather(values, q["placement"] or placements.REPLICATE, tp,
-                                      q["padded"], p.shape[dim] if p.ndim else 0)
-            wholes.append(full)
-            spreads.append(spread)
-        if why:  # never "wrong": tplab cannot read where each rank's elements lie
-            rows.append(unreadable(name, f"the layout on the ranks cannot be read ({why}); "
-                                         "not checked"))
-            continue
-        tied = [a for a, b in aliases.items() if b == name]
-        label = "; ".join(q["placement"] if q["ranks"] == name else
-                          f"{q['ranks']} {q['placement']} ({q['how']})" for q in got)
-        note = f"tied: also {', '.join(tied)}" if tied else ""
-        if len(got) > 1:
-            note = ("tied in the reference, separate on the ranks: their gradients are summed "
-                    "here, but an optimizer step would make the copies differ")
-        if any(placements.is_partial(q["placement"]) for q in got):
-            note = note or "Partial on the ranks (not yet reduced); summed here"
-        if any(q["padded"] for q in got):
-            note = note or (f"padded to {got[0]['padded']} on the ranks; the padding is "
-                            "not compared")
-        if p.grad is None and all(w is None for w in wholes):
-            notes.append(f"{name}: no gradient on either side (not used by the loss)")
-            continue
-        full = None if any(w is None for w in wholes) else sum(wholes[1:], wholes[0])
-        if assembled is not None:
-            assembled[name] = full
-        rows.append(compare(name, "param_grad", full, p.grad, atol, rtol, note, label))
-        spread = max((s for s in spreads if s is not None), default=None)
-        if spread is not None:
-            rows.append(compare(name, "replica_spread", spread, p.grad, atol, rtol))
+        new_rows, note = _grad_rows(name, p, got, results, tp, aliases, atol, rtol, wholes)
+        rows.extend(new_rows)
+        notes.extend([note] if note else [])
     if frozen:
         notes.append(f"need no gradient (requires_grad=False), not compared: "
                      f"{', '.join(frozen)}")
+    rows.extend(_unpaired_rows(ref, ranks, lone_ranks, lone_ref, problems, notes))
+    return notes
+
+
+def _grad_rows(name, p, got: list[Pair], results, tp, aliases, atol, rtol, wholes):
+    """(rows, note) for the reference parameter `name` (`p`) and the pairs on the ranks that
+    hold it (more than one: tied in the reference, separate on the ranks). `wholes` (a dict,
+    or None) gets the assembled gradient."""
+    pieces = []
+    for q in got:
+        infos = [r.params[q.ranks] for r in results]
+        why = next((i.unreadable for i in infos if i.unreadable), None)
+        if why:  # never "wrong": tplab cannot read where each rank's elements lie
+            return [unreadable(name, f"the layout on the ranks cannot be read ({why}); "
+                                     "not checked")], None
+        pieces.append(ASSEMBLERS[_placed_by(q, infos)](q, infos, p, tp))
+    got = [q for q, _, _ in pieces]
+    fulls = [full for _, full, _ in pieces]
+    if p.grad is None and all(w is None for w in fulls):
+        return [], f"{name}: no gradient on either side (not used by the loss)"
+    full = None if any(w is None for w in fulls) else sum(fulls[1:], fulls[0])
+    if wholes is not None:
+        wholes[name] = full
+    label, note = _pair_words(name, got, aliases)
+    rows = [compare(name, "param_grad", full, p.grad, atol, rtol, note, label)]
+    spread = max((s for _, _, s in pieces if s is not None), default=None)
+    if spread is not None:
+        rows.append(compare(name, "replica_spread", spread, p.grad, atol, rtol))
+    return rows, None
+
+
+def _placed_by(q: Pair, infos: list[ParamLayout]) -> str:
+    """Which of ASSEMBLERS puts this pair's pieces together."""
+    if q.placement == placements.MESH:
+        return "mesh"
+    if infos[0].index is not None:
+        return "indexed"
+    return "by placement"
+
+
+def _on_whole_mesh(q: Pair, infos, p, tp):
+    """A DTensor on the whole (dp, tp) mesh (FSDP2): placed by its LocalShards' offsets."""
+    return (q, *assemble([i.value for i in infos]))
+
+
+def _by_global_index(q: Pair, infos, p, tp):
+    """A DTensor on the tp dim: placed as DTensor places it (`layouts.global_index`)."""
+    return (q, *gather_indexed([i.value for i in infos], [i.index for i in infos],
+                               tuple(p.shape), placements.is_partial(q.placement), tp))
+
+
+def _by_placement(q: Pair, infos, p, tp):
+    """A plain tensor with a placement declared or read from its shape (tplab.core.pairing)."""
+    values = [i.value for i in infos]
+    dim = placements.shard_dim(q.placement) or 0
+    if placements.is_shard(q.placement) and values[0] is not None:
+        # every rank's piece as long as rank 0's: a padded tensor (a vocabulary padded to a
+        # multiple of tp), cut back to the reference's length
+        length = sum(v.shape[dim] for v in values[:tp])
+        q = dataclasses.replace(q, padded=length if length > p.shape[dim] else 0)
+    return (q, *gather(values, q.placement or placements.REPLICATE, tp, q.padded,
+                       p.shape[dim] if p.ndim else 0))
+
+
+# how a pair's pieces become the whole gradient: (pair, whole, spread) by _placed_by's answer
+ASSEMBLERS = {"mesh": _on_whole_mesh, "indexed": _by_global_index,
+              "by placement": _by_placement}
+
+
+def _pair_words(name: str, got: list[Pair], aliases: dict) -> tuple[str, str]:
+    """(what the row says it was compared with on the ranks, its note)."""
+    tied = [a for a, b in aliases.items() if b == name]
+    label = "; ".join(q.placement if q.ranks == name else
+                      f"{q.ranks} {q.placement} ({q.how})" for q in got)
+    note = f"tied: also {', '.join(tied)}" if tied else ""
+    if len(got) > 1:
+        note = ("tied in the reference, separate on the ranks: their gradients are summed "
+                "here, but an optimizer step would make the copies differ")
+    if any(placements.is_partial(q.placement) for q in got):
+        note = note or "Partial on the ranks (not yet reduced); summed here"
+    if any(q.padded for q in got):
+        note = note or f"padded to {got[0].padded} on the ranks; the padding is not compared"
+    return label, note
+
+
+def _unpaired_rows(ref, ranks, lone_ranks, lone_ref, problems, notes) -> list[dict]:
+    """A row for each parameter that pairs with nothing (a note when it needs no
+    gradient), saying how to pair it."""
+    rows = []
     for name in lone_ranks:
         info = ranks[name]
-        if not info["requires_grad"]:
+        if not info.requires_grad:
             notes.append(f"{name} (only on the ranks) needs no gradient: not compared")
             continue
-        why = problems.get(name) or (f"only on the ranks, local shape {info['shape']}: no "
+        why = problems.get(name) or (f"only on the ranks, local shape {info.shape}: no "
                                      "reference parameter left fits it by order and shape")
         hint = f"{lone_ref[0]!r}" if lone_ref else "'<reference name>'"
         rows.append(unpaired(name, f"{why}; pair it with param_map={{{name!r}: {hint}}}"))
@@ -305,6 +349,4 @@ def _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes=None) ->
         rows.append(unpaired(name, f"only in the reference, shape {tuple(ref[name].shape)}; "
                                    f"unpaired on the ranks: {cands}; pair with "
                                    f"param_map={{'<name on the ranks>': {name!r}}}"))
-    return notes
-
-
+    return rows

@@ -54,7 +54,7 @@ import torch
 from tplab.checks.grad import mesh_shape
 from tplab.checks.train_band import FACTOR, noise_band
 from tplab.checks.train_live import LiveTraining, live_default
-from tplab.checks.train_report import WORDS, TrainReport
+from tplab.checks.train_report import TrainReport, diverged
 from tplab.core import placements, rng
 from tplab.core.errors import LabError
 from tplab.core.fsdp_layout import tp_placement
@@ -285,41 +285,23 @@ def _train_ranks(lab: Ranks, build_model, state, plan, make_batch, steps, step, 
 
 
 def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_grad):
-    for r, res in enumerate(results):
-        bad = (res["batch_sums"] != ref_sums).any(-1).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            same = bool(res["batch_sums"][i, 0] == ref_sums[i, 0])
-            what = ("the same values in another order (the same rows, shuffled per rank?)"
-                    if same else "another batch")
-            raise LabError(f"train_check: make_batch({i}) gave rank {r} {what} than the "
-                           "notebook: it must give the same batch wherever it is called. "
-                           "Draw from a generator of its own, torch.Generator()."
-                           "manual_seed(i), not the global RNG (torch.randint(...) with no "
-                           "generator=), and keep no state between calls")
+    _check_batches(results, ref_sums)
     first = results[0]
-    pairs = first["pairs"]
-    names = [p["ranks"] for p in pairs]
-    sharded = {p["ranks"]: placements.is_shard(tp_placement(p["placement"], first["layout"].get(
-        p["ranks"]))) for p in pairs}
-    diffs = torch.stack([res["diffs"] for res in results])  # rank, step, parameter
+    pairs = first.pairs
+    names = [p.ranks for p in pairs]
+    sharded = {p.ranks: placements.is_shard(tp_placement(p.placement, first.layout.get(p.ranks)))
+               for p in pairs}
+    diffs = torch.stack([res.diffs for res in results])  # rank, step, parameter
     steps = len(ref_losses)
-    losses = torch.stack([res["losses"] for res in results])  # rank, step
-    notes = [f"{n}: {why}" for n, why in first["problems"].items()]
-    lone = [n for n in first["lone_ref"] if requires_grad.get(n, True)]
-    unpaired = first["lone_ranks"] + lone
+    losses = torch.stack([res.losses for res in results])  # rank, step
+    notes = [f"{n}: {why}" for n, why in first.problems.items()]
+    lone = [n for n in first.lone_ref if requires_grad.get(n, True)]
+    unpaired = first.lone_ranks + lone
     spreads = _spreads(results, pairs, ref, tp, steps)
     rows = []
     for i in range(steps + 1):
         d = diffs[:, i, :] if names else torch.zeros(world, 1)
-        worst = d.amax(0)
-        k = int(worst.argmax()) if names else 0
-        row = {"step": i, "param_diff": float(worst.max()) if names else 0.0,
-               "param": names[k] if names else "", "param_band": band["param"][i],
-               "replica_spread": spreads[i][0], "spread_param": spreads[i][1],
-               "by_kind": {kind: max(((float(worst[j]), n) for j, n in enumerate(names)
-                                      if sharded[n] == (kind == "sharded")), default=(0.0, ""))
-                           for kind in ("sharded", "replicated")}}
+        row = _param_row(i, d.amax(0), names, sharded, band, spreads[i])
         if i:
             per_replica = losses[:, i - 1].reshape(dp, tp)
             mean = float(per_replica[:, 0].double().mean())
@@ -329,8 +311,6 @@ def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_gr
                        loss_band=band["loss"][i - 1])
         else:
             row.update(ref_loss=math.nan, losses=[], loss_diff=0.0, loss_band=0.0)
-        if row["replica_spread"] > row["by_kind"]["replicated"][0]:
-            row["by_kind"]["replicated"] = (row["replica_spread"], row["spread_param"])
         row["ok"] = (row["loss_diff"] <= row["loss_band"] and row["param_diff"] <=
                      row["param_band"] and row["replica_spread"] <= row["param_band"])
         rows.append(row)
@@ -344,54 +324,56 @@ def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_gr
     bad = next((r for r in rows if not r["ok"]), None)
     if bad is not None:
         report.first_bad_step = bad["step"]
-        report.diverged, report.detail = _diverged(bad)
+        report.diverged, report.detail = diverged(bad)
     return report
+
+
+def _check_batches(results, ref_sums) -> None:
+    """A LabError when a rank drew other batches than the notebook (by their checksums)."""
+    for r, res in enumerate(results):
+        bad = (res.batch_sums != ref_sums).any(-1).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            same = bool(res.batch_sums[i, 0] == ref_sums[i, 0])
+            what = ("the same values in another order (the same rows, shuffled per rank?)"
+                    if same else "another batch")
+            raise LabError(f"train_check: make_batch({i}) gave rank {r} {what} than the "
+                           "notebook: it must give the same batch wherever it is called. "
+                           "Draw from a generator of its own, torch.Generator()."
+                           "manual_seed(i), not the global RNG (torch.randint(...) with no "
+                           "generator=), and keep no state between calls")
+
+
+def _param_row(i: int, worst, names, sharded, band, spread) -> dict:
+    """Step i's row, its parameter part: the largest drift (`worst`: per parameter, over the
+    ranks), whose, by kind, and the replica spread (`spread`: (value, whose))."""
+    k = int(worst.argmax()) if names else 0
+    row = {"step": i, "param_diff": float(worst.max()) if names else 0.0,
+           "param": names[k] if names else "", "param_band": band["param"][i],
+           "replica_spread": spread[0], "spread_param": spread[1],
+           "by_kind": {kind: max(((float(worst[j]), n) for j, n in enumerate(names)
+                                  if sharded[n] == (kind == "sharded")), default=(0.0, ""))
+                       for kind in ("sharded", "replicated")}}
+    if row["replica_spread"] > row["by_kind"]["replicated"][0]:
+        row["by_kind"]["replicated"] = (row["replica_spread"], row["spread_param"])
+    return row
 
 
 def _spreads(results, pairs, ref, tp, steps) -> list[tuple[float, str]]:
     """Per step: the largest spread between copies that should be equal, and whose."""
     out = [(0.0, "")] * (steps + 1)
     for p in pairs:
-        if p["ranks"] not in results[0]["replicas"]:
+        if p.ranks not in results[0].replicas:
             continue
-        values = [res["replicas"][p["ranks"]] for res in results]
-        dim = placements.shard_dim(p["placement"]) or 0
-        ref_len = ref[p["ref"]].shape[dim] if ref[p["ref"]].ndim else 0
+        values = [res.replicas[p.ranks] for res in results]
+        dim = placements.shard_dim(p.placement) or 0
+        ref_len = ref[p.ref].shape[dim] if ref[p.ref].ndim else 0
         for i in range(steps + 1):
-            _, spread = gather([v[i] for v in values], p["placement"] or placements.REPLICATE, tp,
-                               p["padded"], ref_len)
+            _, spread = gather([v[i] for v in values], p.placement or placements.REPLICATE, tp,
+                               p.padded, ref_len)
             if spread is not None and spread > out[i][0]:
-                out[i] = (spread, p["ranks"])
+                out[i] = (spread, p.ranks)
     return out
-
-
-def _diverged(row) -> tuple[list[str], str]:
-    ratios = {}
-    if row["loss_diff"] > row["loss_band"]:
-        ratios["loss"] = row["loss_diff"] / max(row["loss_band"], 1e-30)
-    for kind in ("sharded", "replicated"):
-        if row["by_kind"][kind][0] > row["param_band"]:
-            ratios[kind] = row["by_kind"][kind][0] / max(row["param_band"], 1e-30)
-    kinds = sorted(ratios, key=ratios.get, reverse=True)
-    if not kinds:  # cannot happen: a row is bad because something is outside its band
-        kinds = ["loss"]
-    parts = []
-    for kind in kinds:
-        if kind == "loss":
-            parts.append(f"the loss differs from one device's by {row['loss_diff']:.3g} "
-                         f"(band {row['loss_band']:.2g})")
-        elif kind == "replicated" and row["replica_spread"] > row["param_band"]:
-            parts.append(f"a replicated parameter, {row['spread_param']}, differs across "
-                         f"ranks by {row['replica_spread']:.3g} (band {row['param_band']:.2g})")
-        else:
-            value, name = row["by_kind"][kind]
-            parts.append(f"{WORDS[kind]}, {name}, drifted from one device's by {value:.3g} "
-                         f"(band {row['param_band']:.2g})")
-    what = WORDS[kinds[0]]
-    step = row["step"]
-    head = (f"{what} diverged first, at step {step}" if step else
-            "the ranks' initial weights differ from the notebook's (step 0)")
-    return kinds, f"{head}: " + "; ".join(parts)
 
 
 def _noise_words(band, tp) -> str:

@@ -147,3 +147,34 @@ def _finite(v, floor):
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return None
     return max(v, floor)
+
+
+def diverged(row: dict) -> tuple[list[str], str]:
+    """(what diverged at the bad step `row`, worst first: "loss", "sharded", "replicated";
+    the sentence that says by how much, against which band)."""
+    ratios = {}
+    if row["loss_diff"] > row["loss_band"]:
+        ratios["loss"] = row["loss_diff"] / max(row["loss_band"], 1e-30)
+    for kind in ("sharded", "replicated"):
+        if row["by_kind"][kind][0] > row["param_band"]:
+            ratios[kind] = row["by_kind"][kind][0] / max(row["param_band"], 1e-30)
+    kinds = sorted(ratios, key=ratios.get, reverse=True)
+    if not kinds:  # cannot happen: a row is bad because something is outside its band
+        kinds = ["loss"]
+    parts = []
+    for kind in kinds:
+        if kind == "loss":
+            parts.append(f"the loss differs from one device's by {row['loss_diff']:.3g} "
+                         f"(band {row['loss_band']:.2g})")
+        elif kind == "replicated" and row["replica_spread"] > row["param_band"]:
+            parts.append(f"a replicated parameter, {row['spread_param']}, differs across "
+                         f"ranks by {row['replica_spread']:.3g} (band {row['param_band']:.2g})")
+        else:
+            value, name = row["by_kind"][kind]
+            parts.append(f"{WORDS[kind]}, {name}, drifted from one device's by {value:.3g} "
+                         f"(band {row['param_band']:.2g})")
+    what = WORDS[kinds[0]]
+    step = row["step"]
+    head = (f"{what} diverged first, at step {step}" if step else
+            "the ranks' initial weights differ from the notebook's (step 0)")
+    return kinds, f"{head}: " + "; ".join(parts)

@@ -145,7 +145,7 @@ def placements_after(build_model, plan, dp: int) -> dict[str, dict[str, str]]:
     `plan` on a (dp, tp) mesh of the whole world."""
     mesh = make_mesh(dp=dp, tp=dist.get_world_size() // dp)
     model = plan(build_model(), mesh)
-    return {n: i["mesh_placements"] for n, i in tp_layout(model, of="param").items()}
+    return {n: i.mesh_placements for n, i in tp_layout(model, of="param").items()}
 
 
 def traced_step(build_model, plan, dp: int, x, loss_fn=None) -> list[dict]:

@@ -49,11 +49,12 @@ def tp_view(value):
     return value
 
 
-def tp_placement(placement: str | None, info: dict | None) -> str | None:
+def tp_placement(placement: str | None, info) -> str | None:
     """A parameter's placement on the tp dim: its own, or, for a DTensor on the whole
-    (dp, tp) mesh ("mesh"), its placement on the mesh dim named "tp"."""
-    if placement == MESH and info and info.get("mesh_placements"):
-        return info["mesh_placements"].get("tp", placement)
+    (dp, tp) mesh ("mesh"), its placement on the mesh dim named "tp" (`info`: its
+    `tplab.layouts.ParamLayout`, or None)."""
+    if placement == MESH and info is not None and info.mesh_placements:
+        return info.mesh_placements.get("tp", placement)
     return placement
 
 

@@ -14,6 +14,7 @@ The notebook pairs and assembles what these return (tplab/core/pairing.py).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
@@ -21,25 +22,45 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from tplab.core import placements
 from tplab.core.fsdp_layout import managed, over_piece, tp_view
 
-__all__ = ["global_index", "tp_layout"]
+__all__ = ["ParamLayout", "global_index", "tp_layout"]
 
 
-def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
-    """{parameter name: {"value", "placement", "shape", "global_shape",
-    "requires_grad"}} for every parameter of `model` (tied ones once, under their first
-    name, as `named_parameters()` lists them).
+@dataclass(frozen=True, eq=False)
+class ParamLayout:
+    """One parameter of a parallel model as a rank holds it (what `tp_layout` gives; it
+    travels to the notebook by pickle, so both sides know the class).
 
-    "value" is the local gradient (`of="grad"`) or the local parameter (`of="param"`),
-    "placement" its layout on the tp dim as a string ("Shard(0)", "Replicate()",
-    "Partial(sum)", "_StridedShard(dim=1, split_factor=2)") or None when nothing says. A
-    DTensor on a mesh of more than one dim (FSDP2 over dp x tp) is kept whole, with placement
-    "mesh" (the notebook places it). A DTensor on the tp dim also gets "index": the flat
-    global index of each local element (`global_index`), or "unreadable": why not.
-    "fsdp" is True for a parameter FSDP2 manages (its gradient is FSDP's, averaged over dp).
-    One that FSDP2 sharded over dp alone, on top of a hand-written TP layer, is described
-    by its TP piece (all-gathered over dp: `tplab.fsdp.tp_view`), as plain TP is.
+    `value` is the local gradient or parameter; `placement` its layout on the tp dim as a
+    string ("Shard(0)", "Replicate()", "Partial(sum)",
+    "_StridedShard(dim=1, split_factor=2)"), "mesh" for a DTensor on a mesh of more than one
+    dim (FSDP2 over dp x tp: kept whole, the notebook places it), or None when nothing says.
+    `shape` is the local shape, `global_shape` a DTensor's (else None). `index`: the flat
+    global index of each local element of a DTensor on the tp dim (`global_index`), or
+    `unreadable`: why not. `fsdp`: FSDP2 manages it (its gradient is FSDP's, averaged over
+    dp). `dp_placement`: FSDP2 sharded it over dp alone, on top of a hand-written TP piece
+    (then `value` is that TP piece, all-gathered over dp). `mesh_placements`: a DTensor's
+    {mesh dim name: placement}."""
+
+    value: torch.Tensor | None
+    placement: str | None
+    shape: tuple
+    global_shape: tuple | None = None
+    requires_grad: bool = True
+    index: torch.Tensor | None = None
+    unreadable: str | None = None
+    fsdp: bool = False
+    dp_placement: str | None = None
+    mesh_placements: dict[str, str] | None = None
+
+
+def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, ParamLayout]:
+    """{parameter name: ParamLayout} for every parameter of `model` (tied ones once, under
+    their first name, as `named_parameters()` lists them). `value` is the local gradient
+    (`of="grad"`) or the local parameter (`of="param"`). One that FSDP2 sharded over dp
+    alone, on top of a hand-written TP layer, is described by its TP piece (all-gathered
+    over dp: `tplab.fsdp.tp_view`), as plain TP is.
     """
-    out: dict[str, dict] = {}
+    out: dict[str, ParamLayout] = {}
     seen: set[int] = set()
     fsdp = managed(model)
     for path, module in model.named_modules():
@@ -52,12 +73,11 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
             placement = declared.get(name)
             global_shape = None
             if over_piece(p, name in declared):  # FSDP2 over a hand-written TP piece
-                out[f"{path}.{name}" if path else name] = {
-                    "value": tp_view(value), "placement": _named(placement, p.ndim),
-                    "shape": tuple(p.shape), "global_shape": None,
-                    "requires_grad": p.requires_grad, "index": None, "unreadable": None,
-                    "fsdp": True, "dp_placement": placements.name(p.placements[0]),
-                    "mesh_placements": _mesh_placements(p)}
+                out[f"{path}.{name}" if path else name] = ParamLayout(
+                    tp_view(value), _named(placement, p.ndim), tuple(p.shape),
+                    requires_grad=p.requires_grad, fsdp=True,
+                    dp_placement=placements.name(p.placements[0]),
+                    mesh_placements=_mesh_placements(p))
                 continue
             if isinstance(p, DTensor):
                 global_shape = tuple(p.shape)
@@ -72,11 +92,10 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, dict]:
             elif isinstance(p, DTensor) and p.device_mesh.ndim == 1:
                 index, unreadable = global_index(p)
             local = p.to_local() if isinstance(p, DTensor) else p
-            out[f"{path}.{name}" if path else name] = {
-                "value": value, "placement": _named(placement, local.ndim),
-                "shape": tuple(local.shape), "global_shape": global_shape,
-                "requires_grad": p.requires_grad, "index": index, "unreadable": unreadable,
-                "fsdp": id(p) in fsdp, "mesh_placements": _mesh_placements(p)}
+            out[f"{path}.{name}" if path else name] = ParamLayout(
+                value, _named(placement, local.ndim), tuple(local.shape), global_shape,
+                p.requires_grad, index, unreadable, id(p) in fsdp,
+                mesh_placements=_mesh_placements(p))
     return out
 
 

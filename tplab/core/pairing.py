@@ -20,11 +20,28 @@ from __future__ import annotations
 
 import difflib
 import math
+from dataclasses import dataclass
 
 import torch
 
 from tplab.core import placements
 from tplab.core.errors import LabError
+from tplab.core.layouts import ParamLayout
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A parameter on the ranks (`ranks`, its name there) paired with the reference's
+    `ref`: its `placement` on the tp dim, `padded` (the length a padded Shard dim has on
+    the ranks, else 0) and `how` it was paired ("param_map", "name", "order and shape").
+    It travels from the ranks to the notebook by pickle (tplab.train_check pairs there);
+    a pair that learns more is a new one (`dataclasses.replace`)."""
+
+    ranks: str
+    ref: str
+    placement: str | None
+    padded: int
+    how: str
 
 
 def infer_layout(local: tuple, ref: tuple, tp: int) -> tuple[str, int] | None:
@@ -57,24 +74,24 @@ def expected_shape(ref: tuple, placement: str, tp: int) -> tuple:
     return tuple(shape)
 
 
-def _fits(info: dict, ref_shape: tuple, tp: int, placement: str | None = None):
+def _fits(info: ParamLayout, ref_shape: tuple, tp: int, placement: str | None = None):
     """(placement, padded) when the ranks' parameter fits the reference's shape, else None."""
-    if info.get("placement") == placements.MESH:
-        ok = info["global_shape"] is not None and tuple(info["global_shape"]) == tuple(ref_shape)
+    if info.placement == placements.MESH:
+        ok = info.global_shape is not None and tuple(info.global_shape) == tuple(ref_shape)
         return (placements.MESH, 0) if ok else None
-    if info.get("global_shape") is not None:  # a DTensor: its global shape says it
-        if tuple(info["global_shape"]) != tuple(ref_shape):
+    if info.global_shape is not None:  # a DTensor: its global shape says it
+        if tuple(info.global_shape) != tuple(ref_shape):
             return None
-        return info["placement"], 0
-    placement = placement or info.get("placement")
+        return info.placement, 0
+    placement = placement or info.placement
     if placement is not None:
         if placements.is_partial(placement):
             return placement, 0
-        if tuple(info["shape"]) == expected_shape(ref_shape, placement, tp):
+        if tuple(info.shape) == expected_shape(ref_shape, placement, tp):
             return placement, 0
-        inferred = infer_layout(info["shape"], ref_shape, tp)
+        inferred = infer_layout(info.shape, ref_shape, tp)
         return inferred if inferred and inferred[0] == placement else None
-    return infer_layout(info["shape"], ref_shape, tp)
+    return infer_layout(info.shape, ref_shape, tp)
 
 
 # what torch's wrappers put into parameter names: checkpoint_wrapper (activation
@@ -99,72 +116,89 @@ def _placement_of(spec) -> str | None:
     return placements.name(spec)
 
 
-def pair(ref: dict[str, tuple], ranks: dict[str, dict], tp: int, param_map: dict | None = None,
-         aliases: dict[str, str] | None = None):
+def pair(ref: dict[str, tuple], ranks: dict[str, ParamLayout], tp: int,
+         param_map: dict | None = None, aliases: dict[str, str] | None = None):
     """Pair the ranks' parameters with the reference's.
 
-    `ref`: {name: shape} in registration order; `ranks`: `tp_layout`'s dicts (rank 0's);
-    `aliases`: tied reference names -> the name they share a tensor with. Returns (pairs,
-    unpaired on the ranks, unpaired in the reference, problems), pairs as dicts {ranks,
-    ref, placement, padded, how}; `problems` maps a parameter on the ranks to why a pairing
-    asked for (param_map, or the same name) does not fit.
+    `ref`: {name: shape} in registration order; `ranks`: `tp_layout`'s ParamLayouts (rank
+    0's); `aliases`: tied reference names -> the name they share a tensor with. Returns
+    (pairs, unpaired on the ranks, unpaired in the reference, problems), pairs as `Pair`s;
+    `problems` maps a parameter on the ranks to why a pairing asked for (param_map, or the
+    same name) does not fit.
     """
-    aliases = aliases or {}
-    pairs, problems = [], {}
-    free_ref = list(ref)
-    free_ranks = list(ranks)
-
-    def take(rname, refname, fit, how):
-        pairs.append({"ranks": rname, "ref": refname, "placement": fit[0], "padded": fit[1],
-                      "how": how})
-        free_ranks.remove(rname)
-        if refname in free_ref:
-            free_ref.remove(refname)
-
+    pairing = _Pairing(ref, ranks, tp, aliases or {})
     for rname, target in (param_map or {}).items():
+        pairing.by_param_map(rname, target)
+    for rname in list(pairing.free_ranks):  # the same name (a tied reference name counts)
+        pairing.by_name(rname)
+    # the rest by registration order and shape: each takes the first free one that fits,
+    # exact fits first, so a padded fit (a vocabulary) never takes another's reference
+    for exact in (True, False):
+        for rname in [n for n in pairing.free_ranks if n not in pairing.problems]:
+            pairing.by_order(rname, exact)
+    paired = {p.ranks for p in pairing.pairs}
+    unpaired_ranks = [n for n in ranks if n not in paired]
+    return pairing.pairs, unpaired_ranks, list(pairing.free_ref), pairing.problems
+
+
+class _Pairing:
+    """`pair`'s state: the pairs made so far, what is still free on either side, and why
+    a pairing asked for does not fit."""
+
+    def __init__(self, ref: dict[str, tuple], ranks: dict[str, ParamLayout], tp: int,
+                 aliases: dict[str, str]):
+        self.ref, self.ranks, self.tp, self.aliases = ref, ranks, tp, aliases
+        self.pairs: list[Pair] = []
+        self.problems: dict[str, str] = {}
+        self.free_ref, self.free_ranks = list(ref), list(ranks)
+
+    def take(self, rname: str, refname: str, fit: tuple, how: str) -> None:
+        self.pairs.append(Pair(rname, refname, fit[0], fit[1], how))
+        self.free_ranks.remove(rname)
+        if refname in self.free_ref:
+            self.free_ref.remove(refname)
+
+    def by_param_map(self, rname: str, target) -> None:
+        ranks, ref = self.ranks, self.ref
         if rname not in ranks:
             close = difflib.get_close_matches(rname, list(ranks), n=3, cutoff=0.4)
             raise LabError(f"param_map: the parallel model has no parameter {rname!r}; its "
                            f"parameters: {', '.join(map(repr, close or list(ranks)[:8]))}")
         refname, spec = (target, "infer") if isinstance(target, str) else (target[0], target[1])
-        refname = aliases.get(refname, refname)
+        refname = self.aliases.get(refname, refname)
         if refname not in ref:
             close = difflib.get_close_matches(refname, list(ref), n=3, cutoff=0.4)
             raise LabError(f"param_map[{rname!r}]: the reference has no parameter "
                            f"{refname!r}; closest: {', '.join(map(repr, close or list(ref)[:8]))}")
         placement = None if spec == "infer" else _placement_of(spec)
-        fit = _fits(ranks[rname], ref[refname], tp, placement)
+        fit = _fits(ranks[rname], ref[refname], self.tp, placement)
         if fit is None:
-            problems[rname] = (f"param_map pairs it with {refname} {tuple(ref[refname])}, but "
-                               f"its local shape {tuple(ranks[rname]['shape'])} is not "
-                               f"{placement or 'a layout'} of that over tp={tp}")
-            free_ranks.remove(rname)
-            continue
-        take(rname, refname, fit, "param_map")
+            self.problems[rname] = (f"param_map pairs it with {refname} {tuple(ref[refname])}, "
+                                    f"but its local shape {tuple(ranks[rname].shape)} is not "
+                                    f"{placement or 'a layout'} of that over tp={self.tp}")
+            self.free_ranks.remove(rname)
+            return
+        self.take(rname, refname, fit, "param_map")
 
-    for rname in list(free_ranks):  # the same name (a tied reference name counts)
-        refname = aliases.get(unwrapped(rname), unwrapped(rname))
-        if refname in ref:
-            fit = _fits(ranks[rname], ref[refname], tp)
-            if fit is not None:
-                take(rname, refname, fit, "name")
-            else:
-                problems[rname] = (f"the reference's {refname} has shape "
-                                   f"{tuple(ref[refname])}; local shape "
-                                   f"{tuple(ranks[rname]['shape'])} fits no layout over "
-                                   f"tp={tp}")
+    def by_name(self, rname: str) -> None:
+        refname = self.aliases.get(unwrapped(rname), unwrapped(rname))
+        if refname not in self.ref:
+            return
+        fit = _fits(self.ranks[rname], self.ref[refname], self.tp)
+        if fit is not None:
+            self.take(rname, refname, fit, "name")
+        else:
+            self.problems[rname] = (f"the reference's {refname} has shape "
+                                    f"{tuple(self.ref[refname])}; local shape "
+                                    f"{tuple(self.ranks[rname].shape)} fits no layout over "
+                                    f"tp={self.tp}")
 
-    # the rest by registration order and shape: each takes the first free one that fits,
-    # exact fits first, so a padded fit (a vocabulary) never takes another's reference
-    for exact in (True, False):
-        for rname in [n for n in free_ranks if n not in problems]:
-            for refname in free_ref:
-                fit = _fits(ranks[rname], ref[refname], tp)
-                if fit is not None and (fit[1] == 0) == exact:
-                    take(rname, refname, fit, "order and shape")
-                    break
-    unpaired_ranks = [n for n in ranks if n not in {p["ranks"] for p in pairs}]
-    return pairs, unpaired_ranks, list(free_ref), problems
+    def by_order(self, rname: str, exact: bool) -> None:
+        for refname in self.free_ref:
+            fit = _fits(self.ranks[rname], self.ref[refname], self.tp)
+            if fit is not None and (fit[1] == 0) == exact:
+                self.take(rname, refname, fit, "order and shape")
+                return
 
 
 def gather(values: list, placement: str, tp: int, padded: int = 0, ref_len: int = 0):

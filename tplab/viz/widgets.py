@@ -130,8 +130,8 @@ class Explorer:
             loss.backward()
             results = self.lab.run(explore_step, s.model, self.config, state, x, s)
             self.report = self._report(results, ref, out, loss, x_ref)
-            self.trace = [r["records"] for r in results]
-            self.params = {k: [r["params"][k] for r in results] for k in results[0]["params"]}
+            self.trace = [r.records for r in results]
+            self.params = {k: [r.params[k] for r in results] for k in results[0].params}
             self.figures = self._figures(order)
             self.error = None
         except Exception as exc:
@@ -166,11 +166,11 @@ class Explorer:
         def add(name, kind, values, reference):  # as grad_check reports each tensor
             rows.extend(tensor_rows(name, kind, values, reference, self.atol, self.rtol))
 
-        add("output", "output", [r["output"] for r in results], out)
-        add("loss", "output", [r["loss"].reshape(1) for r in results], loss.reshape(1))
-        add("input", "input_grad", [r["input_grad"] for r in results], x_ref.grad)
+        add("output", "output", [r.output for r in results], out)
+        add("loss", "output", [r.loss.reshape(1) for r in results], loss.reshape(1))
+        add("input", "input_grad", [r.input_grad for r in results], x_ref.grad)
         for name, p in ref.named_parameters():
-            add(name, "param_grad", [r["grads"].get(name) for r in results], p.grad)
+            add(name, "param_grad", [r.grads.get(name) for r in results], p.grad)
         return GradCheckReport(rows, len(results), self.atol, self.rtol, loss.item())
 
     def _figures(self, order: list) -> dict:

@@ -60,19 +60,19 @@ def grad_norm(model: torch.nn.Module, mesh=None, norm_type: float = 2.0) -> torc
     replicated = torch.zeros((), dtype=torch.float32)
     whole = torch.zeros((), dtype=torch.float32)  # DTensor gradients, already reduced
     for name, info in tp_layout(model, of="grad").items():
-        g = info["value"]
+        g = info.value
         if g is None:
             continue
         grad = model.get_parameter(name).grad
-        if isinstance(grad, DTensor) and "dp_placement" not in info:
+        if isinstance(grad, DTensor) and info.dp_placement is None:
             # a DTensor op: Shard pieces summed over the mesh, a Partial(sum) gradient reduced
             # before it is squared, a Replicate one taken once (FSDP2 x TP on the whole
             # (dp, tp) mesh too). FSDP2's shards of a hand-written TP piece are not: their
-            # piece (`info["value"]`, gathered over dp) counts as the TP layout says, below
+            # piece (`info.value`, gathered over dp) counts as the TP layout says, below
             whole = whole + grad.detach().float().pow(2).sum().full_tensor()
             continue
         square = g.detach().float().pow(2).sum()
-        if placements.is_shard(info["placement"]):
+        if placements.is_shard(info.placement):
             sharded = sharded + square
         else:
             replicated = replicated + square
