@@ -43,23 +43,29 @@ def test_every_published_run_is_expressible_and_its_error_computed():
     sources = {r["source"] for r in out["rows"]}
     assert len(sources) == 8
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in out["rows"]]
-    assert out["median"] == pytest.approx(statistics.median(errors))
-    # what this model achieves today (docs/VALIDATION.md); a regression makes it worse
-    assert out["median"] <= 0.16
+    assert out["median_all"] == pytest.approx(statistics.median(errors))
     zero3 = [r for r in out["rows"] if "ZeRO-3" in r["where"]]
     rest = [r for r in out["rows"] if "ZeRO-3" not in r["where"]]
-    assert len(zero3) == 6 and all(abs(r["error"]) < 0.9 for r in rest)
+    # the goal set is every row but the six ZeRO-3 ones, and only those (ZERO3_2021)
+    assert [r for r in out["rows"] if r["excluded"]] == zero3 and out["goal_rows"] == 87
+    assert out["median"] == pytest.approx(statistics.median(abs(r["error"]) for r in rest))
+    # what this model achieves today (docs/VALIDATION.md); a regression makes it worse
+    assert out["median"] <= 0.14 and abs(out["worst"]) <= 0.75
+    assert all(abs(r["error"]) < 0.75 for r in rest)
     # the group that meets the median goal: NVIDIA's FP8 recipes (Megatron-Bridge)
     bridge = [abs(r["error"]) for r in out["rows"] if r["source"] == published.BRIDGE]
     assert len(bridge) == 10 and statistics.median(bridge) <= 0.10
     # and the A100 groups at the sustained rate (four frameworks, 2021 to 2024)
     a100 = [abs(r["error"]) for r in rest if r["hardware"] == "A100 SXM"]
     assert len(a100) == 41 and statistics.median(a100) <= 0.15
-    # the blind spot VALIDATION.md names: DeepSpeed's ZeRO-3 of 2021 ran far slower than
-    # NCCL's striped rings let the model price it, and slower with every GPU added
+    # why the ZeRO-3 rows are out of the goal set, checked on the rows themselves: at a
+    # (near-)fixed global batch, 3.5-4 times the GPUs barely shortens the measured step
+    # (175B: 82, 67, 67 s; 530B: 256, 180, 184 s), where the work per GPU falls four-fold
+    for rows in (zero3[:3], zero3[3:]):
+        steps = [published.step_seconds(r) for r in rows]
+        work = [r["global_batch"] / r["gpus"] for r in rows]   # sequences per GPU
+        assert work[-1] <= work[0] / 4 and steps[-1] > 0.6 * steps[0]
     assert all(r["error"] > 0.5 for r in zero3)
-    assert [r["measured"] for r in zero3[:3]] == sorted((r["measured"] for r in zero3[:3]),
-                                                         reverse=True)
     # every run reported with PP > 1, CP > 1 or Blackwell is among them
     assert any(r["pp"] > 1 for r in out["rows"]) and any(r["cp"] > 1 for r in out["rows"])
     assert any(r["hardware"] == "GB200 NVL72" for r in out["rows"])
@@ -189,6 +195,16 @@ def test_auto_is_never_slower_than_the_ring_it_priced(n):
         for algorithm in ("ring", "tree") + (("nvls",) if n <= 8 else ()):
             assert auto <= cost.collective_time("all_reduce", nbytes, n, H100, algorithm
                                                 ) * (1 + 1e-12), (n, nbytes, algorithm)
+
+
+def test_the_500_w_h100_holds_the_nvl_end_of_torchtitans_bracket():
+    capped, sxm = cost.HARDWARE["H100 96GB (500 W)"], H100
+    assert capped.flops == sxm.flops          # torchtitan's MFU divides by the SXM's peak
+    # its Tensor Cores at the H100 NVL's dense bf16 peak (835 of 989), at the power cap
+    rate = capped.flops * capped.matmul_efficiency * capped.sustained
+    assert rate == pytest.approx(835e12 * sxm.matmul_efficiency * sxm.sustained)
+    assert rate / (sxm.flops * sxm.matmul_efficiency * sxm.sustained) == pytest.approx(
+        835 / 989)
 
 
 def test_the_gemm_kernel_rate_against_xla_s_measured_h100_table():
