@@ -192,7 +192,7 @@ def test_nvls_bandwidth_follows_the_group_size_of_nccl_1455():
 def test_auto_is_never_slower_than_the_ring_it_priced(n):
     for nbytes in [2**k for k in range(10, 33, 2)] + [1.25 * MiB, 40 * MiB]:
         auto = cost.collective_time("all_reduce", nbytes, n, H100, "auto")
-        for algorithm in ("ring", "tree") + (("nvls",) if n <= 8 else ()):
+        for algorithm in ("ring", "tree") + (("nvls",) if n <= 8 else ("nvls_tree",)):
             assert auto <= cost.collective_time("all_reduce", nbytes, n, H100, algorithm
                                                 ) * (1 + 1e-12), (n, nbytes, algorithm)
 
