@@ -31,8 +31,10 @@ How a step is priced (one set of constants per hardware preset, each cited where
   saves the outputs of every other matmul and of attention, so it re-runs half the linear
   GEMMs and every element-wise op of the forward; "half_layers", its layer-level
   selective AC at frequency 2, re-runs the whole forward of every second layer.
-- The optimizer step: Adam reads and writes 16 + 2 bytes per local parameter (fp32 master,
-  m, v, grad; the bf16 copy), at the memory bandwidth.
+- The optimizer step: Adam reads 16 and writes 12 bytes per local parameter (fp32 master,
+  m, v, grad), and the rest of the step (the gradient norm, Megatron-LM's copy into the
+  bf16 weights and its zeroing of the gradient buffer) moves `kernels.OPTIMIZER_EXTRA`
+  more, at the memory bandwidth.
 
 MFU (`Prediction.mfu`) is end to end: the model's FLOPs (6 N per token plus causal
 attention, no recomputation) over the step time x peak, communication and bubbles included.
@@ -241,7 +243,7 @@ def predict(run: TrainingRun) -> Prediction:
     pipe = pipeline.schedule(stage["slowest_s"], run.pp, run.vpp, m, p2p)
     data = pipeline.data_parallel(run, stage, lt, m)
     optimizer = kernels.optimizer_time(shape, run.tp, run.pp, run.dp * run.cp,
-                                       run.sharding, hw)
+                                       run.sharding, hw, run.kernels)
     step = pipe["compute_s"] + pipe["bubble_s"] + pipe["p2p_s"] + data["exposed_s"] + optimizer
     tokens = run.global_batch * shape.seq
     flops = model_flops_per_token(shape) * tokens
