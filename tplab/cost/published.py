@@ -128,6 +128,14 @@ def narayanan(params, heads, hidden, layers, tp, pp, gpus, batch, tflops, mb=1,
     return r | {"shape": shape, "excluded": ZERO3_2021 if sharding == "fsdp" else ""}
 
 
+PP_FSDP = ("FSDP under PP runs as ZeRO-1: torch.distributed.pipelining reduces the "
+           "gradients on the last micro-batch only and keeps the parameters unsharded between "
+           "micro-batches (stage.py, backward_maybe_with_nosync: 'accumulate gradients on "
+           "previous steps and reduce them on the last step'), and torchtitan's apply_fsdp: "
+           "'For PP, do not reshard after forward to avoid per-microbatch all-gathers, which "
+           "can be expensive and non-overlapped'")
+
+
 def titan_h100(table, model, gpus, fsdp, tp, pp, vpp, cp, local, seq, ac, tech, tps):
     """torchtitan's Llama 3.1 tables on Grand Teton H100s: local batch per DP rank (no
     accumulation: the micro-batch, 1 per pipeline micro-batch under PP), "selective" AC is
@@ -137,10 +145,12 @@ def titan_h100(table, model, gpus, fsdp, tp, pp, vpp, cp, local, seq, ac, tech, 
     r = row(TITAN_H100, f"Table {table}: {tech}, {gpus} GPUs (FSDP {fsdp}, TP {tp}, PP {pp}"
             f"{', CP ' + str(cp) if cp > 1 else ''})",
             (model, "H100 96GB (500 W)", gpus, tp, pp, vpp, cp, mb, local * dp, seq,
-             "op" if ac == "selective" else "full", "fsdp"), f"{tps} TPS/GPU", tps,
+             "op" if ac == "selective" else "full", "zero1" if pp > 1 else "fsdp"),
+            f"{tps} TPS/GPU", tps,
             ("seq_len 8192 (torchtitan's Llama 3.1 8B default)" if seq == 8192 else "",
              "Interleaved 1F1B with 2 stages per rank" if vpp > 1 else "",
-             "AsyncTP not modelled" if "AsyncTP" in tech else ""),
+             "AsyncTP not modelled" if "AsyncTP" in tech else "",
+             PP_FSDP if pp > 1 else ""),
             precision="fp8" if "Float8" in tech else "bf16")
     if "compile" in tech:
         r["kernels"] = "fused"
