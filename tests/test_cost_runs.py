@@ -171,6 +171,21 @@ def test_zero2_and_fsdp_reduce_scatter_every_micro_batch():
     assert comm["zero2"] > 4 * comm["zero1"]
 
 
+def test_without_grad_overlap_the_step_end_reduction_is_all_exposed():
+    kw = dict(gpus=64, tp=8, global_batch=64, seq_len=2048)
+    for sharding in ("ddp", "zero1"):
+        behind = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", sharding=sharding, **kw))
+        after = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", sharding=sharding,
+                                              grad_overlap=False, **kw))
+        assert after.breakdown["dp_exposed_s"] == pytest.approx(after.breakdown["dp_comm_s"])
+        assert behind.breakdown["dp_exposed_s"] < after.breakdown["dp_exposed_s"]
+        assert after.step_s > behind.step_s
+    # Megatron-LM of 2021-2022 (published.FRAMEWORK): reduced after the last backward
+    assert not published.FRAMEWORK[published.NARAYANAN][2]
+    with pytest.raises(TypeError, match="grad_overlap"):
+        cost.TrainingRun("GPT 22B", "A100 SXM", 8, grad_overlap="no")
+
+
 def test_best_layout_fits_and_beats_every_other_fitting_layout():
     grid = dict(tps=(1, 2, 4, 8), pps=(1, 2, 4), cps=(1,), vpps=(1,), micro_batches=(1,),
                 shardings=("zero1", "fsdp"), recomputes=("selective", "full"))

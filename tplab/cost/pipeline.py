@@ -100,6 +100,8 @@ def data_parallel(run, stage: dict, lt: dict, m: int) -> dict:
         return collective_time(op, nbytes, size, view, "auto") if size > 1 else 0.0
 
     rs, ag = t("reduce_scatter", 4 * n), t("all_gather", 2 * n)
+    if not run.grad_overlap and run.sharding in ("ddp", "zero1"):
+        fwd = bwd = 0.0           # reduced after the last backward, gathered after the step
     if run.sharding == "ddp":
         ar = t("all_reduce", 4 * n)
         return {"comm_s": ar, "exposed_s": max(0.0, ar - bwd)}

@@ -34,15 +34,19 @@ TITAN_H100 = "pytorch/torchtitan docs/performance.md (Llama 3.1, H100 96GB, comm
 
 KEYS = ("model", "hardware", "gpus", "tp", "pp", "vpp", "cp", "micro_batch", "global_batch",
         "seq_len", "recompute", "sharding")
-FRAMEWORK = {LLAMA3: ("fused", "flash"), KORTHIKANTI: ("fused", "unfused"),
-             TITAN: ("eager", "flash"), FOUNDRY: ("eager", "flash"), DGXC: ("fused", "flash"),
-             BRIDGE: ("fused", "flash"), NARAYANAN: ("fused", "unfused"),
-             TITAN_H100: ("eager", "flash")}
-"""How each source's framework runs a layer (`TrainingRun.kernels`, `.attention`): Meta's
-and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager PyTorch;
-llm-foundry's MPT is PyTorch with flash attention (its LayerNorm one kernel: see
+FRAMEWORK = {LLAMA3: ("fused", "flash", True), KORTHIKANTI: ("fused", "unfused", False),
+             TITAN: ("eager", "flash", True), FOUNDRY: ("eager", "flash", True),
+             DGXC: ("fused", "flash", True), BRIDGE: ("fused", "flash", True),
+             NARAYANAN: ("fused", "unfused", False), TITAN_H100: ("eager", "flash", True)}
+"""How each source's framework runs a layer (`TrainingRun.kernels`, `.attention`) and
+whether it overlaps the gradient reduction with the backward pass (`.grad_overlap`):
+Meta's and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager
+PyTorch; llm-foundry's MPT is PyTorch with flash attention (its LayerNorm one kernel: see
 `tplab.cost.kernels`); Korthikanti et al. 2022 materialise the attention scores (their
-section 4.1 and Figure 3)."""
+section 4.1 and Figure 3). The Megatron-LM of Narayanan 2021 and Korthikanti 2022 reduces
+the gradients after the pipeline's last backward (megatron/training.py, `train_step`:
+`forward_backward_func(...)`, then `model.allreduce_gradients()`, megatron/model/
+distributed.py); overlapping it came with Megatron-core's `overlap_grad_reduce` (2023)."""
 
 
 ZERO3_2021 = (
@@ -60,9 +64,9 @@ worst (`compare`): a checkable property of the rows themselves (tests/test_cost_
 
 def row(source, where, config, printed, measured, assumed=(), precision="bf16"):
     run = dict(zip(KEYS, config, strict=True))
-    kernels, attention = FRAMEWORK[source]
+    kernels, attention, overlap = FRAMEWORK[source]
     return {"source": source, "where": where, **run, "precision": precision,
-            "kernels": kernels, "attention": attention,
+            "kernels": kernels, "attention": attention, "grad_overlap": overlap,
             "printed": printed, "measured": measured, "assumed": tuple(assumed),
             "excluded": ""}
 
@@ -254,7 +258,7 @@ def to_run(r: dict) -> TrainingRun:
                        global_batch=r["global_batch"], seq_len=r["seq_len"],
                        precision=r["precision"], recompute=r["recompute"],
                        sharding=r["sharding"], kernels=r["kernels"],
-                       attention=r["attention"])
+                       attention=r["attention"], grad_overlap=r["grad_overlap"])
 
 
 def compare(runs: list[dict] | None = None) -> dict:

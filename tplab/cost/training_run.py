@@ -24,7 +24,9 @@ How a step is priced (one set of constants per hardware preset, each cited where
 - **DP / sharding**: gradient reduce-scatter (or all-reduce) and parameter all-gather over
   the DP x CP group, behind the backward and forward passes where they fit;
   "zero2"/"fsdp"/"hsdp" reduce-scatter every micro-batch, "fsdp"/"hsdp" also gather the
-  parameters every micro-batch (HSDP shards inside the node and all-reduces across).
+  parameters every micro-batch (HSDP shards inside the node and all-reduces across). With
+  `grad_overlap=False` the step-end reduction of "ddp" and "zero1" (and ZeRO-1's gather) is
+  all exposed.
 - **Recomputation**: "full" re-runs the forward; "selective" re-runs the attention core
   (Korthikanti et al. 2022's selective recomputation). Two more, torchtitan's
   (torchtitan/models/llama3/infra/parallelize.py, `_apply_ac`): "op", its op-level SAC,
@@ -50,7 +52,7 @@ from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.hardware import HARDWARE, Hardware
 from tplab.cost.shapes import MODELS, BlockShape
 from tplab.cost.transformer import block_collectives, tp_allowed
-from tplab.cost.validate import check_choice, check_int, check_type
+from tplab.cost.validate import check_bool, check_choice, check_int, check_type
 
 PRECISIONS = ("bf16", "fp8")
 RECOMPUTES = ("none", "selective", "full", "op", "half_layers")
@@ -66,7 +68,9 @@ class TrainingRun:
     module doc. `global_batch` and `micro_batch` are in sequences of `seq_len` tokens.
     `kernels` ("fused": Megatron-LM / Transformer Engine; "eager": PyTorch eager) and
     `attention` ("flash"; "unfused": materialised scores) say how the framework runs the
-    layer (`tplab.cost.kernels`)."""
+    layer (`tplab.cost.kernels`). `grad_overlap` False ("ddp" and "zero1"): the framework
+    reduces the gradients (and, under ZeRO-1, gathers the parameters) after the last
+    backward pass, not behind it (Megatron-LM before its 2023 `overlap_grad_reduce`)."""
 
     model: str | BlockShape
     hardware: str | Hardware
@@ -86,6 +90,7 @@ class TrainingRun:
     nics_per_node: int | None = None
     kernels: str = "fused"
     attention: str = "flash"
+    grad_overlap: bool = True
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
 
@@ -118,6 +123,7 @@ class TrainingRun:
         check_choice("sharding", self.sharding, SHARDINGS)
         check_choice("kernels", self.kernels, KERNELS)
         check_choice("attention", self.attention, ATTENTIONS)
+        check_bool("grad_overlap", self.grad_overlap)
         check_rules(self)
 
     @property
