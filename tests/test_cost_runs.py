@@ -171,7 +171,7 @@ def test_zero2_and_fsdp_reduce_scatter_every_micro_batch():
     assert comm["zero2"] > 4 * comm["zero1"]
 
 
-def test_without_grad_overlap_the_step_end_reduction_is_all_exposed():
+def test_without_overlap_the_gradient_collectives_are_all_exposed():
     kw = dict(gpus=64, tp=8, global_batch=64, seq_len=2048)
     for sharding in ("ddp", "zero1"):
         behind = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", sharding=sharding, **kw))
@@ -182,6 +182,12 @@ def test_without_grad_overlap_the_step_end_reduction_is_all_exposed():
         assert after.step_s > behind.step_s
     # Megatron-LM of 2021-2022 (published.FRAMEWORK): reduced after the last backward
     assert not published.FRAMEWORK[published.NARAYANAN][2]
+    # and, before September 2021, the TP backward all-reduce waited too
+    sync = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", tp_overlap=False, **kw))
+    overlapped = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", **kw))
+    assert sync.breakdown["tp_exposed_s"] > overlapped.breakdown["tp_exposed_s"]
+    assert not published.FRAMEWORK[published.NARAYANAN][3]
+    assert published.FRAMEWORK[published.KORTHIKANTI][3]
     with pytest.raises(TypeError, match="grad_overlap"):
         cost.TrainingRun("GPT 22B", "A100 SXM", 8, grad_overlap="no")
 

@@ -34,19 +34,25 @@ TITAN_H100 = "pytorch/torchtitan docs/performance.md (Llama 3.1, H100 96GB, comm
 
 KEYS = ("model", "hardware", "gpus", "tp", "pp", "vpp", "cp", "micro_batch", "global_batch",
         "seq_len", "recompute", "sharding")
-FRAMEWORK = {LLAMA3: ("fused", "flash", True), KORTHIKANTI: ("fused", "unfused", False),
-             TITAN: ("eager", "flash", True), FOUNDRY: ("eager", "flash", True),
-             DGXC: ("fused", "flash", True), BRIDGE: ("fused", "flash", True),
-             NARAYANAN: ("fused", "unfused", False), TITAN_H100: ("eager", "flash", True)}
+FRAMEWORK = {LLAMA3: ("fused", "flash", True, True),
+             KORTHIKANTI: ("fused", "unfused", False, True),
+             TITAN: ("eager", "flash", True, True), FOUNDRY: ("eager", "flash", True, True),
+             DGXC: ("fused", "flash", True, True), BRIDGE: ("fused", "flash", True, True),
+             NARAYANAN: ("fused", "unfused", False, False),
+             TITAN_H100: ("eager", "flash", True, True)}
 """How each source's framework runs a layer (`TrainingRun.kernels`, `.attention`) and
-whether it overlaps the gradient reduction with the backward pass (`.grad_overlap`):
-Meta's and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager
-PyTorch; llm-foundry's MPT is PyTorch with flash attention (its LayerNorm one kernel: see
+whether it overlaps the gradient reduction with the backward pass (`.grad_overlap`) and
+the TP input-gradient collectives with the weight-gradient GEMMs (`.tp_overlap`): Meta's
+and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager PyTorch;
+llm-foundry's MPT is PyTorch with flash attention (its LayerNorm one kernel: see
 `tplab.cost.kernels`); Korthikanti et al. 2022 materialise the attention scores (their
-section 4.1 and Figure 3). The Megatron-LM of Narayanan 2021 and Korthikanti 2022 reduces
-the gradients after the pipeline's last backward (megatron/training.py, `train_step`:
-`forward_backward_func(...)`, then `model.allreduce_gradients()`, megatron/model/
-distributed.py); overlapping it came with Megatron-core's `overlap_grad_reduce` (2023)."""
+section 4.1 and Figure 3). Megatron-LM (NVIDIA/Megatron-LM) as Narayanan 2021 ran it
+(commit aed2f75, 2021-04-11): `train_step` (megatron/training.py) calls
+`forward_backward_func` and then `allreduce_gradients()`, after the pipeline, and the TP
+backward all-reduce is synchronous (megatron/mpu/mappings.py,
+`_CopyToModelParallelRegion.backward`: `_reduce(grad_output)`); the async TP all-reduce
+behind the weight-gradient GEMM came on 2021-09-02 (16c90445, before Korthikanti 2022),
+`--overlap-grad-reduce` on 2023-08-16 (2d5220a4, after both)."""
 
 
 ZERO3_2021 = (
@@ -64,9 +70,10 @@ worst (`compare`): a checkable property of the rows themselves (tests/test_cost_
 
 def row(source, where, config, printed, measured, assumed=(), precision="bf16"):
     run = dict(zip(KEYS, config, strict=True))
-    kernels, attention, overlap = FRAMEWORK[source]
+    kernels, attention, grad_overlap, tp_overlap = FRAMEWORK[source]
     return {"source": source, "where": where, **run, "precision": precision,
-            "kernels": kernels, "attention": attention, "grad_overlap": overlap,
+            "kernels": kernels, "attention": attention, "grad_overlap": grad_overlap,
+            "tp_overlap": tp_overlap,
             "printed": printed, "measured": measured, "assumed": tuple(assumed),
             "excluded": ""}
 
@@ -258,7 +265,8 @@ def to_run(r: dict) -> TrainingRun:
                        global_batch=r["global_batch"], seq_len=r["seq_len"],
                        precision=r["precision"], recompute=r["recompute"],
                        sharding=r["sharding"], kernels=r["kernels"],
-                       attention=r["attention"], grad_overlap=r["grad_overlap"])
+                       attention=r["attention"], grad_overlap=r["grad_overlap"],
+                       tp_overlap=r["tp_overlap"])
 
 
 def compare(runs: list[dict] | None = None) -> dict:

@@ -17,7 +17,8 @@ How a step is priced (one set of constants per hardware preset, each cited where
   memory bandwidth, fused (Megatron-LM) or eager (PyTorch) (`kernels.elementwise_bytes`).
 - **TP**: the block's collectives (`tplab.cost.transformer.block_collectives`, sequence
   parallel, Megatron-LM's layout) priced by NCCL's model; the input-gradient collectives
-  hide behind the weight-gradient GEMMs (Megatron-LM's overlap), the rest is exposed.
+  hide behind the weight-gradient GEMMs (Megatron-LM's overlap; `tp_overlap=False`: not),
+  the rest is exposed.
 - **PP** (`tplab.cost.pipeline`): 1F1B or interleaved, the bubble (p-1)/(v m), P2P, the
   slowest stage (embedding and LM head), the first stage's in-flight activations.
 - **CP**: all-gather of K and V (and reduce-scatter of their gradients), load balanced.
@@ -70,7 +71,9 @@ class TrainingRun:
     `attention` ("flash"; "unfused": materialised scores) say how the framework runs the
     layer (`tplab.cost.kernels`). `grad_overlap` False ("ddp" and "zero1"): the framework
     reduces the gradients (and, under ZeRO-1, gathers the parameters) after the last
-    backward pass, not behind it (Megatron-LM before its 2023 `overlap_grad_reduce`)."""
+    backward pass, not behind it (Megatron-LM before its 2023 `overlap_grad_reduce`).
+    `tp_overlap` False: the backward's input-gradient collectives wait (no async all-reduce
+    behind the weight-gradient GEMM: Megatron-LM before September 2021)."""
 
     model: str | BlockShape
     hardware: str | Hardware
@@ -91,6 +94,7 @@ class TrainingRun:
     kernels: str = "fused"
     attention: str = "flash"
     grad_overlap: bool = True
+    tp_overlap: bool = True
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
 
@@ -124,6 +128,7 @@ class TrainingRun:
         check_choice("kernels", self.kernels, KERNELS)
         check_choice("attention", self.attention, ATTENTIONS)
         check_bool("grad_overlap", self.grad_overlap)
+        check_bool("tp_overlap", self.tp_overlap)
         check_rules(self)
 
     @property
@@ -221,7 +226,7 @@ def layer_times(run: TrainingRun) -> dict:
     exposed = 0.0
     for r in block_collectives(local, tp, True, sp_saves="shard") if tp > 1 else []:
         t = collective_time(r["op"], r["bytes"], tp, hw, "auto")
-        hidden_by = bwd_wgrad / 2 if r["role"] == "bwd_in" else 0.0   # per region
+        hidden_by = bwd_wgrad / 2 if r["role"] == "bwd_in" and run.tp_overlap else 0.0
         again = {"full": 1.0, "half_layers": 0.5}.get(run.recompute, 0.0)
         exposed += max(0.0, t - hidden_by) * (1 + again * (r["phase"] == "forward"))
     cp_s = 0.0
