@@ -50,7 +50,7 @@ def test_every_published_run_is_expressible_and_its_error_computed():
     assert [r for r in out["rows"] if r["excluded"]] == zero3 and out["goal_rows"] == 87
     assert out["median"] == pytest.approx(statistics.median(abs(r["error"]) for r in rest))
     # what this model achieves today (docs/VALIDATION.md); a regression makes it worse
-    assert out["median"] <= 0.14 and abs(out["worst"]) <= 0.75
+    assert out["median"] <= 0.12 and abs(out["worst"]) <= 0.75
     assert all(abs(r["error"]) < 0.75 for r in rest)
     # the group that meets the median goal: NVIDIA's FP8 recipes (Megatron-Bridge)
     bridge = [abs(r["error"]) for r in out["rows"] if r["source"] == published.BRIDGE]
