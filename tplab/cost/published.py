@@ -174,12 +174,20 @@ PP_FSDP = ("FSDP under PP runs as ZeRO-1: torch.distributed.pipelining reduces t
            "can be expensive and non-overlapped'")
 
 
+PP_MICROBATCHES = ("pipeline micro-batches = the PP degree: torchtitan at the commit the "
+                   "tables name (9dec370) splits the local batch into "
+                   "--experimental.pipeline_parallel_microbatches, 'The default value will "
+                   "be the number of pipeline stages, if unspecified' (config_manager.py; "
+                   "build_pipeline_schedule, pipelining_utils.py), and neither the tables "
+                   "nor llama3_405b.toml set it")
+
+
 def titan_h100(table, model, gpus, fsdp, tp, pp, vpp, cp, local, seq, ac, tech, tps):
     """torchtitan's Llama 3.1 tables on Grand Teton H100s: local batch per DP rank (no
-    accumulation: the micro-batch, 1 per pipeline micro-batch under PP), "selective" AC is
-    torchtitan's default op-level SAC, torch.compile fuses the element-wise work."""
+    accumulation: the micro-batch; under PP split into `PP_MICROBATCHES`), "selective" AC
+    is torchtitan's default op-level SAC, torch.compile fuses the element-wise work."""
     dp = gpus // (tp * pp * cp)
-    mb = 1 if pp > 1 else local
+    mb = local // pp if pp > 1 else local
     r = row(TITAN_H100, f"Table {table}: {tech}, {gpus} GPUs (FSDP {fsdp}, TP {tp}, PP {pp}"
             f"{', CP ' + str(cp) if cp > 1 else ''})",
             (model, "H100 96GB (500 W)", gpus, tp, pp, vpp, cp, mb, local * dp, seq,
@@ -188,7 +196,7 @@ def titan_h100(table, model, gpus, fsdp, tp, pp, vpp, cp, local, seq, ac, tech, 
             ("seq_len 8192 (torchtitan's Llama 3.1 8B default)" if seq == 8192 else "",
              "Interleaved 1F1B with 2 stages per rank" if vpp > 1 else "",
              "AsyncTP not modelled" if "AsyncTP" in tech else "",
-             PP_FSDP if pp > 1 else ""),
+             PP_FSDP if pp > 1 else "", PP_MICROBATCHES if pp > 1 else ""),
             precision="fp8" if "Float8" in tech else "bf16")
     if "compile" in tech:
         r["kernels"] = "fused"
