@@ -1,12 +1,13 @@
 """cost.TrainingRun / cost.predict against published runs, the rules a run must obey, the
 pipeline terms, and the NCCL findings of the third review (nccl#1455, auto vs ring)."""
 
+import dataclasses
 import statistics
 
 import pytest
 
 from tplab import cost
-from tplab.cost import kernels, nccl, pipeline, published
+from tplab.cost import data_parallel, kernels, nccl, pipeline, published, training_run
 
 MiB = 2**20
 H100 = cost.HARDWARE["H100 SXM"]
@@ -130,6 +131,21 @@ def test_llm_foundry_ran_h100_at_an_a100_like_ratio_on_one_stack():
 
     preset = gemm(H100) / gemm(cost.HARDWARE["A100 SXM"])
     assert preset > 3.0 > max(measured)
+
+
+def test_torch_context_parallel_moves_every_query_head_and_fp32_gradients():
+    # torchtitan's CP: repeat_kv before SDPA (K, V with all 128 query heads of 405B, 16 a TP
+    # rank), all-gathered (forward, recomputed forward, backward); dK, dV sent in fp32
+    run = cost.TrainingRun("Llama-3.1 405B", "H100 96GB (500 W)", 512, tp=8, pp=8, cp=8,
+                           global_batch=8, seq_len=262144, recompute="full", torch_cp=True)
+    view = data_parallel.dp_group_hardware(run.hw, 8)
+    kv = 2 * 262144 * 16 * 128 * 2                        # K and V, every head, bf16
+    ag = cost.collective_time("all_gather", kv, 8, view, "auto")
+    send = cost.collective_time("send", 2 * kv / 8, 2, view, "auto")
+    exposed = training_run.cp_exposed(run, 0.0, 0.0)  # nothing to hide behind
+    assert exposed == pytest.approx(3 * ag + 8 * send)
+    gqa = training_run.cp_exposed(dataclasses.replace(run, torch_cp=False), 0.0, 0.0)
+    assert exposed > 16 * gqa / 2                         # 16 query heads to 1 KV head a rank
 
 
 def test_the_bubble_is_p_minus_1_over_v_m_of_the_step():

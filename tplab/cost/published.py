@@ -45,14 +45,19 @@ whether it overlaps the gradient reduction with the backward pass (`.grad_overla
 the TP input-gradient collectives with the weight-gradient GEMMs (`.tp_overlap`): Meta's
 and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager PyTorch;
 llm-foundry's MPT is PyTorch with flash attention (MPT's Triton kernel, `FOUNDRY_STACK`;
-its LayerNorm one kernel: see `tplab.cost.kernels`); Korthikanti et al. 2022 materialise the attention scores (their
-section 4.1 and Figure 3). Megatron-LM (NVIDIA/Megatron-LM) as Narayanan 2021 ran it
-(commit aed2f75, 2021-04-11): `train_step` (megatron/training.py) calls
+its LayerNorm one kernel: see `tplab.cost.kernels`); Korthikanti et al. 2022 materialise
+the attention scores (their section 4.1 and Figure 3). Megatron-LM (NVIDIA/Megatron-LM)
+as Narayanan 2021 ran it (commit aed2f75, 2021-04-11): `train_step` (megatron/training.py) calls
 `forward_backward_func` and then `allreduce_gradients()`, after the pipeline, and the TP
 backward all-reduce is synchronous (megatron/mpu/mappings.py,
 `_CopyToModelParallelRegion.backward`: `_reduce(grad_output)`); the async TP all-reduce
 behind the weight-gradient GEMM came on 2021-09-02 (16c90445, before Korthikanti 2022),
 `--overlap-grad-reduce` on 2023-08-16 (2d5220a4, after both)."""
+
+TORCH_CP = (TITAN_H100,)
+"""The sources whose context parallelism is torch's `context_parallel` (torchtitan's, with
+its Llama's `repeat_kv` before SDPA, models/llama/model.py at 9dec370):
+`TrainingRun(torch_cp=True)`, priced by `training_run.cp_exposed`."""
 
 
 ZERO3_2021 = (
@@ -100,7 +105,7 @@ def row(source, where, config, printed, measured, assumed=(), precision="bf16"):
     kernels, attention, grad_overlap, tp_overlap = FRAMEWORK[source]
     return {"source": source, "where": where, **run, "precision": precision,
             "kernels": kernels, "attention": attention, "grad_overlap": grad_overlap,
-            "tp_overlap": tp_overlap,
+            "tp_overlap": tp_overlap, "torch_cp": source in TORCH_CP,
             "printed": printed, "measured": measured, "assumed": tuple(assumed),
             "excluded": ""}
 
@@ -301,7 +306,7 @@ def to_run(r: dict) -> TrainingRun:
                        precision=r["precision"], recompute=r["recompute"],
                        sharding=r["sharding"], kernels=r["kernels"],
                        attention=r["attention"], grad_overlap=r["grad_overlap"],
-                       tp_overlap=r["tp_overlap"])
+                       tp_overlap=r["tp_overlap"], torch_cp=r["torch_cp"])
 
 
 def compare(runs: list[dict] | None = None) -> dict:

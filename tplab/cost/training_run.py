@@ -73,7 +73,8 @@ class TrainingRun:
     reduces the gradients (and, under ZeRO-1, gathers the parameters) after the last
     backward pass, not behind it (Megatron-LM before its 2023 `overlap_grad_reduce`).
     `tp_overlap` False: the backward's input-gradient collectives wait (no async all-reduce
-    behind the weight-gradient GEMM: Megatron-LM before September 2021)."""
+    behind the weight-gradient GEMM: Megatron-LM before September 2021). `torch_cp`: context
+    parallelism as torch's `context_parallel` runs it (`cp_exposed`)."""
 
     model: str | BlockShape
     hardware: str | Hardware
@@ -95,6 +96,7 @@ class TrainingRun:
     attention: str = "flash"
     grad_overlap: bool = True
     tp_overlap: bool = True
+    torch_cp: bool = False
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
 
@@ -129,6 +131,7 @@ class TrainingRun:
         check_choice("attention", self.attention, ATTENTIONS)
         check_bool("grad_overlap", self.grad_overlap)
         check_bool("tp_overlap", self.tp_overlap)
+        check_bool("torch_cp", self.torch_cp)
         check_rules(self)
 
     @property
@@ -229,16 +232,37 @@ def layer_times(run: TrainingRun) -> dict:
         hidden_by = bwd_wgrad / 2 if r["role"] == "bwd_in" and run.tp_overlap else 0.0
         again = {"full": 1.0, "half_layers": 0.5}.get(run.recompute, 0.0)
         exposed += max(0.0, t - hidden_by) * (1 + again * (r["phase"] == "forward"))
-    cp_s = 0.0
-    if cp > 1:   # all-gather K and V in forward, reduce-scatter dK, dV in backward
-        kv = 2 * shape.batch * shape.seq * shape.kv_dim * shape.dtype_bytes / max(
-            1, tp // max(1, min(tp, shape.kv_heads or shape.heads)))
-        view = dp_group_hardware(hw, tp)
-        ag = collective_time("all_gather", kv / tp, cp, view, "auto")
-        cp_s = max(0.0, ag - attn_s / 2) + max(0.0, ag - attn_s)   # behind the attention
+    cp_s = cp_exposed(run, attn_s, attn_bwd) if cp > 1 else 0.0
     return {"forward_s": forward, "backward_s": backward, "tp_exposed_s": exposed,
             "cp_exposed_s": cp_s, "gemm_fwd_s": fwd, "attention_s": attn_s,
             "elementwise_s": elem}
+
+
+def cp_exposed(run: TrainingRun, attn_s: float, attn_bwd: float) -> float:
+    """Exposed seconds of one layer's context-parallel K/V traffic on one micro-batch.
+    Default: an all-gather of K and V behind half the forward attention, a reduce-scatter
+    of dK, dV behind the forward attention's time in backward. `torch_cp`: torch's
+    `context_parallel`, which torchtitan runs (torch/distributed/tensor/experimental/
+    _attention.py): K and V carry every query head (torchtitan's model calls `repeat_kv`
+    before SDPA), are all-gathered once and waited for after the first of cp sub-SDPA
+    calls ("all-gather all kv shards on ranks after the first sub-SDPA computation",
+    torchtitan's `context_parallel_rotate_method` help), forward, in the recomputed
+    forward under full recomputation, and again in backward, where dK and dV pass to the
+    next rank in fp32 after every sub-SDPA backward (`_AllToAllRotater`, accumulated in
+    float32), each behind the next one."""
+    shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
+    view = dp_group_hardware(hw, tp)
+    if not run.torch_cp:
+        kv = 2 * shape.batch * shape.seq * shape.kv_dim * shape.dtype_bytes / max(
+            1, tp // max(1, min(tp, shape.kv_heads or shape.heads)))
+        ag = collective_time("all_gather", kv / tp, cp, view, "auto")
+        return max(0.0, ag - attn_s / 2) + max(0.0, ag - attn_s)
+    kv = 2 * shape.batch * shape.seq * shape.hidden / tp * shape.dtype_bytes   # all heads
+    ag = collective_time("all_gather", kv, cp, view, "auto")
+    forward = max(0.0, ag - attn_s / cp) * (2 if run.recompute == "full" else 1)
+    dkv = collective_time("send", 2 * kv / cp, 2, view, "auto")   # fp32, to the next rank
+    backward = max(0.0, ag - attn_bwd / cp) + (cp - 1) * max(0.0, dkv - attn_bwd / cp) + dkv
+    return forward + backward
 
 
 def predict(run: TrainingRun) -> Prediction:
