@@ -223,6 +223,20 @@ def test_without_overlap_the_gradient_collectives_are_all_exposed():
         cost.TrainingRun("GPT 22B", "A100 SXM", 8, grad_overlap="no")
 
 
+def test_without_p2p_overlap_the_interleaved_schedule_waits_on_every_exchange():
+    # Korthikanti's 175B: PP 8 x 3 virtual stages, 64 micro-batches, Megatron-LM of 2022
+    kw = dict(gpus=64, tp=8, pp=8, vpp=3, global_batch=64, seq_len=2048,
+              recompute="selective")
+    waits = cost.predict(cost.TrainingRun("GPT 175B", "A100 SXM", p2p_overlap=False, **kw))
+    hides = cost.predict(cost.TrainingRun("GPT 175B", "A100 SXM", **kw))
+    one = pipeline.p2p_time(waits.run.shape, 8, 1, waits.run.hw)
+    assert hides.breakdown["pp_p2p_s"] == pytest.approx(2 * 7 * one)   # fill and drain
+    assert waits.breakdown["pp_p2p_s"] >= 64 * 3 * one    # at least one per forward chunk
+    assert waits.step_s > hides.step_s
+    assert not published.FRAMEWORK[published.KORTHIKANTI][4]
+    assert published.FRAMEWORK[published.BRIDGE][4]
+
+
 def test_best_layout_fits_and_beats_every_other_fitting_layout():
     grid = dict(tps=(1, 2, 4, 8), pps=(1, 2, 4), cps=(1,), vpps=(1,), micro_batches=(1,),
                 shardings=("zero1", "fsdp"), recomputes=("selective", "full"))

@@ -34,15 +34,20 @@ TITAN_H100 = "pytorch/torchtitan docs/performance.md (Llama 3.1, H100 96GB, comm
 
 KEYS = ("model", "hardware", "gpus", "tp", "pp", "vpp", "cp", "micro_batch", "global_batch",
         "seq_len", "recompute", "sharding")
-FRAMEWORK = {LLAMA3: ("fused", "flash", True, True),
-             KORTHIKANTI: ("fused", "unfused", False, True),
-             TITAN: ("eager", "flash", True, True), FOUNDRY: ("eager", "flash", True, True),
-             DGXC: ("fused", "flash", True, True), BRIDGE: ("fused", "flash", True, True),
-             NARAYANAN: ("fused", "unfused", False, False),
-             TITAN_H100: ("eager", "flash", True, True)}
+FRAMEWORK = {LLAMA3: ("fused", "flash", True, True, True),
+             KORTHIKANTI: ("fused", "unfused", False, True, False),
+             TITAN: ("eager", "flash", True, True, True),
+             FOUNDRY: ("eager", "flash", True, True, True),
+             DGXC: ("fused", "flash", True, True, True),
+             BRIDGE: ("fused", "flash", True, True, True),
+             NARAYANAN: ("fused", "unfused", False, False, False),
+             TITAN_H100: ("eager", "flash", True, True, True)}
 """How each source's framework runs a layer (`TrainingRun.kernels`, `.attention`) and
 whether it overlaps the gradient reduction with the backward pass (`.grad_overlap`) and
-the TP input-gradient collectives with the weight-gradient GEMMs (`.tp_overlap`): Meta's
+the TP input-gradient collectives with the weight-gradient GEMMs (`.tp_overlap`) and the
+pipeline's transfers with the compute (`.p2p_overlap`: Megatron-LM's `_communicate` of
+2022, f602ac56, waits on `batch_isend_irecv` and synchronises; `--overlap-p2p-comm` came on
+2023-05-31, f9283c5a, after both papers): Meta's
 and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager PyTorch;
 llm-foundry's MPT is PyTorch with flash attention (MPT's Triton kernel, `FOUNDRY_STACK`;
 its LayerNorm one kernel: see `tplab.cost.kernels`); Korthikanti et al. 2022 materialise
@@ -102,10 +107,11 @@ def foundry_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
 
 def row(source, where, config, printed, measured, assumed=(), precision="bf16"):
     run = dict(zip(KEYS, config, strict=True))
-    kernels, attention, grad_overlap, tp_overlap = FRAMEWORK[source]
+    kernels, attention, grad_overlap, tp_overlap, p2p_overlap = FRAMEWORK[source]
     return {"source": source, "where": where, **run, "precision": precision,
             "kernels": kernels, "attention": attention, "grad_overlap": grad_overlap,
-            "tp_overlap": tp_overlap, "torch_cp": source in TORCH_CP,
+            "tp_overlap": tp_overlap, "p2p_overlap": p2p_overlap,
+            "torch_cp": source in TORCH_CP,
             "printed": printed, "measured": measured, "assumed": tuple(assumed),
             "excluded": ""}
 
@@ -306,7 +312,8 @@ def to_run(r: dict) -> TrainingRun:
                        precision=r["precision"], recompute=r["recompute"],
                        sharding=r["sharding"], kernels=r["kernels"],
                        attention=r["attention"], grad_overlap=r["grad_overlap"],
-                       tp_overlap=r["tp_overlap"], torch_cp=r["torch_cp"])
+                       tp_overlap=r["tp_overlap"], torch_cp=r["torch_cp"],
+                       p2p_overlap=r["p2p_overlap"])
 
 
 def compare(runs: list[dict] | None = None) -> dict:

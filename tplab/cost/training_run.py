@@ -74,7 +74,9 @@ class TrainingRun:
     backward pass, not behind it (Megatron-LM before its 2023 `overlap_grad_reduce`).
     `tp_overlap` False: the backward's input-gradient collectives wait (no async all-reduce
     behind the weight-gradient GEMM: Megatron-LM before September 2021). `torch_cp`: context
-    parallelism as torch's `context_parallel` runs it (`cp_exposed`)."""
+    parallelism as torch's `context_parallel` runs it (`cp_exposed`). `p2p_overlap` False:
+    the interleaved schedule waits on its stage-to-stage transfers (`pipeline` module doc:
+    Megatron-LM before 2023)."""
 
     model: str | BlockShape
     hardware: str | Hardware
@@ -97,6 +99,7 @@ class TrainingRun:
     grad_overlap: bool = True
     tp_overlap: bool = True
     torch_cp: bool = False
+    p2p_overlap: bool = True
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
 
@@ -132,6 +135,7 @@ class TrainingRun:
         check_bool("grad_overlap", self.grad_overlap)
         check_bool("tp_overlap", self.tp_overlap)
         check_bool("torch_cp", self.torch_cp)
+        check_bool("p2p_overlap", self.p2p_overlap)
         check_rules(self)
 
     @property
@@ -275,7 +279,7 @@ def predict(run: TrainingRun) -> Prediction:
     stage = pipeline.stage_time(shape.layers, run.pp, run.vpp, per_layer, head)
     m = run.micro_batches
     p2p = pipeline.p2p_time(shape, run.tp, run.cp, hw)
-    pipe = pipeline.schedule(stage["slowest_s"], run.pp, run.vpp, m, p2p)
+    pipe = pipeline.schedule(stage["slowest_s"], run.pp, run.vpp, m, p2p, run.p2p_overlap)
     data = pipeline.data_parallel(run, stage, lt, m)
     optimizer = kernels.optimizer_time(shape, run.tp, run.pp, run.dp * run.cp,
                                        run.sharding, hw, run.kernels)
