@@ -51,7 +51,11 @@ def test_every_published_run_is_expressible_and_its_error_computed():
     assert [r for r in out["rows"] if r["excluded"]] == zero3 and out["goal_rows"] == 87
     assert out["median"] == pytest.approx(statistics.median(abs(r["error"]) for r in rest))
     # what this model achieves today (docs/VALIDATION.md); a regression makes it worse
-    assert out["median"] <= 0.12 and abs(out["worst"]) <= 0.75
+    assert out["median"] <= 0.11 and abs(out["worst"]) <= 0.75
+    # torchtitan's pipelines at its default micro-batch count (published.PP_MICROBATCHES)
+    titan_pp = [r for r in rest if r["source"] == published.TITAN_H100 and r["pp"] > 1
+                and r["cp"] == 1]
+    assert len(titan_pp) == 3 and all(abs(r["error"]) < 0.10 for r in titan_pp)
     assert all(abs(r["error"]) < 0.75 for r in rest)
     # the group that meets the median goal: NVIDIA's FP8 recipes (Megatron-Bridge)
     bridge = [abs(r["error"]) for r in out["rows"] if r["source"] == published.BRIDGE]
