@@ -48,7 +48,7 @@ def published() -> None:
     print("All-reduce bus bandwidth: tplab.cost (NCCL 2.21.5's model) against published "
           "nccl-tests results\n")
     print(f"{'system':<10}{'GPUs':>5}{'alg':>6}{'bytes':>12}{'published':>11}{'model':>8}"
-          f"{'error':>8}  {'model took':<14}kind")
+          f"{'error':>8}  {'model took':<17}kind")
     errors = []
     for r in rows("nccl_tests_allreduce.csv"):
         hw = machine(r)
@@ -60,7 +60,7 @@ def published() -> None:
         if r["kind"] == "measured":
             errors.append(abs(err))
         print(f"{r['system']:<10}{n:>5}{r['algorithm']:>6}{nbytes:>12}{ref:>11.4g}"
-              f"{got:>8.4g}{err:>+8.0%}  {p['algorithm'] + '/' + p['protocol']:<14}"
+              f"{got:>8.4g}{err:>+8.0%}  {p['algorithm'] + '/' + p['protocol']:<17}"
               f"{r['kind']}")
     print(f"\nmedian |error| over the measured points: {statistics.median(errors):.0%} "
           f"({len(errors)} points; input, fitted and cap rows are shown, not counted)")

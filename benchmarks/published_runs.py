@@ -38,10 +38,12 @@ def main() -> None:
     for r in out["rows"]:
         print(f"{(r['source'].split(' ')[0] + ': ' + r['where'])[:58]:58s} "
               f"{r['printed']:>26s} {r['measured']:9.0f} {r['predicted']:9.0f} "
-              f"{r['error']:+7.0%} {r['mfu']:5.2f}")
-    print(f"{len(out['rows'])} runs; median |error| {out['median']:.0%}, worst "
-          f"{out['worst']:+.0%} ({out['worst_row']['where']}); goal: median <= 10%, "
-          "worst <= 25%")
+              f"{r['error']:+7.0%} {r['mfu']:5.2f}{'  (out of goal)' if r['excluded'] else ''}")
+    print(f"{len(out['rows'])} runs; median |error| {out['median_all']:.0%}, worst "
+          f"{out['worst_all']:+.0%} ({out['worst_all_row']['where']})")
+    print(f"goal set ({out['goal_rows']} runs, without those marked 'out of the goal set'): "
+          f"median |error| {out['median']:.0%}, worst {out['worst']:+.0%} "
+          f"({out['worst_row']['where']}); goal: median <= 10%, worst <= 25%")
 
 
 if __name__ == "__main__":

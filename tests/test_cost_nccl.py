@@ -119,6 +119,38 @@ def test_tree_across_nodes_by_hand():
     assert p["bytes_s"] == pytest.approx(2**30 / (0.92 * 384e9 / 2))   # size >= 2^28: no fix
 
 
+def test_nvls_tree_across_nodes_by_hand():
+    # NCCL 2.21.5 tuning.cc: no baseLat, 25 us NVLink + 2 log2(nodes) x 14 us network;
+    # 5/6 x min(the node's in-switch rate, its NICs (halved past 2 nodes)), ramping like NVLS
+    nvls_alg = 480e9 * 8 / 14                        # NVLS on 8 GPUs, as algorithm bandwidth
+    for n, nics in ((16, 384e9), (32, 192e9), (64, 192e9)):
+        p = plan("all_reduce", 2**32, n, H100, "nvls_tree")
+        assert p["latency_s"] == pytest.approx((25 + 2 * math.log2(n // 8) * 14) * US)
+        ramp = 2**32 / (2**32 + H100.intra.nvls_ramp)
+        assert p["bytes_s"] == pytest.approx(2**32 / (5 / 6 * min(nvls_alg, nics) * ramp))
+    # inside one node NCCL runs NVLS itself; NVLSTree needs NVLS (no A100)
+    with pytest.raises(ValueError, match="no such all_reduce"):
+        plan("all_reduce", 2**26, 8, H100, "nvls_tree")
+    with pytest.raises(ValueError, match="no such all_reduce"):
+        plan("all_reduce", 2**26, 16, A100, "nvls_tree")
+    with pytest.raises(ValueError, match="plain alpha-beta"):
+        plan("all_reduce", 2**26, 16, cost.LINKS["NVLink 4"], "nvls_tree")
+
+
+def test_nvls_tree_is_chosen_on_two_nodes_at_large_sizes_as_nccl_1221_measured():
+    # nccl#1221: enabling NVLS raised 2 nodes of 8 H100 to 430 GB/s bus bandwidth, and
+    # changed nothing on more nodes (the ring stays faster there)
+    two = plan("all_reduce", 4 * 2**30, 16, H100, "auto")
+    assert two["algorithm"] == "nvls_tree"
+    assert two["bus_bandwidth"] == pytest.approx(430e9, rel=0.05)
+    assert two["bus_bandwidth"] > plan("all_reduce", 4 * 2**30, 16, H100, "ring")["bus_bandwidth"]
+    for n in (32, 64, 256):
+        assert plan("all_reduce", 4 * 2**30, n, H100, "auto")["algorithm"] != "nvls_tree"
+    # and from tens of MB: below them its 53 us of latency and its ramp lose to ring / tree
+    assert plan("all_reduce", 16 * MiB, 16, H100, "auto")["algorithm"] != "nvls_tree"
+    assert plan("all_reduce", 64 * MiB, 16, H100, "auto")["algorithm"] == "nvls_tree"
+
+
 def test_collnet_only_where_the_fabric_has_it():
     with pytest.raises(ValueError, match="no such all_reduce"):
         plan("all_reduce", 2**26, 16, H100, "collnet_direct")

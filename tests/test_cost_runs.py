@@ -1,12 +1,13 @@
 """cost.TrainingRun / cost.predict against published runs, the rules a run must obey, the
 pipeline terms, and the NCCL findings of the third review (nccl#1455, auto vs ring)."""
 
+import dataclasses
 import statistics
 
 import pytest
 
 from tplab import cost
-from tplab.cost import kernels, nccl, pipeline, published
+from tplab.cost import data_parallel, kernels, nccl, pipeline, published, training_run
 
 MiB = 2**20
 H100 = cost.HARDWARE["H100 SXM"]
@@ -43,23 +44,33 @@ def test_every_published_run_is_expressible_and_its_error_computed():
     sources = {r["source"] for r in out["rows"]}
     assert len(sources) == 8
     errors = [abs(r["predicted"] / r["measured"] - 1) for r in out["rows"]]
-    assert out["median"] == pytest.approx(statistics.median(errors))
-    # what this model achieves today (docs/VALIDATION.md); a regression makes it worse
-    assert out["median"] <= 0.16
+    assert out["median_all"] == pytest.approx(statistics.median(errors))
     zero3 = [r for r in out["rows"] if "ZeRO-3" in r["where"]]
     rest = [r for r in out["rows"] if "ZeRO-3" not in r["where"]]
-    assert len(zero3) == 6 and all(abs(r["error"]) < 0.9 for r in rest)
+    # the goal set is every row but the six ZeRO-3 ones, and only those (ZERO3_2021)
+    assert [r for r in out["rows"] if r["excluded"]] == zero3 and out["goal_rows"] == 87
+    assert out["median"] == pytest.approx(statistics.median(abs(r["error"]) for r in rest))
+    # what this model achieves today (docs/VALIDATION.md); a regression makes it worse
+    assert out["median"] <= 0.11 and abs(out["worst"]) <= 0.75
+    # torchtitan's pipelines at its default micro-batch count (published.PP_MICROBATCHES)
+    titan_pp = [r for r in rest if r["source"] == published.TITAN_H100 and r["pp"] > 1
+                and r["cp"] == 1]
+    assert len(titan_pp) == 3 and all(abs(r["error"]) < 0.10 for r in titan_pp)
+    assert all(abs(r["error"]) < 0.75 for r in rest)
     # the group that meets the issue's median goal: NVIDIA's FP8 recipes (Megatron-Bridge)
     bridge = [abs(r["error"]) for r in out["rows"] if r["source"] == published.BRIDGE]
     assert len(bridge) == 10 and statistics.median(bridge) <= 0.10
     # and the A100 groups at the sustained rate (four frameworks, 2021 to 2024)
     a100 = [abs(r["error"]) for r in rest if r["hardware"] == "A100 SXM"]
     assert len(a100) == 41 and statistics.median(a100) <= 0.15
-    # the blind spot VALIDATION.md names: DeepSpeed's ZeRO-3 of 2021 ran far slower than
-    # NCCL's striped rings let the model price it, and slower with every GPU added
+    # why the ZeRO-3 rows are out of the goal set, checked on the rows themselves: at a
+    # (near-)fixed global batch, 3.5-4 times the GPUs barely shortens the measured step
+    # (175B: 82, 67, 67 s; 530B: 256, 180, 184 s), where the work per GPU falls four-fold
+    for rows in (zero3[:3], zero3[3:]):
+        steps = [published.step_seconds(r) for r in rows]
+        work = [r["global_batch"] / r["gpus"] for r in rows]   # sequences per GPU
+        assert work[-1] <= work[0] / 4 and steps[-1] > 0.6 * steps[0]
     assert all(r["error"] > 0.5 for r in zero3)
-    assert [r["measured"] for r in zero3[:3]] == sorted((r["measured"] for r in zero3[:3]),
-                                                         reverse=True)
     # every run reported with PP > 1, CP > 1 or Blackwell is among them
     assert any(r["pp"] > 1 for r in out["rows"]) and any(r["cp"] > 1 for r in out["rows"])
     assert any(r["hardware"] == "GB200 NVL72" for r in out["rows"])
@@ -109,6 +120,36 @@ def test_fp8_quantises_each_linears_operands_and_hopper_writes_them_transposed_t
 def test_the_published_runs_goal():
     out = published.compare()
     assert out["median"] <= 0.10 and abs(out["worst"]) <= 0.25
+
+
+def test_llm_foundry_ran_h100_at_an_a100_like_ratio_on_one_stack():
+    # FOUNDRY_STACK: the same configurations on both GPUs, measured 2.1-2.5 x apart, where
+    # the presets' sustained GEMM rates are 3.1 x apart (the H100 rows' error, not a row's)
+    pairs = published.foundry_pairs(published.RUNS)
+    assert len(pairs) == 6
+    measured = [h["measured"] / a["measured"] for h, a in pairs]
+    assert all(2.1 <= r <= 2.55 for r in measured)
+
+    def gemm(hw):
+        return hw.flops * hw.matmul_efficiency * hw.sustained
+
+    preset = gemm(H100) / gemm(cost.HARDWARE["A100 SXM"])
+    assert preset > 3.0 > max(measured)
+
+
+def test_torch_context_parallel_moves_every_query_head_and_fp32_gradients():
+    # torchtitan's CP: repeat_kv before SDPA (K, V with all 128 query heads of 405B, 16 a TP
+    # rank), all-gathered (forward, recomputed forward, backward); dK, dV sent in fp32
+    run = cost.TrainingRun("Llama-3.1 405B", "H100 96GB (500 W)", 512, tp=8, pp=8, cp=8,
+                           global_batch=8, seq_len=262144, recompute="full", torch_cp=True)
+    view = data_parallel.dp_group_hardware(run.hw, 8)
+    kv = 2 * 262144 * 16 * 128 * 2                        # K and V, every head, bf16
+    ag = cost.collective_time("all_gather", kv, 8, view, "auto")
+    send = cost.collective_time("send", 2 * kv / 8, 2, view, "auto")
+    exposed = training_run.cp_exposed(run, 0.0, 0.0)  # nothing to hide behind
+    assert exposed == pytest.approx(3 * ag + 8 * send)
+    gqa = training_run.cp_exposed(dataclasses.replace(run, torch_cp=False), 0.0, 0.0)
+    assert exposed > 16 * gqa / 2                         # 16 query heads to 1 KV head a rank
 
 
 def test_the_bubble_is_p_minus_1_over_v_m_of_the_step():
@@ -165,6 +206,41 @@ def test_zero2_and_fsdp_reduce_scatter_every_micro_batch():
     assert comm["zero2"] > 4 * comm["zero1"]
 
 
+def test_without_overlap_the_gradient_collectives_are_all_exposed():
+    kw = dict(gpus=64, tp=8, global_batch=64, seq_len=2048)
+    for sharding in ("ddp", "zero1"):
+        behind = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", sharding=sharding, **kw))
+        after = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", sharding=sharding,
+                                              grad_overlap=False, **kw))
+        assert after.breakdown["dp_exposed_s"] == pytest.approx(after.breakdown["dp_comm_s"])
+        assert behind.breakdown["dp_exposed_s"] < after.breakdown["dp_exposed_s"]
+        assert after.step_s > behind.step_s
+    # Megatron-LM of 2021-2022 (published.FRAMEWORK): reduced after the last backward
+    assert not published.FRAMEWORK[published.NARAYANAN][2]
+    # and, before September 2021, the TP backward all-reduce waited too
+    sync = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", tp_overlap=False, **kw))
+    overlapped = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", **kw))
+    assert sync.breakdown["tp_exposed_s"] > overlapped.breakdown["tp_exposed_s"]
+    assert not published.FRAMEWORK[published.NARAYANAN][3]
+    assert published.FRAMEWORK[published.KORTHIKANTI][3]
+    with pytest.raises(TypeError, match="grad_overlap"):
+        cost.TrainingRun("GPT 22B", "A100 SXM", 8, grad_overlap="no")
+
+
+def test_without_p2p_overlap_the_interleaved_schedule_waits_on_every_exchange():
+    # Korthikanti's 175B: PP 8 x 3 virtual stages, 64 micro-batches, Megatron-LM of 2022
+    kw = dict(gpus=64, tp=8, pp=8, vpp=3, global_batch=64, seq_len=2048,
+              recompute="selective")
+    waits = cost.predict(cost.TrainingRun("GPT 175B", "A100 SXM", p2p_overlap=False, **kw))
+    hides = cost.predict(cost.TrainingRun("GPT 175B", "A100 SXM", **kw))
+    one = pipeline.p2p_time(waits.run.shape, 8, 1, waits.run.hw)
+    assert hides.breakdown["pp_p2p_s"] == pytest.approx(2 * 7 * one)   # fill and drain
+    assert waits.breakdown["pp_p2p_s"] >= 64 * 3 * one    # at least one per forward chunk
+    assert waits.step_s > hides.step_s
+    assert not published.FRAMEWORK[published.KORTHIKANTI][4]
+    assert published.FRAMEWORK[published.BRIDGE][4]
+
+
 def test_best_layout_fits_and_beats_every_other_fitting_layout():
     grid = dict(tps=(1, 2, 4, 8), pps=(1, 2, 4), cps=(1,), vpps=(1,), micro_batches=(1,),
                 shardings=("zero1", "fsdp"), recomputes=("selective", "full"))
@@ -186,9 +262,19 @@ def test_nvls_bandwidth_follows_the_group_size_of_nccl_1455():
 def test_auto_is_never_slower_than_the_ring_it_priced(n):
     for nbytes in [2**k for k in range(10, 33, 2)] + [1.25 * MiB, 40 * MiB]:
         auto = cost.collective_time("all_reduce", nbytes, n, H100, "auto")
-        for algorithm in ("ring", "tree") + (("nvls",) if n <= 8 else ()):
+        for algorithm in ("ring", "tree") + (("nvls",) if n <= 8 else ("nvls_tree",)):
             assert auto <= cost.collective_time("all_reduce", nbytes, n, H100, algorithm
                                                 ) * (1 + 1e-12), (n, nbytes, algorithm)
+
+
+def test_the_500_w_h100_holds_the_nvl_end_of_torchtitans_bracket():
+    capped, sxm = cost.HARDWARE["H100 96GB (500 W)"], H100
+    assert capped.flops == sxm.flops          # torchtitan's MFU divides by the SXM's peak
+    # its Tensor Cores at the H100 NVL's dense bf16 peak (835 of 989), at the power cap
+    rate = capped.flops * capped.matmul_efficiency * capped.sustained
+    assert rate == pytest.approx(835e12 * sxm.matmul_efficiency * sxm.sustained)
+    assert rate / (sxm.flops * sxm.matmul_efficiency * sxm.sustained) == pytest.approx(
+        835 / 989)
 
 
 def test_the_gemm_kernel_rate_against_xla_s_measured_h100_table():

@@ -44,7 +44,8 @@ from tplab.cost.hardware import Hardware, Link
 from tplab.cost.validate import check_choice, check_int, check_number, check_type
 
 OPS = ops.COSTED
-ALGORITHMS = ("ring", "tree", "auto", "nvls", "collnet_direct", "collnet_chain")
+ALGORITHMS = ("ring", "tree", "auto", "nvls", "nvls_tree", "collnet_direct",
+              "collnet_chain")
 PROTOCOLS = ("auto", *nccl.PROTOCOLS)
 REDUCTIONS = ops.NCCL_TUNED  # the ops NCCL's ring/tree model covers
 
@@ -66,6 +67,10 @@ def _plain(op, nbytes, n, link, algorithm, protocol) -> tuple[float, float, str,
                          "(no kind), with one protocol; give it kind= for NCCL's protocols")
     if algorithm.startswith("collnet"):
         raise ValueError(f"algorithm={algorithm!r} needs a Hardware with collnet=True")
+    if algorithm == "nvls_tree":
+        raise ValueError(f"algorithm='nvls_tree' runs across nodes of NVSwitch systems: it "
+                         f"needs a Hardware whose links have an NCCL kind; {link.name} is a "
+                         "plain alpha-beta link")
     alpha, bw = link.params(op)
     base = link.base_latency
     if op == "all_reduce" and algorithm != "ring":
@@ -136,8 +141,8 @@ def collective_terms(op: str, nbytes: float, group_size: int, link: Link | Hardw
 
     `link` may be a `Hardware`, whose link for `group_size` ranks is then used (and, for a
     group across nodes, NVLink steps and network steps apart). `algorithm`: "ring",
-    "tree", "nvls", "collnet_direct", "collnet_chain" or "auto" (all but the ring change
-    only all_reduce); `protocol`: "LL", "LL128", "Simple" or "auto" (NCCL's choice).
+    "tree", "nvls", "nvls_tree", "collnet_direct", "collnet_chain" or "auto" (all but the
+    ring change only all_reduce); `protocol`: "LL", "LL128", "Simple" or "auto" (NCCL's choice).
     """
     plan = collective_plan(op, nbytes, group_size, link, algorithm, protocol)
     return plan["latency_s"], plan["bytes_s"]

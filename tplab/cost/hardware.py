@@ -287,6 +287,7 @@ _NV5 = _NV4.with_(name="NVLink 5 (NVLink 4's measured fractions)",
 # TN format)" (cuBLAS docs, cublasLtMatmul), so a quantised tensor used by two GEMMs is
 # also written transposed (Transformer Engine docs, "Performance considerations: handling
 # transposes"); Blackwell "supports any GEMM layout for FP8" (TransformerEngine #2514).
+H100_NVL_BF16 = 835e12   # H100 NVL datasheet: 1,671 bf16 TFLOP/s with sparsity, 835 dense
 HARDWARE: dict[str, Hardware] = {
     "H100 SXM": Hardware("H100 SXM", 989e12, _NV4, _NDR, fp8_flops=1979e12,
                          matmul_efficiency=794.5 / 989, fp8_matmul_efficiency=1402.6 / 1979,
@@ -300,14 +301,18 @@ HARDWARE: dict[str, Hardware] = {
                          matmul_efficiency=271.2 / 312, attention_efficiency=0.5,
                          sustained=258 / 285),
     # Meta's Grand Teton H100 (torchtitan docs/performance.md): 96 GB HBM2e at 2.4 TB/s,
-    # 400 Gb/s per GPU, a 500 W power limit; its peak "is between SXM and NVL, and we don't
-    # know its exact value": the preset takes the SXM's peak and matmul efficiency (as
-    # torchtitan's MFU does), so it errs fast by up to NVL/SXM = 835/989.
+    # 400 Gb/s per GPU, a 500 W power limit; "HBM2e based lower TDP SXM H100 (95GB) [...]
+    # the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact
+    # value". The preset keeps the SXM's peak (the figure torchtitan's MFU divides by) and
+    # holds its Tensor Cores at the lower end of that bracket, the H100 NVL's: dense bf16
+    # 835 of the SXM's 989 TFLOP/s (H100 NVL and H100 SXM datasheets), times the SXM's
+    # sustained fraction. The lower end because the cap (500 W) is nearer the NVL's 400 W
+    # than the SXM's 700 W; no MSMF is published for this GPU (an assumption, stated).
     "H100 96GB (500 W)": Hardware("H100 96GB (500 W)", 989e12, _NV4, _NDR, memory=96e9,
                                   memory_bandwidth=2.4e12, fp8_flops=1979e12,
                                   matmul_efficiency=794.5 / 989,
                                   fp8_matmul_efficiency=1402.6 / 1979,
-                                  sustained=755 / 794.5),
+                                  sustained=755 / 794.5 * H100_NVL_BF16 / 989e12),
     # DGX B200: 8 B200 (2.25 PFLOP/s dense bf16, 4.5 fp8, as NVIDIA's dgxc-benchmarking
     # llama3.1 README tabulates them), 180 GB HBM3e at 8 TB/s, 148 SMs, 8 ConnectX-7 NDR.
     # NCCL's tables for it are taken as Hopper's (tplab models NCCL 2.21.5).

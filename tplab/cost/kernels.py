@@ -79,9 +79,18 @@ FLASH_BACKWARD = 2.5
 """Flash attention's backward FLOPs over its forward's: it recomputes S = Q K^T and P, 5
 matmuls to 2 (Dao-AILab/flash-attention benchmarks/benchmark_flash_attention.py, `flops`:
 "2.5 * f" for mode "bwd"), the FLOP count its published TFLOP/s are measured against."""
-ADAM_BYTES = 30
+ADAM_BYTES = 28
 """Bytes Adam moves per local parameter per step: reads fp32 master, m, v and gradient (16),
-writes master, m and v (12) and the bf16 copy (2)."""
+writes master, m and v (12)."""
+OPTIMIZER_EXTRA = {"fused": 14, "eager": 4}
+"""Bytes per local parameter the rest of the optimizer step moves, by `kernels=`. "fused"
+(Megatron-LM, megatron/core/optimizer/optimizer.py): the gradient norm for clipping reads
+the fp32 main gradients (4), `_copy_main_params_to_model_params` copies the fp32 master
+weights into the bf16 model weights (`_multi_tensor_copy_this_to_that`: read 4, write 2)
+and the fp32 gradient buffer is zeroed for the next step (4). "eager" (PyTorch FSDP2 with
+torch.optim.AdamW, torchtitan): the gradient norm reads the fp32 sharded gradients (4); the
+sharded parameters are the fp32 master, cast to bf16 when gathered, and the gradients are
+freed (`zero_grad(set_to_none=True)`), not zeroed."""
 
 
 def quantisation(m: int, n: int, k: int, hw: Hardware) -> float:
@@ -207,8 +216,9 @@ def local_params(shape: BlockShape, tp: int, pp: int) -> float:
 
 
 def optimizer_time(shape: BlockShape, tp: int, pp: int, replicas: int, sharding: str,
-                   hw: Hardware) -> float:
-    """Seconds of the Adam step on one GPU: its share of the parameters (all of them under
-    DDP, 1/replicas otherwise) times ADAM_BYTES over the memory bandwidth."""
+                   hw: Hardware, kernels: str = "fused") -> float:
+    """Seconds of the optimizer step on one GPU: its share of the parameters (all of them
+    under DDP, 1/replicas otherwise) times ADAM_BYTES + OPTIMIZER_EXTRA[kernels] over the
+    memory bandwidth."""
     n = local_params(shape, tp, pp) / (1 if sharding == "ddp" else replicas)
-    return n * ADAM_BYTES / hw.memory_bandwidth
+    return n * (ADAM_BYTES + OPTIMIZER_EXTRA[kernels]) / hw.memory_bandwidth

@@ -40,9 +40,15 @@ Where tplab departs from NCCL, and why:
   2 MB, nccl-tests #309: "8B~1MB uses Ring LL, 2MB~16GB NVLS Simple"). The bandwidth it
   reaches grows with the message (#212), so the time returned, not the choice, uses
   `Link.nvls_bandwidth` x S / (S + `Link.nvls_ramp`).
-- NVLS all-gather and reduce-scatter (NCCL 2.21.5 runs them inside one node, enqueue.cc)
-  and NVLSTree across nodes are not modelled: all-gather and reduce-scatter run as rings,
-  and an all-reduce across nodes as a ring or a tree.
+- NVLSTree (all-reduce across nodes on NVSwitch systems: NVLS inside each node, a tree of
+  the nodes over the NICs; NCCL 2.21.5 enables it whenever nNodes > 1): Simple only, no
+  baseLat, 25 us (NVLink) + 2 log2(nodes) x 14 us (network) of latency, and an algorithm
+  bandwidth of 5/6 x min(the node's in-switch rate, its striped NICs, halved past two
+  nodes) (`nvls_tree_algbw`), ramping with the message like NVLS. On two DGX H100 nodes
+  that is a bus bandwidth of about 430 GB/s, beside the ring's 384; on more nodes it is
+  below the ring at large sizes (NVIDIA/nccl#1221: enabling NVLS raised 2 nodes from 330
+  to 430 GB/s, and changed nothing on more). NVLS all-gather and reduce-scatter (inside
+  one node, enqueue.cc) are not modelled: they run as rings.
 - When every rank is its own node NCCL 2.21's nInterSteps (2 x nodes) exceeds nsteps by 2;
   NCCL's formula then counts -2 intra-node steps (a latency 2 hwLat smaller); tplab keeps
   the intra-node step count at 0.
@@ -58,17 +64,17 @@ import math
 from tplab.cost.hardware import NCCL_BASE_LATENCY, SIMPLE_STEP, Hardware, Link
 
 PROTOCOLS = ("LL", "LL128", "Simple")
-NCCL_ALGORITHMS = ("ring", "tree", "nvls", "collnet_direct", "collnet_chain")
+NCCL_ALGORITHMS = ("ring", "tree", "nvls", "nvls_tree", "collnet_direct", "collnet_chain")
 US = 1e-6
 BASE_LAT = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 0.0), "nvls": (0, 0, 0),
-            "collnet_direct": (0, 0, 0), "collnet_chain": (0, 0, 0)}
+            "nvls_tree": (0, 0, 0), "collnet_direct": (0, 0, 0), "collnet_chain": (0, 0, 0)}
 HW_LAT = {
     "nvlink": {"tree": (0.6, 1.25, 28), "ring": (0.6, 1.9, 3.4), "collnet_direct": (0, 0, 3.7),
-               "collnet_chain": (0, 0, 2.8), "nvls": (0, 0, 25)},
+               "collnet_chain": (0, 0, 2.8), "nvls": (0, 0, 25), "nvls_tree": (0, 0, 25)},
     "pci": {"tree": (1.0, 1.9, 28), "ring": (1.0, 2.5, 5.7), "collnet_direct": (0, 0, 3.7),
-            "collnet_chain": (0, 0, 2.8), "nvls": (0, 0, 0)},
+            "collnet_chain": (0, 0, 2.8), "nvls": (0, 0, 0), "nvls_tree": (0, 0, 0)},
     "net": {"tree": (5.0, 8.5, 28), "ring": (2.7, 4.0, 14.0), "collnet_direct": (0, 0, 31),
-            "collnet_chain": (0, 0, 30), "nvls": (0, 0, 18)},
+            "collnet_chain": (0, 0, 30), "nvls": (0, 0, 18), "nvls_tree": (0, 0, 14)},
 }
 LL_MAX_BW = {"volta": (39.0, 39.0, 20.4), "ampere": (87.7, 22.5, 19.0),
              "hopper": (141.0, 45.0, 35.0)}          # GB/s; rows for several nodes by CPU
@@ -135,8 +141,8 @@ def available(op: str, g: Group) -> list[tuple[str, str]]:
     if op != "all_reduce":
         return [("ring", p) for p in protocols]
     pairs = [(a, p) for a in ("ring", "tree") for p in protocols]
-    if g.nodes == 1 and g.intra.kind == "nvlink" and g.intra.nvls_bandwidth > 0:
-        pairs.append(("nvls", "Simple"))
+    if g.intra.kind == "nvlink" and g.intra.nvls_bandwidth > 0 and g.ppn >= 2:
+        pairs.append(("nvls" if g.nodes == 1 else "nvls_tree", "Simple"))   # NVLS: 2+ a node
     if g.nodes > 1 and g.hw.collnet:
         pairs.append(("collnet_chain", "Simple"))
         if g.intra.kind == "nvlink" and g.ppn <= 8:
@@ -163,6 +169,8 @@ def latency(op: str, algorithm: str, protocol: str, g: Group, nbytes: float) -> 
         lat = base + 2 * ((g.ppn - 1) * intra + log2i(nodes) * inter)
     elif algorithm == "nvls":
         lat = intra
+    elif algorithm == "nvls_tree":
+        lat = g.hw_lat("nvlink", algorithm, protocol) + 2 * log2i(nodes) * inter
     elif algorithm == "collnet_direct":
         lat = base + 2 * (min(1, g.ppn - 1) * intra + (g.ppn - 1) * 0.4) + inter
     else:
@@ -182,8 +190,23 @@ def bus_bandwidth(algorithm: str, protocol: str, g: Group) -> float:
                 "LL128": t * (7 / 9 if g.nodes == 1 else 120 / 128)}[protocol]
     if algorithm == "nvls":
         return g.intra.nvls_bandwidth * NVLS_BY_GROUP.get(g.n, 480) / 480
+    if algorithm == "nvls_tree":
+        return nvls_tree_algbw(g) * 2 * (g.n - 1) / g.n
     b = g.intra.bandwidth
     return b * (0.85 if g.hw.arch == "hopper" else 1.0) if algorithm == "collnet_direct" else b
+
+
+def nvls_tree_algbw(g: Group) -> float:
+    """NVLSTree's algorithm bandwidth (bytes/s): NCCL 2.21.5 (tuning.cc) takes
+    nChannels x min(bwIntra, bwInter, halved past 2 nodes) x 5/6. In tplab's measured terms:
+    the in-switch reduction of the node's GPUs (NVLS's measured bus bandwidth for that group
+    size, as algorithm bandwidth) against the node's striped NICs (the cross-node ring's
+    bus bandwidth, which moves each byte once each way on two nodes; past two, a tree node
+    relays to its parent and its children: half), times NCCL's 5/6."""
+    ppn = g.ppn
+    intra = g.intra.nvls_bandwidth * NVLS_BY_GROUP.get(ppn, 480) / 480 * ppn / (2 * (ppn - 1))
+    nics = g.bus if g.nodes <= 2 else g.bus / 2
+    return 5 / 6 * min(intra, nics)
 
 
 def algorithm_bandwidth(op: str, algorithm: str, protocol: str, g: Group,
@@ -194,7 +217,7 @@ def algorithm_bandwidth(op: str, algorithm: str, protocol: str, g: Group,
     n, bus = g.n, bus_bandwidth(algorithm, protocol, g)
     if algorithm == "ring":
         return bus * n / (2 * (n - 1) if op == "all_reduce" else n - 1)
-    if algorithm == "nvls":
+    if algorithm in ("nvls", "nvls_tree"):
         return bus * n / (2 * (n - 1))
     if algorithm == "tree":
         size = log2i(int(nbytes) >> 6)
@@ -235,7 +258,7 @@ def priced_terms(op: str, algorithm: str, protocol: str, g: Group,
     third review's finding 2)."""
     lat = latency(op, algorithm, protocol, g, nbytes)
     bw = algorithm_bandwidth(op, algorithm, protocol, g, nbytes)
-    if algorithm == "nvls" and g.intra.nvls_ramp > 0:
+    if algorithm in ("nvls", "nvls_tree") and g.intra.nvls_ramp > 0:
         bw *= nbytes / (nbytes + g.intra.nvls_ramp) if nbytes > 0 else 1.0
     return lat, (nbytes / bw if nbytes > 0 else 0.0)
 

@@ -11,7 +11,11 @@ Pipeline (Narayanan et al. 2021, sections 2.2 and 4.1; Korthikanti et al. 2022, 
 - P2P: each stage boundary sends b s h / (t cp) activations per rank (Megatron-LM's
   scatter-gather over the TP ranks, Narayanan 2021 section 4.1), over one NIC per GPU when
   TP x CP fill the node. Non-interleaved 1F1B waits on 2 m of them per step; interleaved
-  (with `--overlap-p2p-comm`) only the 2 (p - 1) of the fill and the drain.
+  (with `--overlap-p2p-comm`) only the 2 (p - 1) of the fill and the drain. Without it
+  (`TrainingRun(p2p_overlap=False)`: Megatron-LM before 2023-05-31, f9283c5a, whose
+  `_communicate` waits on `batch_isend_irecv` and then `torch.cuda.synchronize()`) the
+  interleaved schedule waits on each exchange: its warm-up's 2 (p - 1) + (v - 1) p, then
+  one combined send/receive per forward chunk, m v.
 - First stage memory: 1F1B keeps min(p, m) micro-batches in flight, interleaving
   x (1 + (p-1)/(p v)).
 
@@ -69,11 +73,18 @@ def p2p_time(shape, tp: int, cp: int, hw) -> float:
     return link.base_latency + link.latency + nbytes / link.bandwidth
 
 
-def schedule(slowest: float, pp: int, vpp: int, m: int, p2p: float) -> dict:
-    """Compute, bubble and exposed P2P seconds of one step (module doc)."""
+def schedule(slowest: float, pp: int, vpp: int, m: int, p2p: float,
+             overlap: bool = True) -> dict:
+    """Compute, bubble and exposed P2P seconds of one step (module doc); `overlap` False:
+    the interleaved schedule waits on every transfer (module doc)."""
     if pp == 1:
         return {"compute_s": m * slowest, "bubble_s": 0.0, "p2p_s": 0.0}
-    exposed = 2 * m * p2p if vpp == 1 else 2 * (pp - 1) * p2p
+    if vpp == 1:
+        exposed = 2 * m * p2p
+    elif overlap:
+        exposed = 2 * (pp - 1) * p2p
+    else:   # warm-up, m v steady-state exchanges, cool-down
+        exposed = (m * vpp + 2 * (pp - 1) + (vpp - 1) * pp) * p2p
     return {"compute_s": m * slowest, "bubble_s": (pp - 1) / vpp * slowest, "p2p_s": exposed}
 
 
@@ -100,6 +111,8 @@ def data_parallel(run, stage: dict, lt: dict, m: int) -> dict:
         return collective_time(op, nbytes, size, view, "auto") if size > 1 else 0.0
 
     rs, ag = t("reduce_scatter", 4 * n), t("all_gather", 2 * n)
+    if not run.grad_overlap and run.sharding in ("ddp", "zero1"):
+        fwd = bwd = 0.0           # reduced after the last backward, gathered after the step
     if run.sharding == "ddp":
         ar = t("all_reduce", 4 * n)
         return {"comm_s": ar, "exposed_s": max(0.0, ar - bwd)}

@@ -162,86 +162,116 @@ def step_time(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool 
     says: param_bytes, grad_bytes, optimizer_bytes, activation_bytes, memory_bytes, and
     `fits`: within `hw.usable_memory`). `tp` must be a degree the heads allow (`tp_allowed`).
 
-    Compute: each per-rank GEMM at `mfu` (default `MFU`, 0.40, with its source) times its
-    shape's efficiency (`gemm="shape"`; "flat": all at `mfu`); the row's `mfu` is the
-    fraction of peak its compute reached. TP collectives: NCCL's model (`algorithm`,
-    `protocol`). `tp_comm_s` is all of the TP communication, `exposed_comm_s` what
-    `overlap` leaves on the critical path ("none"; "megatron": the backward input-gradient
-    all-reduce or reduce-scatter behind the weight-gradient GEMM; "async_tp": PyTorch's
-    async TP, SP only, inside one NVLink domain). DP: `dp_comm_s` (gradient reduction and
-    ZeRO's gathers over `dp` replicas, per micro-batch with `micro_batches` per optimizer
-    step) and `dp_exposed_s` (what `dp_overlap` leaves exposed). `step_s` = compute +
-    exposed TP + exposed DP. Throughput: `tokens_per_s_per_gpu` = tokens / (step_s x tp),
-    what training maximises; `gpu_s` = step_s x tp.
+    Compute (`layer_compute`, `step_model_flops`): each per-rank GEMM at `mfu` (default
+    `MFU`, 0.40, with its source) times its shape's efficiency (`gemm="shape"`; "flat": all
+    at `mfu`); the row's `mfu` is the fraction of peak its compute reached. TP collectives:
+    NCCL's model (`algorithm`, `protocol`). `tp_comm_s` is all of the TP communication,
+    `exposed_comm_s` what `overlap` leaves on the critical path ("none"; "megatron": the
+    backward input-gradient all-reduce or reduce-scatter behind the weight-gradient GEMM;
+    "async_tp": PyTorch's async TP, SP only, inside one NVLink domain). DP: `dp_comm_s`
+    (gradient reduction and ZeRO's gathers over `dp` replicas, per micro-batch with
+    `micro_batches` per optimizer step) and `dp_exposed_s` (what `dp_overlap` leaves
+    exposed). `step_s` = compute + exposed TP + exposed DP. Throughput:
+    `tokens_per_s_per_gpu` = tokens / (step_s x tp), what training maximises; `gpu_s` =
+    step_s x tp.
 
     `precision="mixed"` is Megatron-LM's bf16 recipe (fp32 gradients: 18 bytes per
     parameter with Adam; "mixed_bf16_grads" 16). Under SP, `sp_saves`: "gathered" (DTensor,
     tplab's block) or "shard" (Megatron-LM: 25% more TP bytes); by default the layout's own.
     `norm`, `swiglu`: the RMSNorm and SwiGLU paths ("composite": tplab's, measured on CPU;
-    "fused": CUDA's / Megatron-LM's; `tplab.cost.BLOCK_SAVES` names both blocks). Full
-    recomputation runs the forward twice; selective recomputation of the paper's GPT layer
-    re-runs the attention scores, 4 b s^2 h FLOPs (Korthikanti et al. 2022, section 5).
-
-    `causal` (default True): attention's scores and values cost what flash attention with a
-    causal mask computes, half of 4 b s^2 h (`block_flops`). `lm_head` (default True, with
-    the whole block and a vocabulary): the lm head's GEMMs, split over the vocabulary, are
-    computed too (`lm_head_s`; Narayanan et al. 2021's V / (12 h L) term). The embedding's
-    lookup and the head's TP collectives (a few messages of b s h d bytes per step) are
-    left out.
+    "fused": CUDA's / Megatron-LM's; `tplab.cost.BLOCK_SAVES` names both blocks).
+    `recompute` and `causal`: `layer_compute`. `lm_head` (default True, with the whole block
+    and a vocabulary): the lm head's GEMMs, split over the vocabulary, are computed too
+    (`lm_head_s`; Narayanan et al. 2021's V / (12 h L) term); the embedding's lookup and the
+    head's TP collectives (a few messages of b s h d bytes per step) are left out.
     """
     check_step(shape, tp, hw, sequence_parallel, algorithm, sublayers, recompute, precision,
                layout, overlap, sp_saves, mfu, dp, zero, protocol, gemm, norm,
                micro_batches, dp_overlap, swiglu, causal, lm_head)
     saves = sp_saves or ("shard" if layout == "gpt" else "gathered")
+    forward, backward = layer_compute(shape, tp, hw, sublayers, recompute, layout, mfu, gemm,
+                                      causal)
+    head = lm_head and set(sublayers) == set(SUBLAYERS) and shape.vocab > 0
+    head_fwd, head_bwd = lm_head_times(shape, tp, hw, mfu, gemm) if head else (0.0, 0.0)
+    records = comm_times(shape, tp, hw, sequence_parallel, algorithm, sublayers, overlap,
+                         saves, mfu, recompute, protocol, gemm)
+    dp_row = dp_times(shape, tp, hw, dp, zero, precision, micro_batches, dp_overlap,
+                      shape.layers * forward + head_fwd, shape.layers * backward + head_bwd)
+    compute = shape.layers * (forward + backward) + head_fwd + head_bwd
+    flops = step_model_flops(shape, sublayers, recompute, layout, causal, head)
+    row = step_row(shape, tp, hw, compute, records, dp_row, overlap, flops,
+                   head_fwd + head_bwd)
+    row |= {"dp": dp, "zero": zero, "precision": precision, "norm": norm, "swiglu": swiglu,
+            "causal": causal}
+    row |= gpu_memory(shape, tp, sequence_parallel, recompute, precision, optimizer, layout,
+                      sp_saves=saves, dp=dp, zero=zero, norm=norm, swiglu=swiglu)
+    row["fits"] = row["memory_bytes"] <= hw.usable_memory
+    return row
+
+
+def score_flops(shape: BlockShape, causal: bool = True) -> float:
+    """FLOPs of one layer's attention scores and values, forward: 4 b s^2 h, half of it
+    under a causal mask (flash attention skips the masked tiles)."""
+    return 4 * shape.batch * shape.seq**2 * shape.hidden / (2 if causal else 1)
+
+
+def layer_compute(shape: BlockShape, tp: int, hw: Hardware, sublayers=SUBLAYERS,
+                  recompute: str = "none", layout: str = "tplab", mfu: float = MFU,
+                  gemm: str = "shape", causal: bool = True) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's `sublayers` on one rank: the linears'
+    GEMMs (`gemm_times`) and, with attention, its scores and values at `mfu` (flash
+    attention; backward twice the forward). Full recomputation runs the forward twice;
+    selective recomputation of the paper's GPT layer (`layout="gpt"`) re-runs the
+    attention scores, 4 b s^2 h FLOPs (Korthikanti et al. 2022, section 5)."""
     gemms = gemm_times(shape, tp, hw, mfu, gemm)
-    regions = {"attention": "attention", "mlp": "mlp"}
     forward = backward = 0.0
     for sub in sublayers:
-        g = gemms[regions[sub]]
+        g = gemms[sub]
         forward += g["col_fwd"] + g["row_fwd"]
         backward += g["col_dgrad"] + g["col_wgrad"] + g["row_dgrad"] + g["row_wgrad"]
-    score_flops = 4 * shape.batch * shape.seq**2 * shape.hidden / (2 if causal else 1)
-    if "attention" in sublayers:   # scores and values, at mfu (flash attention)
-        scores = score_flops / (tp * hw.flops * mfu)
+    scores = score_flops(shape, causal) / (tp * hw.flops * mfu)
+    if "attention" in sublayers:
         forward, backward = forward + scores, backward + 2 * scores
     if recompute == "full":
         backward += forward
     elif recompute == "selective" and layout == "gpt" and "attention" in sublayers:
-        backward += score_flops / (tp * hw.flops * mfu)
-    head = lm_head and set(sublayers) == set(SUBLAYERS) and shape.vocab > 0
-    head_fwd, head_bwd = lm_head_times(shape, tp, hw, mfu, gemm) if head else (0.0, 0.0)
-    compute = shape.layers * (forward + backward) + head_fwd + head_bwd
+        backward += scores
+    return forward, backward
+
+
+def step_model_flops(shape: BlockShape, sublayers=SUBLAYERS, recompute: str = "none",
+                     layout: str = "tplab", causal: bool = True, head: bool = True) -> float:
+    """The FLOPs a step's compute performs, recomputation included (the row's `mfu`
+    divides them by the compute time): 3 passes of each block (4 under full
+    recomputation), the selective recomputation's scores, and the LM head's 3 passes."""
     passes = 4 if recompute == "full" else 3
-    extra = score_flops * (
+    extra = score_flops(shape, causal) * (
         recompute == "selective" and layout == "gpt" and "attention" in sublayers)
-    model_flops = (shape.layers * (passes * block_flops(shape, sublayers, causal) + extra)
-                   + 3 * lm_head_flops(shape) * head)
-    records = comm_times(shape, tp, hw, sequence_parallel, algorithm, sublayers, overlap,
-                         saves, mfu, recompute, protocol, gemm)
+    return (shape.layers * (passes * block_flops(shape, sublayers, causal) + extra)
+            + 3 * lm_head_flops(shape) * head)
+
+
+def step_row(shape: BlockShape, tp: int, hw: Hardware, compute: float, records: list[dict],
+             dp_row: dict, overlap: str, model_flops: float, head_s: float) -> dict:
+    """`step_time`'s row from its parts: the compute, the TP collectives' records (per
+    layer), the DP row (`dp_times`), the overlap asked for and the FLOPs computed."""
     comm = shape.layers * sum(r["time_s"] for r in records)
     exposed = shape.layers * sum(r["exposed_s"] for r in records)
     applied = overlap
     if overlap == "async_tp" and tp > hw.gpus_per_node:
         applied = "none (async TP needs the TP group in one NVLink domain)"
-    dp_row = dp_times(shape, tp, hw, dp, zero, precision, micro_batches, dp_overlap,
-                      shape.layers * forward + head_fwd, shape.layers * backward + head_bwd)
-    link = hw.link(tp).name if tp > 1 else "-"
     step = compute + exposed + dp_row["dp_exposed_s"]
-    row = {"model": shape.name, "hardware": hw.name, "tp": tp, "link": link,
-           "crosses_nodes": tp > hw.gpus_per_node, "compute_s": compute,
-           "tp_comm_s": comm, "exposed_comm_s": exposed, "hidden_comm_s": comm - exposed,
-           "dp": dp, "zero": zero, "dp_comm_s": dp_row["dp_comm_s"],
-           "dp_exposed_s": dp_row["dp_exposed_s"], "dp_link": dp_row["dp_link"],
-           "step_s": step, "comm_fraction": (exposed + dp_row["dp_exposed_s"]) / step,
-           "overlap": applied, "mfu": model_flops / (compute * tp * hw.flops),
-           "kv_replicated": kv_replicated(shape, tp), "precision": precision, "norm": norm,
-           "swiglu": swiglu, "causal": causal, "lm_head_s": head_fwd + head_bwd,
-           "tokens": shape.tokens, "gpu_s": step * tp,
-           "tokens_per_s_per_gpu": shape.tokens / (step * tp)}
-    row |= gpu_memory(shape, tp, sequence_parallel, recompute, precision, optimizer, layout,
-                      sp_saves=saves, dp=dp, zero=zero, norm=norm, swiglu=swiglu)
-    row["fits"] = row["memory_bytes"] <= hw.usable_memory
-    return row
+    return {"model": shape.name, "hardware": hw.name, "tp": tp,
+            "link": hw.link(tp).name if tp > 1 else "-",
+            "crosses_nodes": tp > hw.gpus_per_node, "compute_s": compute,
+            "tp_comm_s": comm, "exposed_comm_s": exposed, "hidden_comm_s": comm - exposed,
+            "dp_comm_s": dp_row["dp_comm_s"], "dp_exposed_s": dp_row["dp_exposed_s"],
+            "dp_link": dp_row["dp_link"], "step_s": step,
+            "comm_fraction": (exposed + dp_row["dp_exposed_s"]) / step, "overlap": applied,
+            "mfu": model_flops / (compute * tp * hw.flops),
+            "kv_replicated": kv_replicated(shape, tp), "lm_head_s": head_s,
+            "tokens": shape.tokens, "gpu_s": step * tp,
+            "tokens_per_s_per_gpu": shape.tokens / (step * tp)}
 
 
 def sweep(shape: BlockShape, hw: Hardware, tps=None, **kw) -> list[dict]:

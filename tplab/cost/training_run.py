@@ -17,22 +17,27 @@ How a step is priced (one set of constants per hardware preset, each cited where
   memory bandwidth, fused (Megatron-LM) or eager (PyTorch) (`kernels.elementwise_bytes`).
 - **TP**: the block's collectives (`tplab.cost.transformer.block_collectives`, sequence
   parallel, Megatron-LM's layout) priced by NCCL's model; the input-gradient collectives
-  hide behind the weight-gradient GEMMs (Megatron-LM's overlap), the rest is exposed.
+  hide behind the weight-gradient GEMMs (Megatron-LM's overlap; `tp_overlap=False`: not),
+  the rest is exposed.
 - **PP** (`tplab.cost.pipeline`): 1F1B or interleaved, the bubble (p-1)/(v m), P2P, the
   slowest stage (embedding and LM head), the first stage's in-flight activations.
 - **CP**: all-gather of K and V (and reduce-scatter of their gradients), load balanced.
 - **DP / sharding**: gradient reduce-scatter (or all-reduce) and parameter all-gather over
   the DP x CP group, behind the backward and forward passes where they fit;
   "zero2"/"fsdp"/"hsdp" reduce-scatter every micro-batch, "fsdp"/"hsdp" also gather the
-  parameters every micro-batch (HSDP shards inside the node and all-reduces across).
+  parameters every micro-batch (HSDP shards inside the node and all-reduces across). With
+  `grad_overlap=False` the step-end reduction of "ddp" and "zero1" (and ZeRO-1's gather) is
+  all exposed.
 - **Recomputation**: "full" re-runs the forward; "selective" re-runs the attention core
   (Korthikanti et al. 2022's selective recomputation). Two more, torchtitan's
   (torchtitan/models/llama3/infra/parallelize.py, `_apply_ac`): "op", its op-level SAC,
   saves the outputs of every other matmul and of attention, so it re-runs half the linear
   GEMMs and every element-wise op of the forward; "half_layers", its layer-level
   selective AC at frequency 2, re-runs the whole forward of every second layer.
-- The optimizer step: Adam reads and writes 16 + 2 bytes per local parameter (fp32 master,
-  m, v, grad; the bf16 copy), at the memory bandwidth.
+- The optimizer step: Adam reads 16 and writes 12 bytes per local parameter (fp32 master,
+  m, v, grad), and the rest of the step (the gradient norm, Megatron-LM's copy into the
+  bf16 weights and its zeroing of the gradient buffer) moves `kernels.OPTIMIZER_EXTRA`
+  more, at the memory bandwidth.
 
 MFU (`Prediction.mfu`) is end to end: the model's FLOPs (6 N per token plus causal
 attention, no recomputation) over the step time x peak, communication and bubbles included.
@@ -48,7 +53,7 @@ from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.hardware import HARDWARE, Hardware
 from tplab.cost.shapes import MODELS, BlockShape
 from tplab.cost.transformer import block_collectives, tp_allowed
-from tplab.cost.validate import check_choice, check_int, check_type
+from tplab.cost.validate import check_bool, check_choice, check_int, check_type
 
 PRECISIONS = ("bf16", "fp8")
 RECOMPUTES = ("none", "selective", "full", "op", "half_layers")
@@ -64,7 +69,14 @@ class TrainingRun:
     module doc. `global_batch` and `micro_batch` are in sequences of `seq_len` tokens.
     `kernels` ("fused": Megatron-LM / Transformer Engine; "eager": PyTorch eager) and
     `attention` ("flash"; "unfused": materialised scores) say how the framework runs the
-    layer (`tplab.cost.kernels`)."""
+    layer (`tplab.cost.kernels`). `grad_overlap` False ("ddp" and "zero1"): the framework
+    reduces the gradients (and, under ZeRO-1, gathers the parameters) after the last
+    backward pass, not behind it (Megatron-LM before its 2023 `overlap_grad_reduce`).
+    `tp_overlap` False: the backward's input-gradient collectives wait (no async all-reduce
+    behind the weight-gradient GEMM: Megatron-LM before September 2021). `torch_cp`: context
+    parallelism as torch's `context_parallel` runs it (`cp_exposed`). `p2p_overlap` False:
+    the interleaved schedule waits on its stage-to-stage transfers (`pipeline` module doc:
+    Megatron-LM before 2023)."""
 
     model: str | BlockShape
     hardware: str | Hardware
@@ -84,6 +96,10 @@ class TrainingRun:
     nics_per_node: int | None = None
     kernels: str = "fused"
     attention: str = "flash"
+    grad_overlap: bool = True
+    tp_overlap: bool = True
+    torch_cp: bool = False
+    p2p_overlap: bool = True
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
 
@@ -116,6 +132,10 @@ class TrainingRun:
         check_choice("sharding", self.sharding, SHARDINGS)
         check_choice("kernels", self.kernels, KERNELS)
         check_choice("attention", self.attention, ATTENTIONS)
+        check_bool("grad_overlap", self.grad_overlap)
+        check_bool("tp_overlap", self.tp_overlap)
+        check_bool("torch_cp", self.torch_cp)
+        check_bool("p2p_overlap", self.p2p_overlap)
         check_rules(self)
 
     @property
@@ -213,19 +233,40 @@ def layer_times(run: TrainingRun) -> dict:
     exposed = 0.0
     for r in block_collectives(local, tp, True, sp_saves="shard") if tp > 1 else []:
         t = collective_time(r["op"], r["bytes"], tp, hw, "auto")
-        hidden_by = bwd_wgrad / 2 if r["role"] == "bwd_in" else 0.0   # per region
+        hidden_by = bwd_wgrad / 2 if r["role"] == "bwd_in" and run.tp_overlap else 0.0
         again = {"full": 1.0, "half_layers": 0.5}.get(run.recompute, 0.0)
         exposed += max(0.0, t - hidden_by) * (1 + again * (r["phase"] == "forward"))
-    cp_s = 0.0
-    if cp > 1:   # all-gather K and V in forward, reduce-scatter dK, dV in backward
-        kv = 2 * shape.batch * shape.seq * shape.kv_dim * shape.dtype_bytes / max(
-            1, tp // max(1, min(tp, shape.kv_heads or shape.heads)))
-        view = dp_group_hardware(hw, tp)
-        ag = collective_time("all_gather", kv / tp, cp, view, "auto")
-        cp_s = max(0.0, ag - attn_s / 2) + max(0.0, ag - attn_s)   # behind the attention
+    cp_s = cp_exposed(run, attn_s, attn_bwd) if cp > 1 else 0.0
     return {"forward_s": forward, "backward_s": backward, "tp_exposed_s": exposed,
             "cp_exposed_s": cp_s, "gemm_fwd_s": fwd, "attention_s": attn_s,
             "elementwise_s": elem}
+
+
+def cp_exposed(run: TrainingRun, attn_s: float, attn_bwd: float) -> float:
+    """Exposed seconds of one layer's context-parallel K/V traffic on one micro-batch.
+    Default: an all-gather of K and V behind half the forward attention, a reduce-scatter
+    of dK, dV behind the forward attention's time in backward. `torch_cp`: torch's
+    `context_parallel`, which torchtitan runs (torch/distributed/tensor/experimental/
+    _attention.py): K and V carry every query head (torchtitan's model calls `repeat_kv`
+    before SDPA), are all-gathered once and waited for after the first of cp sub-SDPA
+    calls ("all-gather all kv shards on ranks after the first sub-SDPA computation",
+    torchtitan's `context_parallel_rotate_method` help), forward, in the recomputed
+    forward under full recomputation, and again in backward, where dK and dV pass to the
+    next rank in fp32 after every sub-SDPA backward (`_AllToAllRotater`, accumulated in
+    float32), each behind the next one."""
+    shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
+    view = dp_group_hardware(hw, tp)
+    if not run.torch_cp:
+        kv = 2 * shape.batch * shape.seq * shape.kv_dim * shape.dtype_bytes / max(
+            1, tp // max(1, min(tp, shape.kv_heads or shape.heads)))
+        ag = collective_time("all_gather", kv / tp, cp, view, "auto")
+        return max(0.0, ag - attn_s / 2) + max(0.0, ag - attn_s)
+    kv = 2 * shape.batch * shape.seq * shape.hidden / tp * shape.dtype_bytes   # all heads
+    ag = collective_time("all_gather", kv, cp, view, "auto")
+    forward = max(0.0, ag - attn_s / cp) * (2 if run.recompute == "full" else 1)
+    dkv = collective_time("send", 2 * kv / cp, 2, view, "auto")   # fp32, to the next rank
+    backward = max(0.0, ag - attn_bwd / cp) + (cp - 1) * max(0.0, dkv - attn_bwd / cp) + dkv
+    return forward + backward
 
 
 def predict(run: TrainingRun) -> Prediction:
@@ -238,10 +279,10 @@ def predict(run: TrainingRun) -> Prediction:
     stage = pipeline.stage_time(shape.layers, run.pp, run.vpp, per_layer, head)
     m = run.micro_batches
     p2p = pipeline.p2p_time(shape, run.tp, run.cp, hw)
-    pipe = pipeline.schedule(stage["slowest_s"], run.pp, run.vpp, m, p2p)
+    pipe = pipeline.schedule(stage["slowest_s"], run.pp, run.vpp, m, p2p, run.p2p_overlap)
     data = pipeline.data_parallel(run, stage, lt, m)
     optimizer = kernels.optimizer_time(shape, run.tp, run.pp, run.dp * run.cp,
-                                       run.sharding, hw)
+                                       run.sharding, hw, run.kernels)
     step = pipe["compute_s"] + pipe["bubble_s"] + pipe["p2p_s"] + data["exposed_s"] + optimizer
     tokens = run.global_batch * shape.seq
     flops = model_flops_per_token(shape) * tokens
