@@ -25,7 +25,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
 
 from tplab.errors import PlanError
 from tplab.plans import apply_plan
@@ -77,13 +80,17 @@ def keep_masks(module: torch.nn.Module):
 
 
 def checkpoint_blocks(model: torch.nn.Module, per_module=("Block",),
-                      masks: str = "keep") -> torch.nn.Module:
+                      masks: str = "keep",
+                      impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT) -> torch.nn.Module:
     """Wrap each submodule whose class name (a subclass's too) or module name is in
-    `per_module` in a non-reentrant `checkpoint_wrapper`; `masks="redraw"` plants the bug
-    of not restoring tplab.rng's streams. Returns the model."""
+    `per_module` in a `checkpoint_wrapper` (non-reentrant unless `impl` says
+    `CheckpointImpl.REENTRANT`); `masks="redraw"` plants the bug of not restoring
+    tplab.rng's streams. Returns the model."""
     if masks not in ("keep", "redraw"):
         raise PlanError(f"checkpoint_blocks: masks is 'keep' or 'redraw' (the bug), not "
                         f"{masks!r}")
+    if not isinstance(impl, CheckpointImpl):
+        raise PlanError(f"checkpoint_blocks: impl is a CheckpointImpl, not {impl!r}")
     wanted = set(per_module)
     found = 0
     for parent in list(model.modules()):
@@ -91,8 +98,12 @@ def checkpoint_blocks(model: torch.nn.Module, per_module=("Block",),
             kinds = {c.__name__ for c in type(child).__mro__}
             if not (kinds & wanted or name in wanted):
                 continue
-            kw = {"context_fn": keep_masks(child)} if masks == "keep" else {}
-            setattr(parent, name, checkpoint_wrapper(child, **kw))  # non-reentrant: its default
+            kw = {"context_fn": keep_masks(child)} if masks == "keep" and trackers(child) else {}
+            if kw and impl is CheckpointImpl.REENTRANT:
+                raise PlanError(f"checkpoint_blocks: {name} draws tplab.rng dropout masks, "
+                                "and torch's reentrant checkpoint takes no context_fn to keep "
+                                "them: use CheckpointImpl.NO_REENTRANT")
+            setattr(parent, name, checkpoint_wrapper(child, checkpoint_impl=impl, **kw))
             found += 1
     if not found:
         raise PlanError(f"checkpoint_blocks: no submodule of {type(model).__name__} is a "
