@@ -18,6 +18,9 @@ differentiates another network than the forward ran, and nothing fails.
 - `checkpointed(model, mesh, plan, per_module, masks)`: a `(model, mesh) -> model` plan:
   `plan` (a dict or a callable, such as `rng.parallelize`'s partial), then
   `checkpoint_blocks` (torchtitan's order: TP, then activation checkpointing, then FSDP2).
+- `memory_of(build_model, plan, x, per_module)`: rank side, for a lesson: `tplab.memory`'s
+  numbers for one forward and backward of the planned model on `x`, plain and with
+  `per_module` checkpointed (rows by module path, the wrapper's name left out).
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
+from tplab import models
 from tplab.errors import PlanError
+from tplab.memory_use import memory
+from tplab.mesh import make_mesh
 from tplab.plans import apply_plan
 from tplab.rng import Dropout
 
-__all__ = ["checkpoint_blocks", "checkpointed", "keep_masks", "trackers"]
+__all__ = ["checkpoint_blocks", "checkpointed", "keep_masks", "memory_of", "trackers"]
 
 
 def trackers(module: torch.nn.Module) -> list:
@@ -119,3 +125,27 @@ def checkpointed(model: torch.nn.Module, mesh, plan=None, per_module=("Block",),
     elif plan is not None:
         model = plan(model, mesh)
     return checkpoint_blocks(model, per_module, masks)
+
+
+def memory_of(build_model, plan, x, per_module=("Block",)) -> dict[str, dict]:
+    """Rank side: {"plain": ..., "checkpointed": ...}, each tplab.memory's activation_bytes,
+    recomputed_bytes, peak_bytes and rows ({module: bytes}) of one forward and backward of
+    `build_model()` under `plan` (on a tp mesh of the whole world), the loss `.sum()` of
+    its output (tokens in, logits out: tplab.models.lm_loss when `x` holds integers)."""
+    out = {}
+    for name in ("plain", "checkpointed"):
+        model = build_model()
+        model = (apply_plan(model, make_mesh(), plan) if isinstance(plan, dict)
+                 else plan(model, make_mesh()))
+        if name == "checkpointed":
+            checkpoint_blocks(model, per_module)
+        with memory() as m:
+            y = model(x)
+            (models.lm_loss(y, x) if not x.is_floating_point() else y.sum()).backward()
+        out[name] = {k: getattr(m, k) for k in ("activation_bytes", "recomputed_bytes",
+                                                "peak_bytes")}
+        for key in ("rows", "recomputed_rows"):
+            out[name][key] = {r["module"].replace("._checkpoint_wrapped_module", "")
+                              .replace("_checkpoint_wrapped_module.", ""): r["bytes"]
+                              for r in getattr(m, key)}
+    return out
