@@ -203,6 +203,17 @@ def expected_pieces(param, pair: dict, ref: torch.Tensor, mesh, piece: bool):
     return ref.reshape(ref.shape[0], -1)[:, index.reshape(-1)].reshape(-1, *index.shape)
 
 
+def parameter_diff(param, pair: dict, cut, ref: torch.Tensor, step: int, mesh,
+                   piece: bool) -> torch.Tensor:
+    """max |local piece - the reference's| of one parameter after `step` steps (`cut`: its
+    `expected_pieces`, or None for the per-step path)."""
+    if cut is not None:
+        local, want = layout_value(param), cut[step]
+    else:
+        local, want = local_and_expected(param, pair, ref[step], mesh, piece)
+    return (local.float() - want.float()).abs().max() if local.numel() else torch.zeros(())
+
+
 def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> None:
     """One line per step for the notebook's live figure (see tplab/training/live.py)."""
     record = {"rank": rank, "step": step, "loss": float(loss),
@@ -248,16 +259,10 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
               for p in kept}
 
     def measure():
-        diffs = {}
-        for p in kept:
-            param, cut = params[p["ranks"]], pieces[p["ranks"]]
-            if cut is not None:
-                local, want = layout_value(param), cut[len(losses)]
-            else:
-                local, want = local_and_expected(param, p, reference[p["ref"]][len(losses)],
-                                                 mesh, "dp_placement" in described[p["ranks"]])
-            diffs[p["ranks"]] = (local.float() - want.float()).abs().max() if local.numel() \
-                else torch.zeros(())
+        diffs = {p["ranks"]: parameter_diff(params[p["ranks"]], p, pieces[p["ranks"]],
+                                            reference[p["ref"]], len(losses), mesh,
+                                            "dp_placement" in described[p["ranks"]])
+                 for p in kept}
         for name in copies:
             replicas[name].append(layout_value(params[name]).clone())
         return diffs
