@@ -7,7 +7,7 @@ world 4; the live figure under 5% of the step time for 10 ms steps)
    Alternated in one run; medians over the rounds (of the times, and of each round's
    ratio). The one-device runs are timed alone too: the reference (before the ranks
    start: they compare with it) and the reduction-order run for the band (in a thread of
-   the notebook while the ranks train, tplab/training/check.py).
+   the notebook while the ranks train, tplab/checks/train.py).
 2. The live figure: the rank side (one line printed per step) and the notebook side
    (parsing each rank's line, redrawing the figure every REDRAW_S as the Output widget
    would), per step of 10 ms, in CPU time.
@@ -32,11 +32,11 @@ import time
 import torch
 
 import tplab
-from tplab import fsdp, megatron, models, rng
+from tplab.checks import train as training_check
+from tplab.checks.train_live import LiveTraining
+from tplab.core import fsdp, megatron, models, rng
+from tplab.core.training import lm, steps
 from tplab.rank.train_step import LIVE_PREFIX, LIVE_SUFFIX
-from tplab.training import check as training_check
-from tplab.training import lm, steps
-from tplab.training.live import LiveTraining
 
 CFG = models.Config(vocab_size=32, dim=32, n_layers=2, n_heads=4, hidden_dim=64, seq_len=8,
                     batch_size=8)

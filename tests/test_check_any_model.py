@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from tp_fixtures import llama, tp_lab  # noqa: F401
 
 import tplab
-from tplab import plans
+from tplab.core import plans
 
 D, H = 8, 16  # width and inner width: H divisible by 2 and 4
 
@@ -211,7 +211,7 @@ def test_outputs_and_inputs_are_pytrees(tp_lab, kind):  # noqa: F811
 
 
 def _tensors(out):
-    from tplab.pytrees import leaves
+    from tplab.core.pytrees import leaves
 
     return [t for _, t in leaves(out)]
 
@@ -294,7 +294,7 @@ class Lookup(nn.Module):
 
 def _padded_vocab(model, mesh):
     """Megatron pads the vocabulary to a multiple of tp: 30 rows become 32 over 4 ranks."""
-    from tplab import megatron
+    from tplab.core import megatron
 
     n, vocab = mesh.size(), model.emb.num_embeddings
     padded = nn.Embedding(-(-vocab // n) * n, D)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tplab
-from tplab import compiling, models, plans
+from tplab.core import compiling, models, plans
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=4,
                     batch_size=2)
@@ -33,7 +33,7 @@ def _step(model, x):
 
 
 def _on_rank(compile_it: bool, plan=SP):
-    from tplab.mesh import make_mesh
+    from tplab.core.mesh import make_mesh
 
     torch.manual_seed(0)
     model = MLP()

@@ -11,7 +11,7 @@ import time
 import pytest
 import report
 
-from tplab import doctor
+from tplab.checks import doctor
 
 
 @pytest.mark.slow

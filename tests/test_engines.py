@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -130,7 +131,7 @@ def test_an_unknown_error_gets_no_made_up_fix():
 
 def test_mpi_engine_failure_is_reported_within_10_s_with_the_fix(tmp_path, monkeypatch):
     """The engines die at once (here: mpi4py cannot be imported, as without tplab[mpi]):
-    the lab says so within 10 s, with the engines' own error and the fix."""
+    the lab says so within 10 s of their failing, with the engines' own error and the fix."""
     need("mpiexec")
     shadow = tmp_path / "mpi4py"
     shadow.mkdir()
@@ -139,13 +140,19 @@ def test_mpi_engine_failure_is_reported_within_10_s_with_the_fix(tmp_path, monke
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     for k, v in ROOT_MPI.items():
         monkeypatch.setenv(k, v)
-    started = time.monotonic()
+    # The bound is on the lab's noticing, from the moment mpiexec (the engines' launcher)
+    # exits; under load, starting the controller and the engines alone can pass 10 s.
+    gone, stop = {}, threading.Event()
+    threading.Thread(target=note_exits, args=("mpiexec", gone, stop), daemon=True).start()
     with pytest.raises(tplab.LabError) as info:
         tplab.launch(2, engines="mpi", cluster_options={
             "config": {"MPILauncher": {"mpi_args": ["--oversubscribe"]}}})
-    took = time.monotonic() - started
+    reported = time.monotonic()
+    stop.set()
     text = str(info.value)
-    assert took < 10, f"reported after {took:.1f} s"
+    assert gone, "mpiexec was started and exited"
+    took = reported - min(gone.values())
+    assert took < 10, f"reported {took:.1f} s after mpiexec exited"
     assert "ModuleNotFoundError: No module named 'mpi4py'" in text, text
     assert 'pip install "tplab[mpi]"' in text, text
     state = text.rsplit("logs: ", 1)[1].split("/profile/log")[0]
@@ -153,6 +160,22 @@ def test_mpi_engine_failure_is_reported_within_10_s_with_the_fix(tmp_path, monke
     left = [p.pid for p in psutil.process_iter(["environ"])
             if (p.info["environ"] or {}).get("TPLAB_STATE_DIR") == state]
     assert wait_gone(left, 5) == [], "the failed lab's processes are ended"
+
+
+def note_exits(name, gone, stop):
+    """Until `stop`: each child process of this one called `name`, and when it was seen gone."""
+    me, alive = psutil.Process(), {}
+    while not stop.is_set():
+        for child in me.children(recursive=True):
+            try:
+                if child.pid not in alive and child.name() == name:
+                    alive[child.pid] = child
+            except psutil.Error:
+                pass
+        for pid, child in list(alive.items()):
+            if pid not in gone and not child.is_running():
+                gone[pid] = time.monotonic()
+        time.sleep(0.05)
 
 
 def say_where():

@@ -6,16 +6,17 @@ from __future__ import annotations
 import pytest
 
 import tplab
-from tplab import exercises, models
-from tplab.exercises import clipping, mistakes, solutions
-from tplab.training import lm
-from tplab.training.steps import lm_step, sgd
+from tplab import exercises
+from tplab.core import models
+from tplab.core.answers import clipping, mistakes, solutions
+from tplab.core.training import lm
+from tplab.core.training.steps import lm_step, sgd
 
 
 def test_catalog():
     names = exercises.names()
     assert len(names) >= 10 and len(set(names)) == len(names)
-    assert set(names) == set(solutions.SOLUTIONS) == set(mistakes.MISTAKES)
+    assert set(names) == set(exercises.SOLUTIONS) == set(exercises.MISTAKES)
     for name in names:
         assert "Hint 1 of 3" in exercises.hint(name, 1)
         assert exercises.hint(name, 9).startswith("Hint 3 of 3")
@@ -57,7 +58,7 @@ def test_on_real_ranks(labs):
     for name in exercises.names():
         fb = exercises.check(name, exercises.reference_answer(name, lab), lab)
         assert fb.passed, (name, fb.message)
-        for what, answer, phrase in mistakes.MISTAKES[name]:
+        for what, answer, phrase in exercises.MISTAKES[name]:
             fb = exercises.check(name, answer, lab)
             assert not fb.passed, (name, what)
             assert phrase in fb.message, (name, what, fb.message)
@@ -84,7 +85,7 @@ def test_in_a_simulation(world_size):
     for name in exercises.names():
         fb = exercises.check(name, exercises.reference_answer(name, sim), sim)
         assert fb.passed, (name, fb.message)
-        for what, answer, phrase in mistakes.MISTAKES[name]:
+        for what, answer, phrase in exercises.MISTAKES[name]:
             if "rank 0 only" in what:  # one process runs every rank: nothing can hang
                 continue
             fb = exercises.check(name, answer, sim)
@@ -95,9 +96,10 @@ def test_rank_side_imports_no_notebook_side():
     import subprocess
     import sys
 
-    code = ("import sys, tplab.exercises.steps, tplab.exercises.mistakes; print([m for m in "
-            "sys.modules if m.startswith(('IPython', 'ipywidgets', 'tplab.lab', "
-            "'tplab.exercises.checks', 'tplab.exercises.catalog', 'tplab.exercises.feedback'))])")
+    # what a rank loads to run an exercise: its step and the answers (tplab/core/answers/)
+    code = ("import sys, tplab.rank.exercise_steps, tplab.core.answers.mistakes; print([m for m "
+            "in sys.modules if m.startswith(('IPython', 'ipywidgets', 'plotly', 'tplab.lab', "
+            "'tplab.exercises', 'tplab.cost', 'tplab.checks', 'tplab.viz'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -1,7 +1,21 @@
-"""tplab's modules import each other without cycles: each module's top-level imports (read
-with ast, the ones a module runs when it loads) form a graph with no loop, so the order
-the modules load in is the order they depend on each other. And the sides: the rank side
-(tplab/rank/ and the TP code a rank runs) loads nothing of the notebook side."""
+"""tplab's modules import each other without cycles, and each module's side follows from
+where it lives.
+
+Cycles: the imports of whole files (read with ast, those inside functions too: a deferred
+import that closes a loop is a cycle all the same, one that only shows later) form a graph
+with no loop, so the order modules load in is the order they depend on each other.
+
+Sides, from the path alone (no table to keep up to date):
+- tplab/rank/: the rank side, what runs inside a rank process (or a Simulation's ranks);
+- tplab/core/ and tplab/__init__.py: both sides, the TP library a cell calls on the ranks
+  that a Simulation runs in the notebook, and the plain data both exchange;
+- everything else is the notebook side: tplab/lab/ (labs), tplab/viz/ (figures, widgets),
+  tplab/checks/ (grad_check, train_check, the CLI and doctor), tplab/cost/ (the cost model),
+  tplab/exercises/, and the entry points tplab/__main__.py and tplab/testing.py.
+The rank side and both sides import nothing of the notebook side: no tplab notebook module,
+no IPython display, ipyparallel client, plotly or ipywidgets; not at the top of a file, not
+inside a function (a rank runs those when it calls the function).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +31,9 @@ import pytest
 import tplab
 
 ROOT = pathlib.Path(tplab.__file__).parent
+RANK, NOTEBOOK, BOTH = "rank", "notebook", "both"
+NOTEBOOK_PLACES = ("lab", "viz", "checks", "cost", "exercises")  # folders under tplab/
+ENTRY_POINTS = ("__main__", "testing")  # `python -m tplab`, pytest_plugins = ["tplab.testing"]
 
 
 def module_files() -> dict[str, pathlib.Path]:
@@ -30,33 +47,53 @@ def module_files() -> dict[str, pathlib.Path]:
     return out
 
 
-def top_level_imports(name: str, path: pathlib.Path, modules, inside_functions=False) -> set[str]:
-    """The tplab modules `name` imports when it loads: its module-level statements (and
-    those under a module-level `if` or `try`), not imports inside functions unless
-    `inside_functions` (then every import of the file). `from pkg import sub` counts as
-    importing the module pkg.sub when there is one, else pkg itself."""
+def side_of(module: str) -> str | None:
+    """A module's side, from its dotted name (its path); None for one that has no place."""
+    parts = module.split(".")
+    place = parts[1] if len(parts) > 1 else None
+    if place is None or place == "core":
+        return BOTH
+    if place == "rank":
+        return RANK
+    if place in NOTEBOOK_PLACES or (len(parts) == 2 and place in ENTRY_POINTS):
+        return NOTEBOOK
+    return None
+
+
+def imports_of(name: str, path: pathlib.Path, modules) -> dict[str, int]:
+    """{module imported: line} for every import in the file (inside functions, classes,
+    `if` and `try` too). tplab modules by their dotted name (`from pkg import sub` counts as
+    importing pkg.sub when there is one, else pkg itself; `tplab.x.name` as tplab.x); other
+    packages by the dotted name written."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for stmt in ast.parse(path.read_text()).body:
-        deep = inside_functions or isinstance(stmt, (ast.If, ast.Try))
-        nodes = ast.walk(stmt) if deep else [stmt]
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*up, *([node.module] if node.module else [])])
-                for a in node.names:
-                    found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
-    out = set()
-    for dep in found:
-        while dep and dep not in modules:  # tplab.x.name -> tplab.x
-            dep = dep.rpartition(".")[0]
-        if dep and dep != name:
-            out.add(dep)
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                found.setdefault(a.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                found.setdefault(full if full in modules else base, node.lineno)
+    out = {}
+    for dep, line in found.items():
+        if dep == "tplab" or dep.startswith("tplab."):
+            while dep not in modules:  # tplab.x.name -> tplab.x
+                dep = dep.rpartition(".")[0]
+        if dep != name:
+            out.setdefault(dep, line)
     return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{tplab module: the tplab modules its file imports}."""
+    modules = module_files()
+    return {name: {d for d in imports_of(name, path, modules) if d in modules}
+            for name, path in modules.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -91,12 +128,6 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def import_graph(inside_functions: bool = False) -> dict[str, set[str]]:
-    modules = module_files()
-    return {name: top_level_imports(name, path, modules, inside_functions)
-            for name, path in modules.items()}
-
-
 def test_the_cycle_finder_finds_a_loop():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
@@ -104,108 +135,93 @@ def test_the_cycle_finder_finds_a_loop():
 
 def test_the_graph_reads_tplabs_imports():
     graph = import_graph()
-    assert "tplab.mesh" in graph["tplab.megatron"] and "tplab.rng" in graph["tplab.models"]
+    assert "tplab.core.mesh" in graph["tplab.core.megatron"]
+    assert "tplab.core.rng" in graph["tplab.core.models"]
     assert "tplab.cost.shapes" in graph["tplab.cost.memory"]
+    assert "tplab.core.plan_check.fit" in graph["tplab.core.plan_check"]
 
 
-# Cycles closed by an import inside a function, known and to be broken (#29): remove each
-# once it is (the test below fails on one that no longer exists).
-KNOWN_DEFERRED_CYCLES: list[list[str]] = []
+def test_the_graph_sees_imports_inside_functions(tmp_path):
+    # a deferred import that closes a loop: the doctor's smoke test once did (#29)
+    (tmp_path / "a.py").write_text("import os\n\n\ndef later():\n    from tplab import b\n")
+    (tmp_path / "b.py").write_text("from tplab.a import x\n")
+    modules = {"tplab.a": tmp_path / "a.py", "tplab.b": tmp_path / "b.py"}
+    graph = {m: set(imports_of(m, p, modules)) & set(modules) for m, p in modules.items()}
+    assert graph == {"tplab.a": {"tplab.b"}, "tplab.b": {"tplab.a"}}
+    assert cycles(graph) == [["tplab.a", "tplab.b"]]
+    doctor = module_files()["tplab.checks.doctor"]
+    assert "tplab.checks.smoke" in imports_of("tplab.checks.doctor", doctor, module_files())
 
 
-@pytest.mark.parametrize("inside_functions", [False, True])
-def test_tplab_has_no_import_cycles(inside_functions):
-    # also through imports inside functions: a deferred import that closes a loop is a
-    # cycle all the same, only one that shows later (doctor <-> smoke did)
-    graph = import_graph(inside_functions)
-    found = cycles(graph)
-    known = KNOWN_DEFERRED_CYCLES if inside_functions else []
-    loops = [loop for loop in found if loop not in known]
+def test_tplab_has_no_import_cycles():
+    graph = import_graph()
+    loops = cycles(graph)
     assert not loops, "import cycles among tplab's modules: " + "; ".join(
         " <-> ".join(f"{m} (imports {sorted(graph[m] & set(loop))})" for m in loop)
         for loop in loops)
-    gone = [loop for loop in known if loop not in found]
-    assert not gone, f"no longer cycles: remove them from KNOWN_DEFERRED_CYCLES: {gone}"
 
 
-def test_the_graph_sees_imports_inside_functions():
+# --- the sides -----------------------------------------------------------------------------
+
+
+def test_every_module_has_a_side_by_its_path():
+    homeless = sorted(m for m in module_files() if side_of(m) is None)
+    assert not homeless, (f"these modules live where no side is: move them under tplab/core/ "
+                          f"(both), tplab/rank/ or a notebook place {NOTEBOOK_PLACES}: "
+                          f"{homeless}")
+
+
+def test_the_sides_follow_from_the_path():
+    assert side_of("tplab") == side_of("tplab.core.plans") == BOTH
+    assert side_of("tplab.rank.runner") == RANK
+    assert side_of("tplab.lab.launch") == side_of("tplab.viz.widgets") == NOTEBOOK
+    assert side_of("tplab.checks.grad") == side_of("tplab.testing") == NOTEBOOK
+    assert side_of("tplab.plans") is None  # a module at the top is no place of its own
+
+
+# What the rank side may load of IPython and ipyparallel: a rank is an ipyparallel engine,
+# an IPython kernel (tplab.rank.runner asks it for get_ipython, tplab.rank.stream subclasses
+# its OutStream), and tplab.rank.entry starts the engine and controller processes. Both
+# sides (tplab/core/) load none of them.
+NOTEBOOK_PACKAGES = ("IPython", "ipykernel", "ipyparallel", "plotly", "ipywidgets")
+RANK_MAY_IMPORT = ("IPython", "ipykernel", "ipyparallel.engine", "ipyparallel.controller")
+# The one import of the notebook side on another side, with its reason: `import tplab` in
+# IPython registers %%ranks (tplab/__init__.py; not on a rank, whose engine runs IPython too)
+ALLOWED = {("tplab", "tplab.lab.magics")}
+
+
+def under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def notebook_imports(module: str, path: pathlib.Path, modules) -> list[str]:
+    """The notebook side's modules a rank-side or both-sides file imports, with their lines."""
+    allowed = RANK_MAY_IMPORT if side_of(module) == RANK else ()
+    where = path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path
+    return [f"{where}:{line}: {dep}"
+            for dep, line in imports_of(module, path, modules).items()
+            if (module, dep) not in ALLOWED and not under(dep, allowed)
+            and (side_of(dep) == NOTEBOOK if dep in modules else under(dep, NOTEBOOK_PACKAGES))]
+
+
+def test_the_rank_side_and_both_sides_name_nothing_of_the_notebook_side():
     modules = module_files()
-    inside = top_level_imports("tplab.doctor", modules["tplab.doctor"], modules, True)
-    assert "tplab.smoke" in inside  # its deferred import
-    assert "tplab.smoke" not in top_level_imports("tplab.doctor", modules["tplab.doctor"],
-                                                  modules)
+    bad = [line for m, path in sorted(modules.items()) if side_of(m) in (RANK, BOTH)
+           for line in notebook_imports(m, path, modules)]
+    assert not bad, "the rank side and tplab/core/ import the notebook side:\n" + "\n".join(bad)
 
 
-# --- the sides: tplab/rank/ runs inside the rank processes -------------------------------
-
-# Every module's side. "rank": runs only inside a rank process (tplab/rank/). "notebook": runs
-# only in the notebook's kernel (it starts ranks, talks to them, draws, judges). "both": the TP
-# library a cell calls on the ranks, that a Simulation runs in the notebook, and the pure data
-# and math both sides share. A new module must be given a side here (test_every_module_has_a_side).
-RANK, NOTEBOOK, BOTH = "rank", "notebook", "both"
-SIDES = {
-    # the rank processes' own code, and the rank halves of tplab's checks
-    **dict.fromkeys(["tplab.rank", "tplab.rank.runner", "tplab.rank.collectives",
-                     "tplab.rank.network", "tplab.rank.entry", "tplab.rank.forward",
-                     "tplab.rank.torch_log", "tplab.rank.reports", "tplab.rank.stream",
-                     "tplab.rank.grad_step", "tplab.rank.train_step",
-                     "tplab.rank.explore_step"], RANK),
-    # the TP library and what both sides exchange
-    **dict.fromkeys(["tplab", "tplab.errors", "tplab.output", "tplab.transfer",
-                     "tplab.placements", "tplab.ops", "tplab.pytrees", "tplab.mesh",
-                     "tplab.megatron", "tplab.megatron.operators", "tplab.megatron.layers",
-                     "tplab.models", "tplab.rng", "tplab.plans", "tplab.plan_check",
-                     "tplab.handovers", "tplab.layout_contracts", "tplab.layout_flow",
-                     "tplab.parallel_styles",
-                     "tplab.hf", "tplab.tracing", "tplab.causes", "tplab.explain",
-                     "tplab.layouts", "tplab.fsdp", "tplab.fsdp_layout", "tplab.checkpointing",
-                     "tplab.compiling", "tplab.pairing",
-                     "tplab.report",
-                     "tplab.memory_use",
-                     "tplab.lessons", "tplab.platforms", "tplab.training",
-                     "tplab.training.clip", "tplab.training.noise", "tplab.training.band",
-                     "tplab.training.lm", "tplab.training.steps", "tplab.exercises",
-                     "tplab.exercises.steps", "tplab.exercises.qk_norm_step",
-                     "tplab.exercises.clipping", "tplab.exercises.mistakes",
-                     "tplab.exercises.solutions", "tplab.cost", "tplab.cost.collectives",
-                     "tplab.cost.data_parallel", "tplab.cost.gemm", "tplab.cost.hardware",
-                     "tplab.cost.lab_models", "tplab.cost.memory", "tplab.cost.nccl",
-                     "tplab.cost.shapes", "tplab.cost.step", "tplab.cost.transformer",
-                     "tplab.cost.validate", "tplab.cost.calibrate", "tplab.cost.kernels",
-                     "tplab.cost.pipeline", "tplab.cost.training_run",
-                     "tplab.cost.published"], BOTH),
-    # the notebook's kernel: the launcher, checks that drive a lab, figures, widgets, tools
-    **dict.fromkeys(["tplab.__main__", "tplab.check", "tplab.cli_check", "tplab.doctor",
-                     "tplab.smoke", "tplab.hf_models", "tplab.testing", "tplab.widgets",
-                     "tplab.training.check", "tplab.training.report", "tplab.training.live",
-                     "tplab.exercises.catalog", "tplab.exercises.checks", "tplab.fsdp_report",
-                     "tplab.exercises.feedback", "tplab.exercises.qk_norm",
-                     "tplab.exercises.training_check", "tplab.exercises.fsdp_placements",
-                     "tplab.cost.explorer", "tplab.cost.figures"], NOTEBOOK),
-}
-
-
-def side_of(module: str) -> str | None:
-    """A module's side: its entry in SIDES, or its package's (tplab.lab.*, tplab.viz.*)."""
-    if module in SIDES:
-        return SIDES[module]
-    if module == "tplab.lab" or module.startswith(("tplab.lab.", "tplab.viz")):
-        return NOTEBOOK
-    return None
-
-
-# tplab.rank.stream subclasses the engine kernel's OutStream: test_a_ranks_output_stream_... below
-RANK_SIDE = sorted(m for m in module_files()
-                   if side_of(m) in (RANK, BOTH) and m != "tplab.rank.stream")
-NOTEBOOK_ONLY = ("IPython", "ipykernel", "ipyparallel", "plotly", "ipywidgets",
-                 *sorted(m for m in module_files() if side_of(m) == NOTEBOOK))
-
-
-def test_every_module_has_a_side():
-    missing = sorted(m for m in module_files() if side_of(m) is None)
-    assert not missing, f"give these modules a side in SIDES (tests/test_imports.py): {missing}"
-    stale = sorted(set(SIDES) - set(module_files()))
-    assert not stale, f"SIDES names modules that no longer exist: {stale}"
+def test_the_side_check_sees_a_notebook_import(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("import torch\n\n\ndef show():\n    import plotly.graph_objects\n"
+                    "    from tplab.checks.grad import grad_check\n"
+                    "    from IPython import display\n")
+    modules = {**module_files(), "tplab.core.x": path, "tplab.rank.x": path}
+    assert [line.rsplit(" ", 1)[1] for line in notebook_imports("tplab.core.x", path, modules)] \
+        == ["plotly.graph_objects", "tplab.checks.grad", "IPython"]
+    # a rank is an IPython kernel: IPython is allowed there, the rest is not
+    assert [line.rsplit(" ", 1)[1] for line in notebook_imports("tplab.rank.x", path, modules)] \
+        == ["plotly.graph_objects", "tplab.checks.grad"]
 
 
 def loaded_after_import(modules: list[str], *, env=None) -> list[str]:
@@ -219,12 +235,18 @@ def loaded_after_import(modules: list[str], *, env=None) -> list[str]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+# tplab.rank.stream subclasses the engine kernel's OutStream: test_a_ranks_output_stream_... below
+RANK_SIDE = sorted(m for m in module_files()
+                   if side_of(m) in (RANK, BOTH) and m != "tplab.rank.stream")
+NOTEBOOK_ONLY = (*NOTEBOOK_PACKAGES, *sorted(m for m in module_files()
+                                             if side_of(m) == NOTEBOOK))
+
+
 def notebook_side(loaded: list[str], allowed: tuple = ()) -> list[str]:
-    return [m for m in loaded if any(m == p or m.startswith(p + ".") for p in NOTEBOOK_ONLY)
-            and not any(m == a or m.startswith(a + ".") for a in allowed)]
+    return [m for m in loaded if under(m, NOTEBOOK_ONLY) and not under(m, allowed)]
 
 
-def test_the_rank_side_imports_nothing_of_the_notebook_side():
+def test_the_rank_side_loads_nothing_of_the_notebook_side():
     loaded = loaded_after_import(RANK_SIDE)
     assert "tplab.rank.runner" in loaded and "torch" in loaded
     found = notebook_side(loaded)
@@ -242,18 +264,15 @@ def test_a_ranks_output_stream_needs_only_the_engines_kernel():
     assert notebook_side(loaded, allowed=("IPython", "ipykernel")) == []
 
 
-def test_the_side_check_sees_a_notebook_import():
+def test_the_load_check_sees_a_notebook_import():
     assert notebook_side(loaded_after_import(["tplab.lab.streams"])) != []
 
 
-def test_no_rank_module_names_the_notebook_side():
-    # function-level imports too: a rank runs those when it calls the function
-    for path in (ROOT / "rank").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                assert not node.module.startswith(("tplab.lab", "tplab.viz")), (path, node.module)
-            elif isinstance(node, ast.Import):
-                assert not any(a.name.startswith("tplab.lab") for a in node.names), path
+def test_every_public_short_name_is_its_homes_module():
+    # `tplab.plans`, `from tplab import models`: each short name is the module at its home
+    for short, home in tplab.MODULES.items():
+        assert getattr(tplab, short) is sys.modules[home], short
+    assert set(tplab.MODULES) <= set(tplab.__all__)
 
 
 # --- imports at the top of a file (docs/STYLE: "the order of the house can be read from the

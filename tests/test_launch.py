@@ -7,7 +7,7 @@ import time
 import torch
 
 import tplab
-from tplab.output import format_rank_list, print_grouped
+from tplab.core.output import format_rank_list, print_grouped
 
 
 def rank_times_ten():
@@ -257,7 +257,7 @@ def test_functions_passed_as_arguments_travel_by_value(lab):
 def test_a_traced_function_can_be_sent_after_the_notebook_touched_tplab_trace(lab):
     # Using tplab.trace in the notebook (as simulate does) must not stop functions that use
     # it from travelling to the ranks.
-    import tplab.tracing  # noqa: F401
+    import tplab.core.tracing  # noqa: F401
 
     assert callable(tplab.trace)
 

@@ -1,5 +1,6 @@
-"""The placement names and the op table every side shares (`tplab.placements`, `tplab.ops`),
-and trace labels read from each operator's `label` attribute (`tplab.megatron`)."""
+"""The placement names and the op table every side shares (`tplab.core.placements`,
+`tplab.core.ops`), and trace labels read from each operator's `label` attribute
+(`tplab.megatron`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from tp_fixtures import CFG
 
 import tplab
-from tplab import megatron, models, ops, placements
-from tplab.mesh import make_mesh
+from tplab.core import megatron, models, ops, placements
+from tplab.core.mesh import make_mesh
 from tplab.viz.palette import OPS as FIGURE_OPS
 
 

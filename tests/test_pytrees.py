@@ -1,4 +1,4 @@
-"""tplab's one walker over containers (`tplab.pytrees`): the paths `items` and `leaves`
+"""tplab's one walker over containers (`tplab.core.pytrees`): the paths `items` and `leaves`
 read, the containers `map_leaves` rebuilds, and the walkers built on it."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections import OrderedDict, namedtuple
 
 import torch
 
-from tplab.pytrees import items, leaves, map_leaves, map_tensors
-from tplab.transfer import unsendable_part
+from tplab.core.pytrees import items, leaves, map_leaves, map_tensors
+from tplab.core.transfer import unsendable_part
 
 Pair = namedtuple("Pair", "a b")
 

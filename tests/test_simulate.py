@@ -3,21 +3,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
 from tp_fixtures import CFG
 
 import tplab
 from tplab import LabError, RankError
-from tplab.transfer import LocalShard
+from tplab.core.mesh import make_mesh
+from tplab.core.transfer import LocalShard
 
 
 def _dtensors():
     import torch
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from tplab.mesh import make_mesh
+    from tplab.core.mesh import make_mesh
 
     mesh = make_mesh(dp=2, tp=2)
     full = torch.arange(16.0).reshape(4, 4)
@@ -44,8 +48,8 @@ def test_run_returns_one_result_per_rank_with_dtensors_as_local_shards():
 
 def _rowwise_output(cfg):
     import tplab
-    from tplab import models, plans
-    from tplab.mesh import make_mesh
+    from tplab.core import models, plans
+    from tplab.core.mesh import make_mesh
 
     model = tplab.apply_plan(models.MLP(cfg), make_mesh(), plans.mlp())
     out = model(models.make_input(cfg))
@@ -87,10 +91,34 @@ def test_rank_dependent_control_flow_is_a_documented_limit():
         [0.0, 0.0], [1.0, 1.0]]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    shard: object
+    value: object
+    n: int = 1
+
+
+def _records():
+    d = distribute_tensor(torch.arange(8.0).reshape(4, 2), make_mesh(), [Shard(0)])
+    return _Record(d, torch.ones(2) * dist.get_rank(), 3)
+
+
+def test_dataclass_results_come_back_per_rank_as_from_rank_processes():
+    # what rank processes send (tests/test_misuse.py): tplab's records (StepResult,
+    # ParamLayout) are dataclasses, their tensors each rank's own
+    results = tplab.simulate(2).run(_records)
+    assert [type(r) for r in results] == [_Record, _Record] and results[1].n == 3
+    assert [r.value.tolist() for r in results] == [[0.0, 0.0], [1.0, 1.0]]
+    for rank, r in enumerate(results):
+        assert isinstance(r.shard, tplab.LocalShard) and r.shard.placements == ("Shard(0)",)
+        assert r.shard.offsets == (2 * rank, 0) and r.shard.global_shape == (4, 2)
+        assert torch.equal(r.shard.local, torch.arange(8.0).reshape(4, 2)[2 * rank:2 * rank + 2])
+
+
 def _randomness(cfg):
     import torch
 
-    from tplab import models
+    from tplab.core import models
 
     g = torch.Generator().manual_seed(0)
     return torch.randn(3, generator=g), torch.randn(3), models.make_input(cfg)
@@ -116,7 +144,7 @@ def test_switching_world_sizes_and_the_lab_lifecycle_no_ops():
 
 
 def _dtensors_2d_needs_4():
-    from tplab.mesh import make_mesh
+    from tplab.core.mesh import make_mesh
 
     return tuple(make_mesh().shape)
 

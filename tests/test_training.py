@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import tplab
-from tplab import megatron, models, plans, rng
-from tplab.training import ReductionOrder, lm, steps
+from tplab.core import megatron, models, plans, rng
+from tplab.core.training import ReductionOrder, lm, steps
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=8,
                     batch_size=4)
@@ -141,7 +141,7 @@ def _norms(build):
     mesh = tplab.make_mesh()
     model = megatron.parallelize(build(), mesh)
     models.lm_loss(model(BATCHES(0)), BATCHES(0)).backward()
-    from tplab.training import grad_norm
+    from tplab.core.training import grad_norm
 
     local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     return grad_norm(model), local
@@ -235,9 +235,9 @@ def test_cli_train_fails_a_missing_f_with_exit_1():
 def test_the_live_view_takes_the_ranks_lines_out_of_the_output_and_redraws():
     import io
 
+    from tplab.checks.train_live import LiveTraining
     from tplab.lab.streams import LiveOutput
     from tplab.rank.train_step import LIVE_PREFIX, LIVE_SUFFIX
-    from tplab.training.live import LiveTraining
 
     band = {"param": [1e-5] * 5}
     view = LiveTraining(2, torch.tensor([3.0, 2.5, 2.0, 1.5]), band, widget=False)
@@ -269,7 +269,7 @@ def test_every_live_redraw_is_sent_to_the_page():
     (traitlets): a bundle refilled in place compared equal to itself, and the page kept the
     first, empty figure until the end."""
     pytest.importorskip("ipywidgets")
-    from tplab.training.live import LiveTraining
+    from tplab.checks.train_live import LiveTraining
 
     view = LiveTraining(2, torch.tensor([3.0, 2.5, 2.0]), {"param": [1e-5] * 4}, widget=True)
     sent = []
@@ -287,7 +287,7 @@ def test_the_live_band_is_drawn_once_its_run_in_the_background_is_done():
     import concurrent.futures
     import json
 
-    from tplab.training.live import LiveTraining
+    from tplab.checks.train_live import LiveTraining
 
     band = concurrent.futures.Future()
     view = LiveTraining(2, torch.tensor([3.0, 2.5]), band, widget=False)
@@ -306,8 +306,8 @@ def test_the_live_band_is_drawn_once_its_run_in_the_background_is_done():
 def test_a_cancelled_one_device_run_stops_between_steps():
     import threading
 
-    from tplab.errors import LabError
-    from tplab.training.check import run_reference
+    from tplab.checks.train import run_reference
+    from tplab.core.errors import LabError
 
     cancel = threading.Event()
     cancel.set()

@@ -15,8 +15,8 @@ import verdict_draws
 from tp_fixtures import llama
 
 import tplab
-from tplab import megatron, models, plans, rng
-from tplab.training import lm
+from tplab.core import megatron, models, plans, rng
+from tplab.core.training import lm
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=8,
                     batch_size=4)
@@ -100,7 +100,7 @@ def test_torchs_dropout_on_simulated_ranks_is_refused_with_the_fix():
 
 
 def test_a_band_run_replays_the_batches_and_the_masks_of_the_run_it_judges():
-    from tplab.training.check import run_reference
+    from tplab.checks.train import run_reference
 
     torch.manual_seed(3)
     model, twin = SeededNet(0.3), SeededNet(0.3)
@@ -204,7 +204,7 @@ def test_dp_with_the_default_sum_loss_compares_like_with_like():
     assert report.rows[0]["ref_loss"] == pytest.approx(float(half_sums(first(x), x)),
                                                        rel=1e-6)
     assert report.rows[0]["loss_diff"] <= report.rows[0]["loss_band"]
-    from tplab.training.check import run_reference
+    from tplab.checks.train import run_reference
 
     _, traj, _ = run_reference(_mlp(), _mlp_batch, 3, None, sgd, None, dp=2)
     for name, t in traj.items():  # the reference is what the replicas train
@@ -253,7 +253,7 @@ def test_grad_check_takes_the_tolerances_of_the_models_dtype(dtype):
     assert report.ok, str(report)
     name = str(dtype).removeprefix("torch.")
     assert f"({name}: atol" in report.summary()
-    assert report.rtol == tplab.check.TOLERANCES[dtype][1]
+    assert report.rtol == tplab.checks.grad.TOLERANCES[dtype][1]
     # the truth in float32: what the tolerance must still catch, a missing f, is far out
     bad = tplab.grad_check(sim, build, MISSING_F, tokens, loss_fn=models.lm_loss)
     assert not bad.ok and any(r["max_rel"] > 2 * report.rtol for r in bad.failures)
@@ -287,7 +287,7 @@ def test_a_scheduler_is_stepped_like_torchs_own_loop():
     no_schedule = _plain_training(_mlp, _mlp_batch, 3,
                                   functools.partial(torch.optim.SGD, lr=0.05), default)
     assert not torch.allclose(want[-1]["w2.weight"], no_schedule[-1]["w2.weight"])
-    from tplab.training.check import run_reference
+    from tplab.checks.train import run_reference
 
     _, traj, _ = run_reference(_mlp(), _mlp_batch, 3, None, sgd_with_scheduler, None)
     assert torch.allclose(traj["w2.weight"][-1], want[-1]["w2.weight"], atol=1e-6)

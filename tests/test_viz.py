@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tplab import viz
-from tplab.placements import parse as parse_placement
-from tplab.transfer import LocalShard
+from tplab.core.placements import parse as parse_placement
+from tplab.core.transfer import LocalShard
 from tplab.viz import comm_timeline, grad_error, mesh_map, rank_color, sharding_map
 from tplab.viz.palette import PHASE_COLORS, group_look
 from tplab.viz.sharding import blocks

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"check": "tplab.cli_check", "doctor": "tplab.doctor"}
+COMMANDS = {"check": "tplab.checks.cli", "doctor": "tplab.checks.doctor"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from tplab import ops
+from tplab.core import ops
 from tplab.cost import nccl
 from tplab.cost.hardware import Hardware, Link
 from tplab.cost.validate import check_choice, check_int, check_number, check_type

@@ -19,45 +19,43 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import importlib
 import inspect
 import re
 
-from tplab.errors import CellTimeout, LabError
+from IPython.display import Markdown
 
-# Only rank-side modules at import time: the ranks import this package to reach `steps`,
-# `solutions` and `mistakes`, and must not import the notebook side (catalog, checks,
-# feedback, IPython); those load on first use.
-from tplab.exercises import mistakes
-from tplab.exercises.solutions import SOLUTIONS
+from tplab.core.answers import mistakes, solutions
+from tplab.core.errors import CellTimeout, LabError
+from tplab.exercises import predictions
+from tplab.exercises.catalog import BY_NAME, EXERCISES
+from tplab.exercises.feedback import (
+    CHECK_TIME_LIMIT_S,
+    CHECK_TIMEOUT_S,
+    Feedback,
+    Stop,
+    time_bounded,
+    too_long,
+)
+from tplab.lab.contract import Ranks
+from tplab.lab.time_limit import TimeLimitReached
+from tplab.lab.validate import check_timeout
 
-_NOTEBOOK_SIDE = {"Feedback": "tplab.exercises.feedback",
-                  "CHECK_TIMEOUT_S": "tplab.exercises.feedback",
-                  "CHECK_TIME_LIMIT_S": "tplab.exercises.feedback",
-                  "EXERCISES": "tplab.exercises.catalog"}
+# every exercise's reference solution, and its typical mistakes: those the ranks run
+# (tplab/core/answers/) and those the notebook judges alone (predictions.py)
+SOLUTIONS = {**solutions.SOLUTIONS, **predictions.SOLUTIONS}
+MISTAKES = {**mistakes.MISTAKES, **predictions.MISTAKES}
 
-
-def __getattr__(name: str):
-    if name in _NOTEBOOK_SIDE:
-        return getattr(importlib.import_module(_NOTEBOOK_SIDE[name]), name)
-    raise AttributeError(f"module 'tplab.exercises' has no attribute {name!r}")
-
-__all__ = ["CHECK_TIMEOUT_S", "CHECK_TIME_LIMIT_S", "Feedback", "Workbook", "broken_plan",
+__all__ = ["CHECK_TIMEOUT_S", "CHECK_TIME_LIMIT_S", "MISTAKES", "SOLUTIONS", "Feedback",
+           "Workbook", "broken_plan",
            "check", "hint", "names", "reference_answer", "solution", "task"]
 
 
 def names() -> list[str]:
     """The exercises, in curriculum order."""
-    # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
-    from tplab.exercises.catalog import EXERCISES
-
     return [e.name for e in EXERCISES]
 
 
 def _get(name: str):
-    # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
-    from tplab.exercises.catalog import BY_NAME
-
     if name not in BY_NAME:
         close = difflib.get_close_matches(str(name), BY_NAME, n=1)
         raise KeyError(f"no exercise named {name!r}"
@@ -113,7 +111,8 @@ class Solution(Text):
 
 
 def solution(name: str) -> Solution:
-    """The reference solution of exercise `name` (tplab/exercises/solutions.py)."""
+    """The reference solution of exercise `name` (tplab/core/answers/solutions.py, or
+    predictions.py beside this file)."""
     _get(name)
     answer = SOLUTIONS[name]
     parts = answer if isinstance(answer, tuple) else (answer,)
@@ -143,18 +142,6 @@ def check(name: str, answer, lab=None, time_limit: float | None = None):
     ValueError/TypeError for a missing or wrong `lab` or `time_limit`, LabError for a lab
     that was shut down or that has too few ranks to tell a right answer from a wrong one.
     """
-    # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
-    from tplab.exercises.feedback import (
-        CHECK_TIME_LIMIT_S,
-        Feedback,
-        Stop,
-        time_bounded,
-        too_long,
-    )
-    from tplab.lab.contract import Ranks
-    from tplab.lab.time_limit import TimeLimitReached
-    from tplab.lab.validate import check_timeout
-
     e = _get(name)
     limit = check_timeout(time_limit, "time_limit") or CHECK_TIME_LIMIT_S
     if e.needs_lab and lab is None:
@@ -226,7 +213,7 @@ class Workbook:
         if self.inject == "solutions":
             answer = reference_answer(name, self.lab)
         elif self.inject == "mistakes":
-            _, answer, expect = mistakes.MISTAKES[name][0]
+            _, answer, expect = MISTAKES[name][0]
         fb = check(name, answer, self.lab)
         self.results[name] = fb
         if self.inject == "solutions":
@@ -237,9 +224,6 @@ class Workbook:
         return fb
 
     def summary(self):
-        # deferred: notebook side; the ranks import this package (tests/test_exercises.py)
-        from IPython.display import Markdown
-
         rows = "".join(f"| `{n}` | {'passed' if fb.passed else 'not yet'} |\n"
                        for n, fb in self.results.items())
         return Markdown("| exercise | result |\n|---|---|\n" + rows)

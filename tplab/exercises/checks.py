@@ -1,4 +1,4 @@
-"""Notebook side of the exercises: run an answer on the lab's ranks (tplab/exercises/steps.py)
+"""Notebook side of the exercises: run an answer on the lab's ranks (tplab/rank/exercise_steps.py)
 and compare with the single-device reference computed here. Each checker raises `Stop` with
 the first thing that is wrong, named with the rank where it shows, or returns what passed.
 """
@@ -11,10 +11,10 @@ import inspect
 import torch
 
 import tplab
-from tplab import models
-from tplab.exercises import steps
+from tplab.core import models
+from tplab.core.answers.solutions import BLOCK_SP_PLAN, MLP_PLAN
 from tplab.exercises.feedback import close, fail, fmt_counts, max_diff, run_on_ranks, shape, spread
-from tplab.exercises.solutions import BLOCK_SP_PLAN, MLP_PLAN
+from tplab.rank import exercise_steps as steps
 
 
 def _gen(seed: int) -> torch.Generator:

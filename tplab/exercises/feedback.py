@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tplab.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
+from tplab.core.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
+from tplab.core.output import format_rank_list
 from tplab.lab.contract import Ranks
-from tplab.output import format_rank_list
 
 CHECK_TIMEOUT_S = 10.0  # an answer that waits longer than this in a collective is stuck
 CHECK_TIME_LIMIT_S = 60.0  # an answer computing longer never ends (a busy room: imports)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import functools
 
 import tplab
-from tplab import fsdp, models, plans
+from tplab.core import fsdp, models, plans
+from tplab.core.answers.solutions import FSDP_PLACEMENTS
 from tplab.exercises.feedback import fail, run_on_ranks
-from tplab.exercises.solutions import FSDP_PLACEMENTS
 
 NAMES = tuple(FSDP_PLACEMENTS)
 TITLE = "Predict the placements of FSDP2 x TP"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tplab.exercises.feedback import close, fail, fmt_counts, max_diff, run_on_ranks, spread
-from tplab.exercises.qk_norm_step import qk_norm_step
+from tplab.rank.qk_norm_step import qk_norm_step
 
 TITLE = "The gradient of Qwen3's q_norm weight under TP"
 TASK = ("def answer(grad, group) -> grad: a hook on q_norm's replicated weight (one weight "

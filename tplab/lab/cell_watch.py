@@ -13,7 +13,14 @@ import signal
 import sys
 import time
 
-from tplab.errors import CellTimeout, CollectiveHang, LabError, RankDied, RankError, RankPlanError
+from tplab.core.errors import (
+    CellTimeout,
+    CollectiveHang,
+    LabError,
+    RankDied,
+    RankError,
+    RankPlanError,
+)
 from tplab.lab import diagnose
 from tplab.lab.replay import freed_note, replays
 from tplab.lab.results import RankResults, decode, engine_died, strip_engine_id

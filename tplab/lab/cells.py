@@ -14,7 +14,8 @@ import types
 
 import cloudpickle
 
-from tplab.errors import LabError, RankError
+from tplab.core.errors import LabError, RankError
+from tplab.core.output import format_rank_list
 from tplab.lab import modules
 from tplab.lab.cluster import LabProcesses
 from tplab.lab.displays import show_rank_displays
@@ -22,7 +23,6 @@ from tplab.lab.names import RankNames, payload_for_run
 from tplab.lab.results import RankResults
 from tplab.lab.validate import check_ranks
 from tplab.lab.watchdog import Watchdog
-from tplab.output import format_rank_list
 from tplab.rank import runner as rank_side
 
 PATHS_TIMEOUT_S = 30.0

@@ -6,9 +6,9 @@ import re
 
 from ipyparallel import error as ipp_error
 
-from tplab.output import strip_ansi
+from tplab.core.output import strip_ansi
+from tplab.core.transfer import from_wire, is_wire
 from tplab.rank import runner as rank_side
-from tplab.transfer import from_wire, is_wire
 
 
 class RankResults:

@@ -56,14 +56,14 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import tplab
-from tplab import mesh
-from tplab.errors import LabError, PlanError, RankError, RankPlanError
+from tplab.core import mesh
+from tplab.core.errors import LabError, PlanError, RankError, RankPlanError
+from tplab.core.output import format_rank_list
+from tplab.core.pytrees import map_leaves
+from tplab.core.transfer import LocalShard, describe_dtensor
 from tplab.lab.time_limit import stop_after
 from tplab.lab.validate import check_ranks, check_timeout, check_world_size
-from tplab.output import format_rank_list
-from tplab.pytrees import map_leaves
 from tplab.rank import torch_log
-from tplab.transfer import LocalShard, describe_dtensor
 
 
 def simulate(world_size: int = 4) -> Simulation:
@@ -289,7 +289,7 @@ class _DTensorResult:
 
 def _settle(obj):
     """Wait on AsyncCollectiveTensors (RowwiseParallel outputs) while still in the mode."""
-    return map_leaves(_settle_tensor, obj, into_dataclasses=False)
+    return map_leaves(_settle_tensor, obj, _is_settle_leaf)
 
 
 def _settle_tensor(t):
@@ -308,9 +308,14 @@ def _rank_value(t, rank: int):
 
 
 def _for_rank(obj, rank: int):
-    """Rank `rank`'s view of a result: LocalTensor -> its tensor, SymInt -> its int, ..."""
-    return map_leaves(lambda leaf: _leaf_for_rank(leaf, rank), obj, _is_result_leaf,
-                      into_dataclasses=False)
+    """Rank `rank`'s view of a result: LocalTensor -> its tensor, SymInt -> its int, ...,
+    inside dataclasses too (tplab's records, `StepResult` and `ParamLayout`, as a user's),
+    as rank processes send them."""
+    return map_leaves(lambda leaf: _leaf_for_rank(leaf, rank), obj, _is_result_leaf)
+
+
+def _is_settle_leaf(obj) -> bool:
+    return isinstance(obj, (torch.Tensor, LocalShard))
 
 
 def _is_result_leaf(obj) -> bool:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import distributed_c10d as c10d
 
-from tplab import ops
+from tplab.core import ops
 
 WHERE_KEY = "tplab/where/{rank}"
 HISTORY = 8  # collectives remembered per group, to replay the ones a peer missed

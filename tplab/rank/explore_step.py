@@ -1,4 +1,4 @@
-"""Rank side of the Explorer (tplab/widgets.py): the one TP step each control change runs.
+"""Rank side of the Explorer (tplab/viz/widgets.py): the one TP step each control change runs.
 
 `explore_step` builds the chosen model with the notebook's weights, parallelises it by the
 hand-written Megatron path or a DTensor plan, runs forward and backward under
@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from tplab import megatron, models, placements, plans
-from tplab.layouts import tp_layout
-from tplab.mesh import make_mesh, tp_mesh
-from tplab.plans import apply_plan
-from tplab.tracing import Trace
+from tplab.core import megatron, models, placements, plans
+from tplab.core.layouts import tp_layout
+from tplab.core.mesh import make_mesh, tp_mesh
+from tplab.core.plans import apply_plan
+from tplab.core.tracing import Trace
 
-__all__ = ["MODELS", "PATHS", "Settings", "build_model", "explore_step"]
+__all__ = ["MODELS", "PATHS", "ExploreResult", "Settings", "build_model", "explore_step"]
 
 MODELS = ("mlp", "attention", "block")
 PATHS = ("megatron", "dtensor")
@@ -36,6 +36,20 @@ class Settings:
     path: str = "megatron"
     sequence_parallel: bool = False
     drop_f: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class ExploreResult:
+    """What one rank's `explore_step` hands the Explorer (by pickle): the output, the loss
+    (shape (1,)), the input's gradient, each parameter's gradient and value as DTensors on
+    the whole mesh (LocalShards in the notebook), and the rank's trace records (dicts)."""
+
+    output: torch.Tensor
+    loss: torch.Tensor
+    input_grad: torch.Tensor | None
+    grads: dict
+    params: dict
+    records: list[dict]
 
 
 def build_model(kind: str, cfg):
@@ -60,7 +74,7 @@ def _as_dtensor(t, mesh, placement):
     return DTensor.from_local(t.detach(), mesh, [*lead, placement], run_check=False)
 
 
-def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> dict:
+def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> ExploreResult:
     """One traced forward and backward of the chosen model, path and settings."""
     world = dist.get_world_size()
     mesh = make_mesh(tp=s.tp) if s.tp == world else make_mesh(dp=world // s.tp, tp=s.tp)
@@ -79,10 +93,10 @@ def explore_step(kind: str, cfg, state: dict, x: torch.Tensor, s: Settings) -> d
             out = out.full_tensor()
         loss = 0.5 * out.pow(2).sum()
         loss.backward()
-    params = {name: _as_dtensor(info["value"], mesh, placements.placement(info["placement"]))
+    params = {name: _as_dtensor(info.value, mesh, placements.placement(info.placement))
               for name, info in tp_layout(model, of="param").items()}
-    grads = {name: _as_dtensor(info["value"], mesh, placements.placement(info["placement"]))
+    grads = {name: _as_dtensor(info.value, mesh, placements.placement(info.placement))
              for name, info in tp_layout(model).items()}
     # the loss as shape (1,): a 0-d tensor comes back from rank processes as (1,) anyway
-    return {"output": out.detach(), "loss": loss.detach().reshape(1), "input_grad": x.grad,
-            "grads": grads, "params": params, "records": t.records}
+    return ExploreResult(out.detach(), loss.detach().reshape(1), x.grad, grads, params,
+                         t.records)

@@ -1,4 +1,4 @@
-"""Rank side of `tplab.grad_check` (tplab/check.py): the step every rank runs.
+"""Rank side of `tplab.grad_check` (tplab/checks/grad.py): the step every rank runs.
 
 `parallel_step` builds the model, loads the notebook's reference weights, parallelises it
 with the plan, runs one forward and backward, and returns what the notebook compares:
@@ -13,6 +13,7 @@ The loss is shared with the notebook's single-device reference: `call_loss` and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 
 import torch
@@ -21,15 +22,30 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
-from tplab import placements
-from tplab.errors import LabError
-from tplab.fsdp_layout import refuse_in_simulation
-from tplab.layouts import tp_layout
-from tplab.mesh import make_mesh
-from tplab.plans import parallelizer
-from tplab.pytrees import call_model, leaves, map_tensors
+from tplab.core import placements
+from tplab.core.errors import LabError
+from tplab.core.fsdp_layout import refuse_in_simulation
+from tplab.core.layouts import ParamLayout, tp_layout
+from tplab.core.mesh import make_mesh
+from tplab.core.plans import parallelizer
+from tplab.core.pytrees import call_model, leaves, map_tensors
 
-__all__ = ["call_loss", "loss_context", "parallel_step", "replica_slice", "with_grad"]
+__all__ = ["StepResult", "call_loss", "loss_context", "parallel_step", "replica_slice",
+           "with_grad"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepResult:
+    """What one rank's `parallel_step` hands the notebook (by pickle, so both sides know
+    the class): output leaves and input gradients by pytree path ("output.logits",
+    "input[0]"), the loss, and every parameter's gradient with its layout. With dp > 1 the
+    outputs, input gradients and loss are DTensors on the whole (dp, tp) mesh (LocalShards
+    in the notebook)."""
+
+    outputs: dict[str, object]
+    loss: object
+    input_grads: dict[str, object]
+    params: dict[str, ParamLayout]
 
 
 def call_loss(loss_fn, out, x) -> torch.Tensor:
@@ -81,7 +97,7 @@ def with_grad(x):
 
 def parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     """Build, load the reference weights, parallelise, one forward and backward. With
-    dp > 1 on a (dp, tp) mesh: this replica's slice of the batch (see tplab/check.py)."""
+    dp > 1 on a (dp, tp) mesh: this replica's slice of the batch (see tplab/checks/grad.py)."""
     world = dist.get_world_size()
     mesh = make_mesh(tp=world) if dp == 1 else make_mesh(dp=dp, tp=world // dp)
     model = build_model()
@@ -99,7 +115,7 @@ def parallel_step(build_model, state, plan, x, loss_fn, dp=1, average_dp=True):
     outs = dict(leaves(out, "output"))
     grads = {k: t.grad for k, t in leaves(x, "input") if t.is_floating_point()}
     if dp == 1:
-        return {"outputs": outs, "loss": loss.detach(), "input_grads": grads, "params": params}
+        return StepResult(outs, loss.detach(), grads, params)
     return _on_whole_mesh(mesh, outs, loss, grads, params, average_dp)
 
 
@@ -131,14 +147,15 @@ def _on_whole_mesh(mesh, outs, loss, grads, params, average_dp):
             tp_placement = Shard(tp_placement.dim + t.ndim)
         return DTensor.from_local(t, mesh, [over_dp, tp_placement], run_check=False)
 
-    for info in params.values():
-        g = info["value"]
-        if g is not None and info["placement"] != placements.MESH and average_dp and \
-                not info.get("fsdp"):
+    averaged = dict(params)
+    for name, info in params.items():
+        g = info.value
+        if g is not None and info.placement != placements.MESH and average_dp and \
+                not info.fsdp:
             g = g.detach().clone()
             dist.all_reduce(g, group=mesh.get_group("dp"))
-            info["value"] = g / dp
-    return {"outputs": {k: whole(v, Shard(0)) for k, v in outs.items()},
-            "loss": whole(loss / dp, Partial()), "params": params,
-            "input_grads": {k: whole(None if g is None else g / dp, Shard(0))
-                            for k, g in grads.items()}}
+            averaged[name] = dataclasses.replace(info, value=g / dp)
+    return StepResult({k: whole(v, Shard(0)) for k, v in outs.items()},
+                      whole(loss / dp, Partial()),
+                      {k: whole(None if g is None else g / dp, Shard(0))
+                       for k, g in grads.items()}, averaged)

@@ -1,5 +1,5 @@
 """Where a rank is reachable on the network: rank side (runs inside rank processes; imports
-nothing from the notebook side, like rank.py and entry.py).
+nothing from the notebook side, like the rest of tplab/rank/).
 
 Ranks started by another launcher (mpi, ssh, slurm) may sit on other hosts. Before they
 join the process group, the lab asks rank 0 which of its addresses the controller's network

@@ -3,7 +3,7 @@
 The notebook sends these functions by reference (this module is installed on every
 rank). `init_rank` joins the process group; `call_pickled` and `execute` run the user's
 code for one cell and hand back a `Reply`: the result, packed for the trip (see
-tplab/transfer.py), or a `RankFailure` with the full traceback. What the cell prints goes
+tplab/core/transfer.py), or a `RankFailure` with the full traceback. What the cell prints goes
 to the rank's output files (fds 1 and 2, see entry.py), which the notebook reads live.
 
 Names resolve on the rank first: a function sent from the notebook runs with the rank's
@@ -34,12 +34,12 @@ import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401  (warmed up in the background at start)
 
 import tplab
-from tplab import platforms
-from tplab.output import strip_ansi
+from tplab.core import platforms
+from tplab.core.output import strip_ansi
+from tplab.core.transfer import to_wire, unsendable_part
 from tplab.rank import collectives, forward, reports, torch_log
 from tplab.rank.collectives import REPORT
 from tplab.rank.entry import STATE_DIR_ENV, output_paths
-from tplab.transfer import to_wire, unsendable_part
 
 NAMESPACE_PID = "tplab:rank-namespace"  # the persistent id of the rank's globals (names.py)
 _IPYTHON_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}

@@ -12,6 +12,7 @@ every step.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import sys
@@ -22,18 +23,38 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tplab import placements
-from tplab.fsdp_layout import managed, refuse_in_simulation, tp_view
-from tplab.layouts import tp_layout
-from tplab.mesh import make_mesh, split, tp_group
-from tplab.pairing import pair
-from tplab.plans import parallelizer
-from tplab.pytrees import call_model, leaves, map_tensors
+from tplab.core import placements
+from tplab.core.fsdp_layout import managed, refuse_in_simulation, tp_view
+from tplab.core.layouts import ParamLayout, tp_layout
+from tplab.core.mesh import make_mesh, split, tp_group
+from tplab.core.pairing import Pair, pair
+from tplab.core.plans import parallelizer
+from tplab.core.pytrees import call_model, leaves, map_tensors
+from tplab.core.rng import rank_free_randomness
 from tplab.rank.grad_step import call_loss, loss_context, replica_slice
-from tplab.rng import rank_free_randomness
 
 LIVE_PREFIX = "\x1b[8m[tplab-train]"  # concealed: an old terminal shows nothing of it
 LIVE_SUFFIX = "\x1b[0m"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainResult:
+    """What one rank's `train_on_ranks` hands the notebook (by pickle). `pairs`,
+    `lone_ranks`, `lone_ref`, `problems`: tplab.core.pairing's answer; `layout`: each paired
+    parameter's ParamLayout (no value); `losses` (step), `batch_sums` (step, 2): the
+    checksums of the batches the rank drew; `diffs` (step 0..steps, paired parameter): how
+    far each local piece is from the reference's; `replicas`: {name: (step 0..steps, ...)}
+    the copies of the parameters every rank of a group should hold alike."""
+
+    pairs: list[Pair]
+    lone_ranks: list[str]
+    lone_ref: list[str]
+    problems: dict[str, str]
+    layout: dict[str, ParamLayout]
+    losses: torch.Tensor
+    batch_sums: torch.Tensor
+    diffs: torch.Tensor
+    replicas: dict[str, torch.Tensor]
 
 
 def default_step(model, optimizer, batch, loss_fn=None, dp: int = 1):
@@ -155,25 +176,25 @@ def average_over_dp(model, mesh) -> None:
             p.register_post_accumulate_grad_hook(hook)
 
 
-def expected_local(ref: torch.Tensor, info: dict, param, mesh) -> torch.Tensor:
+def expected_local(ref: torch.Tensor, pair: Pair, param, mesh) -> torch.Tensor:
     """This rank's piece of the reference tensor `ref`, laid out as the ranks' parameter
     (`param=None`: its TP piece, for FSDP2's shards of a hand-written TP piece)."""
     if isinstance(param, DTensor):
         return distribute_tensor(ref, param.device_mesh, param.placements,
                                  src_data_rank=None).to_local()
-    dim = placements.shard_dim(info["placement"])
+    dim = placements.shard_dim(pair.placement)
     if dim is None:
         return ref
     _, size, rank = tp_group(mesh)
-    if info["padded"]:
-        pad = [0, 0] * (ref.ndim - dim - 1) + [0, info["padded"] - ref.shape[dim]]
+    if pair.padded:
+        pad = [0, 0] * (ref.ndim - dim - 1) + [0, pair.padded - ref.shape[dim]]
         ref = torch.nn.functional.pad(ref, pad)
     return split(ref, size, rank, dim)
 
 
-def local_and_expected(param, pair: dict, ref: torch.Tensor, mesh, piece: bool):
+def local_and_expected(param, pair: Pair, ref: torch.Tensor, mesh, piece: bool):
     """(this rank's piece of `param`, the same piece of the reference `ref`). `piece`: FSDP2
-    sharded a hand-written TP piece (tplab.layouts' "dp_placement")."""
+    sharded a hand-written TP piece (`ParamLayout.dp_placement`)."""
     if not piece:
         return layout_value(param), expected_local(ref, pair, param, mesh)
     if "tp" in (param.device_mesh.mesh_dim_names or ()):
@@ -186,14 +207,14 @@ def local_and_expected(param, pair: dict, ref: torch.Tensor, mesh, piece: bool):
     return layout_value(param), want.to_local()
 
 
-def expected_pieces(param, pair: dict, ref: torch.Tensor, mesh, piece: bool):
+def expected_pieces(param, pair: Pair, ref: torch.Tensor, mesh, piece: bool):
     """This rank's piece of the reference at every step, `[steps + 1, *local shape]`, cut
     once: the element indices that `local_and_expected` places (an index tensor cut as the
     reference would be: the same elements, exactly) taken from every step's reference.
     None where only the per-step path can do it (padded shards; FSDP2 given the tp dim,
     whose comparison gathers the ranks' own parameter; a Partial placement, whose pieces
     are not the reference's elements; tplab.simulate, whose ranks are one process)."""
-    if pair["padded"] or enabled_local_tensor_mode() is not None:
+    if pair.padded or enabled_local_tensor_mode() is not None:
         return None
     if isinstance(param, DTensor) and (any(pl.is_partial() for pl in param.placements) or (
             piece and "tp" in (param.device_mesh.mesh_dim_names or ()))):
@@ -203,7 +224,7 @@ def expected_pieces(param, pair: dict, ref: torch.Tensor, mesh, piece: bool):
     return ref.reshape(ref.shape[0], -1)[:, index.reshape(-1)].reshape(-1, *index.shape)
 
 
-def parameter_diff(param, pair: dict, cut, ref: torch.Tensor, step: int, mesh,
+def parameter_diff(param, pair: Pair, cut, ref: torch.Tensor, step: int, mesh,
                    piece: bool) -> torch.Tensor:
     """max |local piece - the reference's| of one parameter after `step` steps (`cut`: its
     `expected_pieces`, or None for the per-step path)."""
@@ -215,7 +236,7 @@ def parameter_diff(param, pair: dict, cut, ref: torch.Tensor, step: int, mesh,
 
 
 def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> None:
-    """One line per step for the notebook's live figure (see tplab/training/live.py)."""
+    """One line per step for the notebook's live figure (see tplab/checks/train_live.py)."""
     record = {"rank": rank, "step": step, "loss": float(loss),
               "diff": max((float(d) for d in diffs.values()), default=0.0)}
     sys.stdout.write(f"{LIVE_PREFIX}{json.dumps(record)}{LIVE_SUFFIX}\n")
@@ -223,13 +244,12 @@ def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> Non
 
 
 def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optimizer, loss_fn,
-                   dp, reference, param_map, ref_info, live):
+                   dp, reference, param_map, ref_info, live) -> TrainResult:
     """Rank side: build, load the notebook's weights, parallelise, then `steps` of the
     user's step; see the module doc. Returns losses, batch checksums, per-step parameter
     differences (by the ranks' parameter names) and the replicated parameters' copies."""
     world = dist.get_world_size()
     mesh = make_mesh(tp=world) if dp == 1 else make_mesh(dp=dp, tp=world // dp)
-    tp = world // dp
     if isinstance(reference, str):
         reference = torch.load(reference, mmap=True, weights_only=True)
     model = build_model()
@@ -240,37 +260,12 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
     if dp > 1:
         average_over_dp(model, mesh)
     optimizer, scheduler = make_training(make_optimizer, model.parameters())
-    layout = tp_layout(model, of="param")
-    described = {n: {k: v for k, v in i.items() if k != "value"} for n, i in layout.items()}
-    pairs, lone_ranks, lone_ref, problems = pair(ref_info["shapes"], described, tp, param_map,
-                                                 ref_info["aliases"])
-    params = dict(model.named_parameters())
-    kept = pairs
-    # FSDP2's shards differ across dp by design: each rank's piece is compared with the
-    # reference's piece instead (every element is held by some rank)
-    copies = [p["ranks"] for p in kept if (dp > 1 or not (p["placement"] or "").startswith(
-        ("Shard", "Partial"))) and not described[p["ranks"]].get("fsdp")
-        and p["placement"] != placements.MESH]
-
-    # every step's expected piece cut once (a DTensor's placing costs a millisecond a
-    # parameter: per step, it was most of what train_check added to an FSDP2 x TP run)
-    pieces = {p["ranks"]: expected_pieces(params[p["ranks"]], p, reference[p["ref"]], mesh,
-                                          "dp_placement" in described[p["ranks"]])
-              for p in kept}
-
-    def measure():
-        diffs = {p["ranks"]: parameter_diff(params[p["ranks"]], p, pieces[p["ranks"]],
-                                            reference[p["ref"]], len(losses), mesh,
-                                            "dp_placement" in described[p["ranks"]])
-                 for p in kept}
-        for name in copies:
-            replicas[name].append(layout_value(params[name]).clone())
-        return diffs
-
-    losses: list[torch.Tensor] = []
-    replicas: dict[str, list[torch.Tensor]] = {name: [] for name in copies}
-    diffs = [measure()]
-    sums = []
+    described = {n: dataclasses.replace(i, value=None)
+                 for n, i in tp_layout(model, of="param").items()}
+    pairs, lone_ranks, lone_ref, problems = pair(ref_info["shapes"], described, world // dp,
+                                                 param_map, ref_info["aliases"])
+    drift = Drift(model, pairs, described, reference, mesh, dp)
+    losses, sums = [], []
     user_step = step or (lambda m, o, b: default_step(m, o, b, loss_fn))
     rank = dist.get_rank() if live else 0
     for i in range(steps):
@@ -281,17 +276,50 @@ def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optim
             batch = map_tensors(lambda t: replica_slice(t, mesh), batch)
         losses.append(plain_loss(user_step(model, optimizer, batch)))
         step_scheduler(scheduler, losses[-1])
-        diffs.append(measure())
+        drift.measure(i + 1)
         if live:
-            emit_live(i + 1, losses[-1], diffs[-1], rank)
-    names = [p["ranks"] for p in kept]
-    return {"pairs": kept, "lone_ranks": lone_ranks, "lone_ref": lone_ref, "problems": problems,
-            "layout": {n: described[n] for n in names},
-            "losses": torch.stack(losses) if losses else torch.zeros(0),
-            "batch_sums": torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64),
-            "diffs": torch.stack([torch.stack([d[n] for n in names]) if names
-                                  else torch.zeros(0) for d in diffs]),
-            "replicas": {n: torch.stack(v) for n, v in replicas.items()}}
+            emit_live(i + 1, losses[-1], drift.diffs[-1], rank)
+    names = [p.ranks for p in pairs]
+    return TrainResult(
+        pairs, lone_ranks, lone_ref, problems, {n: described[n] for n in names},
+        torch.stack(losses) if losses else torch.zeros(0),
+        torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64),
+        torch.stack([torch.stack([d[n] for n in names]) if names else torch.zeros(0)
+                     for d in drift.diffs]),
+        {n: torch.stack(v) for n, v in drift.replicas.items()})
+
+
+class Drift:
+    """After each step, how far each paired parameter's local piece is from the reference's
+    (`diffs`, one {name: max abs difference} per step from step 0), and the copies of the
+    parameters every rank of a group should hold alike (`replicas`, for the spread)."""
+
+    def __init__(self, model, pairs: list[Pair], described: dict[str, ParamLayout],
+                 reference: dict, mesh, dp: int):
+        self.params = dict(model.named_parameters())
+        self.pairs, self.described, self.reference, self.mesh = pairs, described, reference, mesh
+        # FSDP2's shards differ across dp by design: each rank's piece is compared with the
+        # reference's piece instead (every element is held by some rank)
+        self.copies = [p.ranks for p in pairs if (dp > 1 or not (
+            placements.is_shard(p.placement) or placements.is_partial(p.placement)))
+            and not described[p.ranks].fsdp and p.placement != placements.MESH]
+        self.replicas: dict[str, list[torch.Tensor]] = {name: [] for name in self.copies}
+        self.diffs: list[dict[str, torch.Tensor]] = []
+        # every step's expected piece cut once (a DTensor's placing costs a millisecond a
+        # parameter: per step, it was most of what train_check added to an FSDP2 x TP run)
+        self.pieces = {p.ranks: expected_pieces(self.params[p.ranks], p, reference[p.ref], mesh,
+                                                described[p.ranks].dp_placement is not None)
+                       for p in pairs}
+        self.measure(0)
+
+    def measure(self, step: int) -> None:
+        diffs = {p.ranks: parameter_diff(self.params[p.ranks], p, self.pieces[p.ranks],
+                                         self.reference[p.ref], step, self.mesh,
+                                         self.described[p.ranks].dp_placement is not None)
+                 for p in self.pairs}
+        for name in self.copies:
+            self.replicas[name].append(layout_value(self.params[name]).clone())
+        self.diffs.append(diffs)
 
 
 def per_rank_parameters(model) -> None:

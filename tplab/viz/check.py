@@ -91,55 +91,7 @@ def grad_error(report, *, atol: float | None = None, floor: float | None = None,
                         row_heights=[max(len(p), 1) for p, _ in used])
     shown: set[str] = set()
     for i, (prow, _) in enumerate(used, start=1):
-        prow = sorted(prow, key=lambda r: KIND_ORDER.index(r.get("kind"))
-                      if r.get("kind") in KIND_ORDER else len(KIND_ORDER))
-        labels = [f"{r.get('name')} · {KIND_WORDS.get(r.get('kind'), r.get('kind'))}"
-                  for r in prow]
-        drawn = []
-        for r in prow:
-            v = float(r.get("max_abs", 0.0))
-            drawn.append(floor if v == 0 else v if math.isfinite(v) else ceiling)
-        stems_x, stems_y = [], []
-        for x, y in zip(drawn, labels, strict=True):
-            stems_x += [floor, x, None]
-            stems_y += [y, y, None]
-        fig.add_trace(go.Scatter(x=stems_x, y=stems_y, mode="lines", showlegend=False,
-                                 hoverinfo="skip", line={"color": "#bdbdbd", "width": 2}),
-                      row=i, col=1)
-        for status, (legend, color, symbol) in STATUS.items():
-            pick = [j for j, r in enumerate(prow)
-                    if _status(r, atol) == status]
-            if not pick:
-                continue
-            fig.add_trace(go.Scatter(
-                x=[drawn[j] for j in pick], y=[labels[j] for j in pick], mode="markers",
-                name=legend, legendgroup=status, showlegend=status not in shown,
-                marker={"color": color, "symbol": symbol, "size": 13,
-                        "line": {"width": 2, "color": color}},
-                customdata=[[prow[j].get("max_abs"), prow[j].get("max_rel"),
-                             prow[j].get("note") or ""] for j in pick],
-                hovertemplate=("%{y}<br>max |error| = %{customdata[0]:.3g}"
-                               "<br>max relative error = %{customdata[1]:.3g}"
-                               "<br>%{customdata[2]}<extra></extra>"),
-                meta=[{**{k: prow[j].get(k) for k in ("name", "kind", "max_abs", "max_rel")},
-                       "status": status, "x": drawn[j]} for j in pick]), row=i, col=1)
-            shown.add(status)
-        # With an rtol, each tensor has its own bar: atol + rtol * max|reference|, where
-        # max|reference| = max_abs / max_rel. Draw it as a tick on the tensor's row.
-        ticks = [(atol + rtol * r["max_abs"] / r["max_rel"], y) for r, y in zip(prow, labels,
-                                                                               strict=True)
-                 if atol and rtol and _finite_pos(r.get("max_abs")) and
-                 _finite_pos(r.get("max_rel"))]
-        if ticks:
-            fig.add_trace(go.Scatter(
-                x=[t for t, _ in ticks], y=[y for _, y in ticks], mode="markers",
-                name="this tensor's tolerance", legendgroup="tick",
-                showlegend="tick" not in shown, hovertemplate="tolerance %{x:.3g}<extra></extra>",
-                marker={"symbol": "line-ns-open", "size": 16, "color": BAD_COLOR,
-                        "line": {"width": 2, "color": BAD_COLOR}}), row=i, col=1)
-            shown.add("tick")
-        fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1], row=i, col=1,
-                         automargin=True)
+        _panel(fig, i, prow, floor, ceiling, atol, rtol, shown)
     if atol:
         fig.add_vline(x=atol, line={"color": BAD_COLOR, "dash": "dash", "width": 2})
         name = f"atol {atol:g}" + (f" (tolerance = atol + rtol {rtol:g} × max|ref|)"
@@ -159,3 +111,62 @@ def grad_error(report, *, atol: float | None = None, floor: float | None = None,
     fig.update_xaxes(type="log", exponentformat="power", showgrid=True)
     fig.update_xaxes(title_text="max |error| (log scale)", row=len(used), col=1)
     return fig
+
+
+def _panel(fig, i: int, prow: list[dict], floor: float, ceiling: float, atol, rtol,
+           shown: set[str]) -> None:
+    """Panel i of `grad_error`: a stem and a marker per row, and each tensor's tolerance."""
+    prow = sorted(prow, key=lambda r: KIND_ORDER.index(r.get("kind"))
+                  if r.get("kind") in KIND_ORDER else len(KIND_ORDER))
+    labels = [f"{r.get('name')} · {KIND_WORDS.get(r.get('kind'), r.get('kind'))}"
+              for r in prow]
+    drawn = []
+    for r in prow:
+        v = float(r.get("max_abs", 0.0))
+        drawn.append(floor if v == 0 else v if math.isfinite(v) else ceiling)
+    stems_x, stems_y = [], []
+    for x, y in zip(drawn, labels, strict=True):
+        stems_x += [floor, x, None]
+        stems_y += [y, y, None]
+    fig.add_trace(go.Scatter(x=stems_x, y=stems_y, mode="lines", showlegend=False,
+                             hoverinfo="skip", line={"color": "#bdbdbd", "width": 2}),
+                  row=i, col=1)
+    for status, (legend, color, symbol) in STATUS.items():
+        pick = [j for j, r in enumerate(prow) if _status(r, atol) == status]
+        if not pick:
+            continue
+        fig.add_trace(go.Scatter(
+            x=[drawn[j] for j in pick], y=[labels[j] for j in pick], mode="markers",
+            name=legend, legendgroup=status, showlegend=status not in shown,
+            marker={"color": color, "symbol": symbol, "size": 13,
+                    "line": {"width": 2, "color": color}},
+            customdata=[[prow[j].get("max_abs"), prow[j].get("max_rel"),
+                         prow[j].get("note") or ""] for j in pick],
+            hovertemplate=("%{y}<br>max |error| = %{customdata[0]:.3g}"
+                           "<br>max relative error = %{customdata[1]:.3g}"
+                           "<br>%{customdata[2]}<extra></extra>"),
+            meta=[{**{k: prow[j].get(k) for k in ("name", "kind", "max_abs", "max_rel")},
+                   "status": status, "x": drawn[j]} for j in pick]), row=i, col=1)
+        shown.add(status)
+    _tolerance_ticks(fig, i, prow, labels, atol, rtol, shown)
+    fig.update_yaxes(categoryorder="array", categoryarray=labels[::-1], row=i, col=1,
+                     automargin=True)
+
+
+def _tolerance_ticks(fig, i: int, prow: list[dict], labels: list[str], atol, rtol,
+                     shown: set[str]) -> None:
+    """With an rtol, each tensor has its own bar: atol + rtol * max|reference|, where
+    max|reference| = max_abs / max_rel. Drawn as a tick on the tensor's row of panel i."""
+    ticks = [(atol + rtol * r["max_abs"] / r["max_rel"], y) for r, y in zip(prow, labels,
+                                                                           strict=True)
+             if atol and rtol and _finite_pos(r.get("max_abs")) and
+             _finite_pos(r.get("max_rel"))]
+    if not ticks:
+        return
+    fig.add_trace(go.Scatter(
+        x=[t for t, _ in ticks], y=[y for _, y in ticks], mode="markers",
+        name="this tensor's tolerance", legendgroup="tick",
+        showlegend="tick" not in shown, hovertemplate="tolerance %{x:.3g}<extra></extra>",
+        marker={"symbol": "line-ns-open", "size": 16, "color": BAD_COLOR,
+                "line": {"width": 2, "color": BAD_COLOR}}), row=i, col=1)
+    shown.add("tick")

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tplab.ops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from tplab.core.ops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from tplab.viz.palette import op_words
 
 REDUCTIONS = {ALL_REDUCE, REDUCE_SCATTER}

@@ -17,9 +17,9 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from tplab import placements
-from tplab.output import format_rank_list
-from tplab.transfer import LocalShard
+from tplab.core import placements
+from tplab.core.output import format_rank_list
+from tplab.core.transfer import LocalShard
 from tplab.viz.palette import SHARED_COLOR, rank_color, style
 
 
@@ -157,71 +157,9 @@ def sharding_map(shards, *, name: str = "tensor", cols: int | None = None,
     fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=titles,
                         vertical_spacing=0.5 / max(nrows, 1) if nrows > 1 else 0.1,
                         horizontal_spacing=0.08)
-    seen: set[str] = set()
-
-    def legend_once(key: str) -> bool:
-        new = key not in seen
-        seen.add(key)
-        return new
-
+    seen: set[str] = set()  # the shared kinds already in the legend
     for i, (tname, sh) in enumerate(tensors.items()):
-        row, col = i // ncols + 1, i % ncols + 1
-        one_d = len(sh[0].global_shape) <= 1
-        bl = blocks(sh)
-        for b in bl:
-            (r0, r1), (c0, c1) = b.rows, b.cols
-            if b.kind == "sole":
-                r = b.ranks[0]
-                look = {"fillcolor": rank_color(r), "name": f"rank {r}",
-                        "legendgroup": f"rank {r}", "showlegend": False}
-            else:
-                shape = "x" if b.kind == "partial" else "/"
-                look = {"fillcolor": SHARED_COLOR, "name": b.kind, "legendgroup": b.kind,
-                        "showlegend": legend_once(b.kind), "legendrank": 1000,
-                        "fillpattern": {"shape": shape, "fgcolor": "#9e9e9e", "size": 10}}
-            dash = "dash" if b.kind == "partial" else "solid"
-            fig.add_trace(go.Scatter(
-                x=[c0, c1, c1, c0, c0], y=[r0, r0, r1, r1, r0], mode="lines", fill="toself",
-                line={"color": "#424242" if b.kind == "partial" else "white", "width": 2,
-                      "dash": dash},
-                hoveron="fills", text=_hover(tname, b, one_d), hoverinfo="text",
-                meta={"tensor": tname, "ranks": list(b.ranks), "kind": b.kind,
-                      "rows": list(b.rows), "cols": list(b.cols)},
-                **look), row=row, col=col)
-        # Labels (with the hover text) at each block's centre; chips for shared blocks.
-        cx = [(b.cols[0] + b.cols[1]) / 2 for b in bl]
-        cy = [(b.rows[0] + b.rows[1]) / 2 for b in bl]
-        fig.add_trace(go.Scatter(
-            x=cx, y=cy, mode="text", text=[_label(b, one_d) for b in bl], textfont={"size": 13},
-            hovertext=[_hover(tname, b, one_d) for b in bl], hoverinfo="text",
-            showlegend=False, name=f"{tname} labels"), row=row, col=col)
-        xmax = sh[0].global_shape[-1] if sh[0].global_shape else 1
-        for b, x, y in zip(bl, cx, cy, strict=True):
-            if b.kind == "sole":
-                continue
-            step = 0.065 * xmax  # a chip is about 5% of the panel wide, whatever the block
-            ychip = 1.45 if one_d else y + (b.rows[1] - b.rows[0]) * 0.28
-            for j, r in enumerate(b.ranks):
-                fig.add_trace(go.Scatter(
-                    x=[x + (j - (len(b.ranks) - 1) / 2) * step], y=[ychip], mode="markers",
-                    name=f"rank {r}", marker={"color": rank_color(r), "size": 13,
-                                              "symbol": "square",
-                                              "line": {"color": "#424242", "width": 1}},
-                    legendgroup=f"rank {r}", showlegend=False, hoverinfo="name"),
-                    row=row, col=col)
-        shape = sh[0].global_shape
-        xticks = sorted({v for b in bl for v in b.cols})
-        fig.update_xaxes(range=[-0.01 * xmax, xmax * 1.01], tickvals=xticks, showgrid=False,
-                         zeroline=False, title_text="index (dim 0)" if one_d and shape
-                         else "column (dim 1)" if shape else "", row=row, col=col)
-        if one_d:
-            fig.update_yaxes(range=[2.5, -1.5], showticklabels=False, showgrid=False,
-                             zeroline=False, row=row, col=col)
-        else:
-            yticks = sorted({v for b in bl for v in b.rows})
-            fig.update_yaxes(range=[shape[0] * 1.01, -0.01 * shape[0]], tickvals=yticks,
-                             showgrid=False, zeroline=False, title_text="row (dim 0)",
-                             row=row, col=col)
+        _draw_tensor(fig, tname, sh, i // ncols + 1, i % ncols + 1, seen)
     # The legend: one square per rank that holds anything, in rank order.
     for r in sorted({r for t in fig.data if isinstance(t.meta, dict) for r in t.meta["ranks"]}):
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=f"rank {r}",
@@ -239,3 +177,75 @@ def sharding_map(shards, *, name: str = "tensor", cols: int | None = None,
           margin={"t": 145, "l": 70, "r": 40, "b": 60}, legend={"title": {"text": "holder"}})
     fig.update_annotations(font_size=14)
     return fig
+
+
+def _draw_tensor(fig, tname: str, sh: list[LocalShard], row: int, col: int,
+                 seen: set[str]) -> None:
+    """One tensor's panel: a filled box per block, its label, chips for shared blocks."""
+    one_d = len(sh[0].global_shape) <= 1
+    bl = blocks(sh)
+    for b in bl:
+        fig.add_trace(_block_trace(tname, b, one_d, seen), row=row, col=col)
+    # Labels (with the hover text) at each block's centre; chips for shared blocks.
+    cx = [(b.cols[0] + b.cols[1]) / 2 for b in bl]
+    cy = [(b.rows[0] + b.rows[1]) / 2 for b in bl]
+    fig.add_trace(go.Scatter(
+        x=cx, y=cy, mode="text", text=[_label(b, one_d) for b in bl], textfont={"size": 13},
+        hovertext=[_hover(tname, b, one_d) for b in bl], hoverinfo="text",
+        showlegend=False, name=f"{tname} labels"), row=row, col=col)
+    xmax = sh[0].global_shape[-1] if sh[0].global_shape else 1
+    for b, x, y in zip(bl, cx, cy, strict=True):
+        if b.kind == "sole":
+            continue
+        step = 0.065 * xmax  # a chip is about 5% of the panel wide, whatever the block
+        ychip = 1.45 if one_d else y + (b.rows[1] - b.rows[0]) * 0.28
+        for j, r in enumerate(b.ranks):
+            fig.add_trace(go.Scatter(
+                x=[x + (j - (len(b.ranks) - 1) / 2) * step], y=[ychip], mode="markers",
+                name=f"rank {r}", marker={"color": rank_color(r), "size": 13,
+                                          "symbol": "square",
+                                          "line": {"color": "#424242", "width": 1}},
+                legendgroup=f"rank {r}", showlegend=False, hoverinfo="name"),
+                row=row, col=col)
+    _panel_axes(fig, sh[0].global_shape, bl, one_d, xmax, row, col)
+
+
+def _block_trace(tname: str, b: Block, one_d: bool, seen: set[str]) -> go.Scatter:
+    """A block as a filled box: its rank's colour, or hatched grey for a shared one (the
+    first of each shared kind in the legend)."""
+    (r0, r1), (c0, c1) = b.rows, b.cols
+    if b.kind == "sole":
+        r = b.ranks[0]
+        look = {"fillcolor": rank_color(r), "name": f"rank {r}",
+                "legendgroup": f"rank {r}", "showlegend": False}
+    else:
+        shape = "x" if b.kind == "partial" else "/"
+        look = {"fillcolor": SHARED_COLOR, "name": b.kind, "legendgroup": b.kind,
+                "showlegend": b.kind not in seen, "legendrank": 1000,
+                "fillpattern": {"shape": shape, "fgcolor": "#9e9e9e", "size": 10}}
+        seen.add(b.kind)
+    dash = "dash" if b.kind == "partial" else "solid"
+    return go.Scatter(
+        x=[c0, c1, c1, c0, c0], y=[r0, r0, r1, r1, r0], mode="lines", fill="toself",
+        line={"color": "#424242" if b.kind == "partial" else "white", "width": 2,
+              "dash": dash},
+        hoveron="fills", text=_hover(tname, b, one_d), hoverinfo="text",
+        meta={"tensor": tname, "ranks": list(b.ranks), "kind": b.kind,
+              "rows": list(b.rows), "cols": list(b.cols)},
+        **look)
+
+
+def _panel_axes(fig, shape, bl: list[Block], one_d: bool, xmax, row: int, col: int) -> None:
+    """A panel's axes: ticks at the blocks' edges, rows downwards."""
+    xticks = sorted({v for b in bl for v in b.cols})
+    fig.update_xaxes(range=[-0.01 * xmax, xmax * 1.01], tickvals=xticks, showgrid=False,
+                     zeroline=False, title_text="index (dim 0)" if one_d and shape
+                     else "column (dim 1)" if shape else "", row=row, col=col)
+    if one_d:
+        fig.update_yaxes(range=[2.5, -1.5], showticklabels=False, showgrid=False,
+                         zeroline=False, row=row, col=col)
+    else:
+        yticks = sorted({v for b in bl for v in b.rows})
+        fig.update_yaxes(range=[shape[0] * 1.01, -0.01 * shape[0]], tickvals=yticks,
+                         showgrid=False, zeroline=False, title_text="row (dim 0)",
+                         row=row, col=col)

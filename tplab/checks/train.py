@@ -1,0 +1,385 @@
+"""`tplab.train_check`: a whole training run under TP, step by step against one device.
+
+    report = tplab.train_check(lab, build_model, plan, make_batch, steps=50,
+                               step=None, make_optimizer=None, loss_fn=None)
+    report.ok; report.first_bad_step; report.diverged; report.rows; report.figure()
+
+- `build_model()` and `plan` as for `tplab.grad_check` (a dict, or `(model, mesh) -> model`);
+  the ranks load the notebook model's initial weights. `dp=`/`tp=` train on a 2-D mesh:
+  dp replica d gets slice d of dim 0 of each batch, and every gradient is averaged over
+  dp as soon as backward made it (DDP's all-reduce, as hooks).
+- `make_batch(i)` gives step i's batch, the same wherever it is called (the notebook and
+  every rank call it; a checksum of each batch, order included, is compared). Draw from a
+  generator of its own (`torch.Generator().manual_seed(i)`); on simulated ranks it is
+  called with rank-dependent randomness off. A `make_batch()` of no arguments gives the
+  same batch every step.
+- `step(model, optimizer, batch) -> loss` is the user's own step: forward, backward,
+  clipping, `optimizer.step()`, `zero_grad()`. It runs unchanged on one device (the
+  reference, in this process) and on the ranks. Without it, `loss_fn(output, batch)`
+  (default: grad_check's) is minimised by a plain step. With dp > 1 the reference's loss is
+  the mean of the dp slices' losses, as the replicas' averaged gradients minimise (your own
+  step sees the whole batch on one device: give it a loss that is a mean over the batch).
+- `make_optimizer(params)` builds the optimizer (default AdamW, lr 1e-3, weight decay 0.01),
+  or returns (optimizer, scheduler): the scheduler is stepped after every step, on both.
+- tplab.rng's dropout: the reference draws its "tp"-region masks as the ranks do
+  (`rng.reference_tracker`), so a run with dropout is compared exactly too.
+
+The band (tplab/checks/train_band.py) is measured by running the reference a second time with
+every matrix product, forward and backward, summed in another order (tplab/core/training/
+noise.py, `ReorderedProducts`): from the same weights, the same batches and the same
+global RNG state (so torch's own nn.Dropout draws the same masks), so that it differs from
+the first run by rounding alone, and by whatever the optimizer makes of rounding.
+`first_bad_step` is the first step whose loss, parameter difference or replica spread is
+outside it; `diverged` says which of the loss, a sharded parameter or a replicated one,
+worst first. Every step's one-device parameters are kept (the ranks compare with each):
+a run that would keep more than MEMORY_LIMIT bytes is refused before it starts.
+
+With `live=True` (the default in a Jupyter kernel, with a Lab) the figure is drawn while
+the ranks train, from one line per step and rank that the ranks print through the lab's
+live output path (tplab/checks/train_live.py); elsewhere, and with `tplab.simulate`, it comes
+at the end (`report.figure()`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import math
+import os
+import threading
+import uuid
+
+import torch
+
+from tplab.checks.grad import mesh_shape
+from tplab.checks.train_band import FACTOR, noise_band
+from tplab.checks.train_live import LiveTraining, live_default
+from tplab.checks.train_report import TrainReport, diverged
+from tplab.core import placements, rng
+from tplab.core.errors import LabError
+from tplab.core.fsdp_layout import tp_placement
+from tplab.core.pairing import gather
+from tplab.core.plans import parallelizer
+from tplab.core.pytrees import map_tensors
+from tplab.core.training.noise import ReorderedProducts
+from tplab.lab.contract import Ranks
+from tplab.rank.train_step import (
+    batch_of,
+    batch_sum,
+    default_step,
+    make_training,
+    plain_loss,
+    step_scheduler,
+    train_on_ranks,
+)
+
+
+def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order=None,
+                  cancel: threading.Event | None = None, *, dp: int = 1,
+                  batches: list | None = None):
+    """One device: `steps` of the user's step on `model`. Returns (losses, {parameter name:
+    [steps + 1, *shape] trajectory}, batch checksums). `cancel` (set by another thread)
+    stops it between steps with a LabError. `dp`: the default step's loss is the mean of
+    the dp slices' (as the replicas' averaged gradients make it). `batches`: an empty list
+    records each step's batch into it; a filled one is replayed: the band's run trains on
+    the very batches of the run it judges, and still calls make_batch as that run did, so
+    that the global RNG (a make_batch drawing from it, nn.Dropout's masks) goes alike."""
+    optimizer, scheduler = make_training(make_optimizer, model.parameters())
+    named = list(model.named_parameters())
+    traj = {n: [p.detach().clone()] for n, p in named}
+    losses, sums = [], []
+    user_step = step or (lambda m, o, b: default_step(m, o, b, loss_fn, dp))
+    replay = bool(batches)
+    with order or contextlib.nullcontext():
+        for i in range(steps):
+            if cancel is not None and cancel.is_set():
+                raise LabError("train_check: the one-device run was cancelled")
+            batch = batch_of(make_batch, i)
+            batch = batches[i] if replay else batch
+            if batches is not None and not replay:
+                batches.append(map_tensors(lambda t: t.clone(), batch))  # a step may edit it
+            sums.append(batch_sum(batch))
+            losses.append(plain_loss(user_step(model, optimizer, batch)))
+            step_scheduler(scheduler, losses[-1])
+            for n, p in named:
+                traj[n].append(p.detach().clone())
+    return torch.stack(losses), {n: torch.stack(v) for n, v in traj.items()}, torch.stack(sums)
+
+
+@contextlib.contextmanager
+def reference_threads(lab: Ranks):
+    """The reference runs with one rank's share of the cores (`lab.threads_per_rank`): the
+    ranks and the notebook share the machine, and torch's default (every core) in this
+    process made each tiny op of the reference wait for its thread pool (measured here, 2
+    cores, 4 ranks: 77 ms a step with 2 threads, 20 ms with 1)."""
+    threads = lab.threads_per_rank
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+MEMORY_LIMIT = 2 * 2**30  # bytes of one-device trajectories train_check keeps (see below)
+
+
+def _check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live):
+    if not isinstance(lab, Ranks):
+        raise TypeError(f"train_check: lab must be a Lab (tplab.launch(2)) or a Simulation "
+                        f"(tplab.simulate(2)), got {lab!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"train_check: steps must be a positive int, got {steps!r}")
+    if isinstance(build_model, torch.nn.Module):
+        raise TypeError(f"train_check: build_model must be a function that builds the model "
+                        f"(every rank builds its own), got a {type(build_model).__name__} "
+                        "instance: pass its class, functools.partial(Class, config), or a "
+                        "function that returns a new model")
+    for name, fn in (("build_model", build_model), ("make_batch", make_batch)):
+        if not callable(fn):
+            raise TypeError(f"train_check: {name} must be callable, got {fn!r}")
+    for name, fn in (("step", step), ("make_optimizer", make_optimizer), ("loss_fn", loss_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"train_check: {name} must be callable or None, got {fn!r}")
+    if step is not None and loss_fn is not None:
+        raise ValueError("train_check: loss_fn is for the default step; your step computes "
+                         "its own loss (drop loss_fn=, or drop step=)")
+    if live not in (None, True, False):
+        raise TypeError(f"train_check: live must be True, False or None, got {live!r}")
+
+
+def _bound_memory(model, steps: int) -> None:
+    """The ranks compare every step with the one-device parameters of that step, so those
+    of every step are kept (twice: the band's run too). Refuse a run past MEMORY_LIMIT
+    before it starts, saying how many steps fit."""
+    per_step = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    if per_step * (steps + 1) > MEMORY_LIMIT:
+        fit = max(MEMORY_LIMIT // max(per_step, 1) - 1, 1)
+        gib = per_step * (steps + 1) / 2**30
+        raise ValueError(f"train_check: steps={steps} would keep {gib:.3g} GiB of one-device "
+                         f"parameters (every step's, twice: the ranks are "
+                         f"compared with each step), over its limit of "
+                         f"{MEMORY_LIMIT / 2**30:g} GiB; check at most {fit} steps")
+
+
+TORCH_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                  torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+def _refuse_torch_dropout(lab: Ranks, model) -> None:
+    """tplab.simulate's ranks draw every random op per rank (LocalTensorMode), so torch's
+    own dropout there cannot draw one device's masks: say so, rather than fail a run."""
+    if not lab.in_process:
+        return
+    for name, m in model.named_modules():
+        if isinstance(m, TORCH_DROPOUTS) and m.p > 0 and m.training:
+            raise LabError(f"train_check: {name} is torch's {type(m).__name__}, which draws "
+                           "its mask from the global RNG, and tplab.simulate's ranks draw "
+                           "that per rank. Use tplab.rng.Dropout (region='replicated' outside "
+                           "the TP regions, 'tp' inside them) or check on rank processes "
+                           "(tplab.launch)")
+
+
+def _refuse_non_finite(losses: torch.Tensor) -> None:
+    """A one-device run that overflows has nothing to be compared with: say where."""
+    bad = (~torch.isfinite(losses)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise LabError(f"train_check: the one-device run's loss is {float(losses[i])} at step "
+                       f"{i + 1}: the training itself diverges there, so no run can be "
+                       "compared with it (lower the learning rate, or check fewer steps)")
+
+
+def _describe(model):
+    """(weights, {name: shape}, {tied name: the name it shares}, {name: requires_grad})."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    aliases = {n: ref for n, p in model.named_parameters(remove_duplicate=False)
+               for ref, q in model.named_parameters() if p is q and n != ref}
+    return state, shapes, aliases, {n: p.requires_grad for n, p in model.named_parameters()}
+
+
+def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step=None,
+                make_optimizer=None, loss_fn=None, *, dp: int | None = None,
+                tp: int | None = None, param_map: dict | None = None,
+                live: bool | None = None) -> TrainReport:
+    """Train on the ranks of `lab` (a Lab or a Simulation) and on one device from the same
+    weights, and compare them step by step against a measured noise band. See the module
+    docstring."""
+    _check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live)
+    if lab.closed:
+        raise LabError("train_check: this lab was shut down; start a new one")
+    dp, tp = mesh_shape(lab.world_size, dp, tp)
+    if param_map is not None and not isinstance(param_map, dict):
+        raise TypeError("train_check: param_map is a dict {parallel name: reference name}")
+    model = build_model()
+    _bound_memory(model, steps)
+    _refuse_torch_dropout(lab, model)
+    parallelizer(plan, model, tp)  # a PlanError here, before anything reaches the ranks
+    state, shapes, aliases, kinds = _describe(model)
+    rng.reference_tracker(model, tp)
+    twin = build_model()
+    twin.load_state_dict(state)
+    rng.reference_tracker(twin, tp)
+    cancel, batches = threading.Event(), []
+    start = torch.get_rng_state()  # nn.Dropout's masks: the band's run draws them again
+
+    def measure_noise():
+        torch.set_rng_state(start)
+        noise_losses, noise, _ = run_reference(twin, make_batch, steps, step, make_optimizer,
+                                               loss_fn, ReorderedProducts(max(tp, 2)), cancel,
+                                               dp=dp, batches=batches)
+        return noise_band(ref_losses, noise_losses, ref, noise)
+
+    with reference_threads(lab), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ref_losses, ref, ref_sums = run_reference(model, make_batch, steps, step,
+                                                  make_optimizer, loss_fn, dp=dp,
+                                                  batches=batches)
+        end = torch.get_rng_state()
+        _refuse_non_finite(ref_losses)
+        # The band's run needs nothing from the ranks, nor they from it: with rank
+        # processes it runs in a thread of this process while they train (benchmarks/
+        # train_check.py); a Simulation computes in this process, so it runs first.
+        band = pool.submit(measure_noise)
+        if lab.in_process:
+            band.result()
+            torch.set_rng_state(end)  # where the ranks' global RNG goes on from
+        try:
+            results = _train_ranks(lab, build_model, state, plan, make_batch, steps, step,
+                                   make_optimizer, loss_fn, dp, param_map, ref, shapes,
+                                   aliases, ref_losses, band, live)
+        except BaseException:
+            cancel.set()
+            raise
+        results, view = results
+        band = band.result()
+        torch.set_rng_state(end)
+    report = _report(results, ref_losses, ref_sums, ref, band, dp, tp, lab.world_size, kinds)
+    if view is not None:
+        view.finish(report)
+    return report
+
+
+def _train_ranks(lab: Ranks, build_model, state, plan, make_batch, steps, step, make_optimizer,
+                 loss_fn, dp, param_map, ref, shapes, aliases, ref_losses, band, live):
+    """The ranks' run (tplab/rank/train_step.py), live or not; returns (results, view)."""
+    live = live_default(lab) if live is None else live
+    view = LiveTraining(lab.world_size, ref_losses, band) if live else None
+    path = None
+    source = ref
+    if lab.shared_dir:
+        path = os.path.join(lab.shared_dir, f"train-reference-{uuid.uuid4().hex}.pt")
+        torch.save(ref, path)  # read by every local rank (mmap), not sent to each of them
+        source = path
+    try:
+        with view.listening() if view else contextlib.nullcontext():
+            results = lab.run(train_on_ranks, build_model, state, plan, make_batch, steps,
+                              step, make_optimizer, loss_fn, dp, source, param_map,
+                              {"shapes": shapes, "aliases": aliases}, bool(live))
+    finally:
+        if path:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    return results, view
+
+
+def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_grad):
+    _check_batches(results, ref_sums)
+    first = results[0]
+    pairs = first.pairs
+    names = [p.ranks for p in pairs]
+    sharded = {p.ranks: placements.is_shard(tp_placement(p.placement, first.layout.get(p.ranks)))
+               for p in pairs}
+    diffs = torch.stack([res.diffs for res in results])  # rank, step, parameter
+    steps = len(ref_losses)
+    losses = torch.stack([res.losses for res in results])  # rank, step
+    notes = [f"{n}: {why}" for n, why in first.problems.items()]
+    lone = [n for n in first.lone_ref if requires_grad.get(n, True)]
+    unpaired = first.lone_ranks + lone
+    spreads = _spreads(results, pairs, ref, tp, steps)
+    rows = []
+    for i in range(steps + 1):
+        d = diffs[:, i, :] if names else torch.zeros(world, 1)
+        row = _param_row(i, d.amax(0), names, sharded, band, spreads[i])
+        if i:
+            per_replica = losses[:, i - 1].reshape(dp, tp)
+            mean = float(per_replica[:, 0].double().mean())
+            within = float((per_replica - per_replica[:, :1]).abs().max())
+            row.update(ref_loss=float(ref_losses[i - 1]), losses=losses[:, i - 1].tolist(),
+                       loss_diff=max(abs(mean - float(ref_losses[i - 1])), within),
+                       loss_band=band["loss"][i - 1])
+        else:
+            row.update(ref_loss=math.nan, losses=[], loss_diff=0.0, loss_band=0.0)
+        row["ok"] = (row["loss_diff"] <= row["loss_band"] and row["param_diff"] <=
+                     row["param_band"] and row["replica_spread"] <= row["param_band"])
+        rows.append(row)
+    report = TrainReport(rows[1:], world, {"dp": dp, "tp": tp} if dp > 1 else {"tp": tp},
+                         noise=_noise_words(band, tp), notes=notes)
+    if unpaired:
+        report.first_bad_step, report.diverged = 0, ["unpaired"]
+        report.detail = (f"parameters that pair with nothing were not compared: "
+                         f"{', '.join(unpaired)} (pair them with param_map=)")
+        return report
+    bad = next((r for r in rows if not r["ok"]), None)
+    if bad is not None:
+        report.first_bad_step = bad["step"]
+        report.diverged, report.detail = diverged(bad)
+    return report
+
+
+def _check_batches(results, ref_sums) -> None:
+    """A LabError when a rank drew other batches than the notebook (by their checksums)."""
+    for r, res in enumerate(results):
+        bad = (res.batch_sums != ref_sums).any(-1).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            same = bool(res.batch_sums[i, 0] == ref_sums[i, 0])
+            what = ("the same values in another order (the same rows, shuffled per rank?)"
+                    if same else "another batch")
+            raise LabError(f"train_check: make_batch({i}) gave rank {r} {what} than the "
+                           "notebook: it must give the same batch wherever it is called. "
+                           "Draw from a generator of its own, torch.Generator()."
+                           "manual_seed(i), not the global RNG (torch.randint(...) with no "
+                           "generator=), and keep no state between calls")
+
+
+def _param_row(i: int, worst, names, sharded, band, spread) -> dict:
+    """Step i's row, its parameter part: the largest drift (`worst`: per parameter, over the
+    ranks), whose, by kind, and the replica spread (`spread`: (value, whose))."""
+    k = int(worst.argmax()) if names else 0
+    row = {"step": i, "param_diff": float(worst.max()) if names else 0.0,
+           "param": names[k] if names else "", "param_band": band["param"][i],
+           "replica_spread": spread[0], "spread_param": spread[1],
+           "by_kind": {kind: max(((float(worst[j]), n) for j, n in enumerate(names)
+                                  if sharded[n] == (kind == "sharded")), default=(0.0, ""))
+                       for kind in ("sharded", "replicated")}}
+    if row["replica_spread"] > row["by_kind"]["replicated"][0]:
+        row["by_kind"]["replicated"] = (row["replica_spread"], row["spread_param"])
+    return row
+
+
+def _spreads(results, pairs, ref, tp, steps) -> list[tuple[float, str]]:
+    """Per step: the largest spread between copies that should be equal, and whose."""
+    out = [(0.0, "")] * (steps + 1)
+    for p in pairs:
+        if p.ranks not in results[0].replicas:
+            continue
+        values = [res.replicas[p.ranks] for res in results]
+        dim = placements.shard_dim(p.placement) or 0
+        ref_len = ref[p.ref].shape[dim] if ref[p.ref].ndim else 0
+        for i in range(steps + 1):
+            _, spread = gather([v[i] for v in values], p.placement or placements.REPLICATE, tp,
+                               p.padded, ref_len)
+            if spread is not None and spread > out[i][0]:
+                out[i] = (spread, p.ranks)
+    return out
+
+
+def _noise_words(band, tp) -> str:
+    last = band["param_noise"][-1]
+    return (f"noise band: {FACTOR:g} x the drift of one device's run with every matrix "
+            f"product, forward and backward, summed as {max(tp, 2)} partial sums in reverse "
+            f"order, from the same batches and masks (by the last step {last:.2g} in the "
+            f"parameters), plus a few ulps")
+

@@ -1,0 +1,80 @@
+"""torch.compile on a TP model (the inductor CPU backend), as a plan for grad_check,
+train_check and tplab.trace.
+
+    plan = functools.partial(tplab.compiling.compiled, plan=tplab.plans.block())
+
+- `compiled(model, mesh, plan, backend="inductor")`: `plan` (a dict or a `(model, mesh) ->
+  model` callable), then `torch.compile(model, backend=...)`: torchtitan's order is TP,
+  activation checkpointing, compile, FSDP2 (per block). The compiled model's parameters are
+  the same objects, named with torch's `_orig_mod.` prefix (tplab.core.pairing reads through it).
+- `why_not_inductor()`: None where inductor can compile here, else torch's reason (inductor's
+  CPU backend writes C++ and builds it with the C++ compiler it finds from
+  `torch._inductor.config.cpp.cxx`). `compiled` refuses with it before anything runs.
+- `collectives(fn, *args)`: the collectives one call of `fn` issues, by phase and op, as
+  `tplab.trace` records them: a compiled step issues the same ones as eager mode (DTensor's
+  functional collectives stay ops in the compiled graph, and the trace sees them dispatched).
+
+The first call compiles (tens of seconds per rank on a small CPU); inductor caches the code
+(/tmp/torchinductor_<user>), so a later run of the same graph is quick.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tplab.core.errors import PlanError
+from tplab.core.mesh import make_mesh
+from tplab.core.plans import parallelizer
+from tplab.core.tracing import trace
+
+__all__ = ["collectives", "compiled", "eager_and_compiled", "why_not_inductor"]
+
+
+def why_not_inductor() -> str | None:
+    """torch's reason why inductor's CPU backend cannot compile here (its own search for a
+    C++ compiler, `torch._inductor.cpp_builder.get_cpp_compiler`), or None."""
+    # deferred: importing inductor costs about a second, and only compile needs it
+    from torch._inductor import config, cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as e:  # torch's InvalidCxxCompiler (or whatever this build raises)
+        return (f"torch.compile's inductor CPU backend cannot build C++ here: "
+                f"{type(e).__name__}: {str(e).strip()} (searched torch._inductor.config."
+                f"cpp.cxx = {config.cpp.cxx!r}); install a C++ compiler, or compile with "
+                "backend='aot_eager' (no code generation)")
+    return None
+
+
+def compiled(model: torch.nn.Module, mesh, plan=None, backend: str = "inductor"):
+    """A `(model, mesh) -> model` plan: `plan`, then `torch.compile` (see the module doc)."""
+    if backend == "inductor":
+        why = why_not_inductor()
+        if why:
+            raise PlanError(why)
+    if plan is not None:
+        model = parallelizer(plan)(model, mesh)
+    return torch.compile(model, backend=backend)
+
+
+def collectives(fn, *args) -> dict[str, dict[str, int]]:
+    """{"forward": {op: count}, "backward": {op: count}} of one call of `fn(*args)` under
+    `tplab.trace` (`fn` runs its own forward and backward)."""
+    with trace() as t:
+        fn(*args)
+    return t.counts()
+
+
+def eager_and_compiled(build_model, plan, x) -> tuple[dict, dict]:
+    """Rank side, for a lesson: `collectives` of one forward and backward of the planned
+    model on `x` (with its gradient), eager and then compiled (after a call that compiles)."""
+    def step(model, inp):
+        model(inp).pow(2).sum().backward()
+
+    out = []
+    for make in (parallelizer(plan), lambda m, mesh: compiled(m, mesh, plan)):
+        model = make(build_model(), make_mesh(tp=torch.distributed.get_world_size()))
+        inp = x.clone().requires_grad_()
+        step(model, inp)
+        out.append(collectives(step, model, inp))
+    return out[0], out[1]

@@ -1,0 +1,65 @@
+"""What FSDP2 did to a parameter, read on the ranks: which parameters it manages, which
+are its shards of a hand-written TP piece, and a parameter's placement on the tp dim. A
+leaf that the pairing (tplab.layouts) and the rank steps read; tplab.fsdp, which applies
+FSDP2, builds on it and re-exports these names."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed._local_tensor import enabled_local_tensor_mode
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from tplab.core.errors import PlanError
+from tplab.core.placements import MESH
+
+__all__ = ["SIMULATE_REASON", "managed", "over_piece", "refuse_in_simulation", "tp_placement",
+           "tp_view"]
+
+SIMULATE_REASON = (
+    "FSDP2 (fully_shard) does not run under tplab.simulate: after each forward FSDP2 frees "
+    "its unsharded parameters with `untyped_storage().resize_(0)`, and torch's LocalTensor "
+    "(one tensor holding every simulated rank's value) has no storage of its own; torch "
+    f"{torch.__version__} fails there with \"RuntimeError: Attempted to call resize_() on an "
+    "invalid python storage.\" Run it on rank processes: tplab.launch(4)")
+
+
+def managed(model: torch.nn.Module) -> set[int]:
+    """ids of the parameters FSDP2 manages: every parameter under an FSDPModule."""
+    out: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            out.update(id(p) for p in m.parameters())
+    return out
+
+
+def over_piece(p, declared: bool) -> bool:
+    """FSDP2's sharding of a hand-written TP piece: a DTensor on a 1-D mesh that is not the
+    tp dim, or one whose module declares the TP layout itself (`tp_placements`: FSDP2 was
+    given the tp dim, on top of the pieces the tp ranks hold)."""
+    if not isinstance(p, DTensor) or p.device_mesh.ndim != 1:
+        return False
+    return declared or "tp" not in (p.device_mesh.mesh_dim_names or ())
+
+
+def tp_view(value):
+    """The rank's whole TP piece of a dp-sharded DTensor (all-gathered over dp)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    return value
+
+
+def tp_placement(placement: str | None, info) -> str | None:
+    """A parameter's placement on the tp dim: its own, or, for a DTensor on the whole
+    (dp, tp) mesh ("mesh"), its placement on the mesh dim named "tp" (`info`: its
+    `tplab.layouts.ParamLayout`, or None)."""
+    if placement == MESH and info is not None and info.mesh_placements:
+        return info.mesh_placements.get("tp", placement)
+    return placement
+
+
+def refuse_in_simulation(model) -> None:
+    """Under tplab.simulate, a PlanError with torch's reason if FSDP2 manages any parameter
+    of `model` (its first forward would fail on `resize_()`)."""
+    if enabled_local_tensor_mode() is not None and managed(model):
+        raise PlanError(SIMULATE_REASON)
