@@ -6,14 +6,16 @@ training figure must grow while the ranks train. Screenshots of a failure go to
 .tplab-state/browser/.
 
 Notebooks run at world_size 2 (papermill's parameters cell, injected into the copy the lab
-serves), except 01 at 4, where the Explorer's TP degree has a choice (2 or 4), and in the
+serves), except 01 at 4, where the Explorer's TP degree has a choice (2 or 4), and 13 at 4,
+the only size it claims (tplab.lessons.SIZES: a dp=2 x tp=2 mesh), and in the
 simulated mode where they have one (00 starts processes): the browser run checks what a
 learner sees, and keeps within the suite's time; papermill (test_notebooks.py) runs every
 notebook in each of its modes at world 2, and at its other sizes in the extended run.
 
 The default run opens the notebooks whose page does something papermill cannot see: 00 (a
 plain notebook, ranks in processes), 01 and 08 (their widgets' controls) and 12 (its live
-figure). The other notebooks' Run All in the browser is `extended`: papermill runs them in
+figure), and 13, the lesson at world 4 (papermill leaves 12 and 13 to this test where it
+runs). The other notebooks' Run All in the browser is `extended`: papermill runs them in
 the default run, and their figures go through the same plotly renderer that 00, 01, 08 and
 12 check here. The notebooks open one after another in one page (File > Open from Path), as
 a person opens the next lesson; when a test ends its tab is closed and its kernel shut down.
@@ -35,6 +37,8 @@ import pytest
 import report
 from test_notebooks import modes
 
+from tplab.core.lessons import SIZES
+
 REPO = pathlib.Path(__file__).parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 SHOTS = REPO / ".tplab-state" / "browser"
@@ -46,8 +50,8 @@ EXPLORER_WORLD_SIZE = 4  # notebook 01
 LIVE_STEPS = 150
 WATCHED = "tp_run = tplab.train_check("  # the cell of notebook 12 whose live figure is watched
 # what the page shows that papermill does not: a plain notebook with ranks in processes (00),
-# widgets' controls (01, 08), a figure drawn while the cell runs (12)
-IN_DEFAULT_RUN = ("00", "01", "08", "12")
+# widgets' controls (01, 08), a figure drawn while the cell runs (12); 13: the lesson at world 4
+IN_DEFAULT_RUN = ("00", "01", "08", "12", "13")
 _times: dict[str, float] = {}
 
 if not os.path.exists(browser.CHROMIUM):
@@ -64,6 +68,8 @@ def served():
     root.mkdir()
     for nb in NOTEBOOKS:
         world = EXPLORER_WORLD_SIZE if nb.stem.startswith("01") else WORLD_SIZE
+        if WORLD_SIZE not in SIZES[nb.stem[:2]]:   # 13: 4 alone
+            world = min(SIZES[nb.stem[:2]])
         fast = {"mode": "simulated"} if "simulated" in modes(nb) else {}
         longer = {"steps": LIVE_STEPS} if nb.stem.startswith("12") else {}
         out = browser.prepare(nb, root, {"world_size": world, **fast, **longer})

@@ -20,22 +20,25 @@ CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32,
                     batch_size=2)
 MLP = functools.partial(models.MLP, CFG)
 INPUT = functools.partial(models.make_input, CFG)
-SP = plans.mlp()  # f and g: an all-reduce each way (an SP MLP hung compiled here: gloo)
+SP = plans.mlp()  # f and g: an all-reduce each way
 COMPILED = functools.partial(compiling.compiled, plan=SP)
+# sequence parallel: all-gathers and reduce-scatters, refused under compile on gloo
+SEQ = plans.mlp(sequence_parallel=True)
 
 
 def _step(model, x):
     model(x).pow(2).sum().backward()
 
 
-def _on_rank(compile_it: bool):
+def _on_rank(compile_it: bool, plan=SP):
     from tplab.core.mesh import make_mesh
 
     torch.manual_seed(0)
     model = MLP()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    model = (COMPILED if compile_it else functools.partial(tplab.apply_plan, plan=SP))(
-        model, make_mesh(tp=2))
+    make = (functools.partial(compiling.compiled, plan=plan) if compile_it
+            else functools.partial(tplab.apply_plan, plan=plan))
+    model = make(model, make_mesh(tp=2))
     x = INPUT().requires_grad_()
     _step(model, x)  # compiles
     model.zero_grad()
@@ -61,6 +64,33 @@ def test_a_compiled_tp_step_issues_the_collectives_of_eager_mode_and_its_gradien
     run = tplab.train_check(lab, MLP, COMPILED, lambda i: models.make_input(CFG, seed=i),
                             steps=2, loss_fn=lambda out, x: out.pow(2).mean(), live=False)
     assert run.ok, str(run)
+
+
+def test_a_sequence_parallel_plan_is_refused_under_compile_on_gloo():
+    """A compiled SP MLP hung now and then here (gloo, world 2: both ranks in one
+    all-gather; 1 of 4 runs): refused up front, a dict plan and a hand-written one alike."""
+    from tplab.core import megatron
+
+    assert compiling.sequence_parallel(SEQ) and not compiling.sequence_parallel(SP)
+    assert not compiling.sequence_parallel(plans.lm()) and compiling.sequence_parallel(
+        plans.lm(sequence_parallel=True))
+    with pytest.raises(tplab.PlanError, match="sequence-parallel model is refused"):
+        compiling.compiled(MLP(), None, SEQ)
+    sim = tplab.simulate(2)
+    hand = functools.partial(megatron.parallelize, sequence_parallel=True)
+    refused = sim.run(_refused, hand)
+    assert refused == ["refused", "refused"], refused
+    assert sim.run(_refused, megatron.parallelize)[0] == "compiled"
+
+
+def _refused(plan):
+    from tplab.core.mesh import make_mesh
+
+    try:
+        compiling.compiled(MLP(), make_mesh(tp=2), plan)
+    except tplab.PlanError as e:
+        return "refused" if "sequence-parallel" in str(e) else str(e)
+    return "compiled"
 
 
 def test_inductor_is_refused_with_torchs_reason_where_there_is_no_compiler():

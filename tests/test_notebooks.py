@@ -8,7 +8,8 @@ the laptop case, for every notebook (and 06 at 4, for its 2-D mesh and FSDP2 ove
 simulated mode at world 2 runs in the browser test (01 and 08 in the default run, every
 notebook in the extended run); every other claimed size and mode is `extended` (make
 test-extended), which keeps the default run within its 15 minutes on 2 cores. 13 (FSDP2 x
-TP) claims world 4 only, in processes, extended (its claims are tests/test_fsdp.py's too).
+TP) claims world 4 only, in processes: the default run has it at 4 (papermill here, or, as
+12, the browser test's Run All where that can run: once, not twice).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ DEFAULT_SIZE = 2  # the laptop case: every notebook in processes in the default 
 # Notebook 12 at world 2 in processes is run by the browser test where it can run: Run All in
 # JupyterLab, every cell's asserts included (tests/test_browser.py fails on an error output).
 # Run here as well, it would train the same five runs twice in the default run.
-IN_THE_BROWSER = (("12",) if os.path.exists(browser.CHROMIUM)
+IN_THE_BROWSER = (("12", "13") if os.path.exists(browser.CHROMIUM)
                   and importlib.util.find_spec("playwright") else ())
 
 
@@ -57,21 +58,22 @@ def sizes(path: pathlib.Path) -> tuple[int, ...]:
 def in_default_run(path: pathlib.Path, mode: str, world_size: int) -> bool:
     """World 2 in processes for every notebook; simulated mode at world 2 is the browser
     test's run (tests/test_browser.py: 01 and 08 by default), and 06's 2-D mesh (dp x tp)
-    needs 4 ranks. The other
+    needs 4 ranks, as 13's (dp=2) x (tp=2) does (13 claims 4 alone). The other
     sizes and modes are extended (`make test-extended`), to keep the default run under 15
     minutes on 2 cores."""
     if mode == "processes" and world_size == DEFAULT_SIZE:
         return not path.stem.startswith(IN_THE_BROWSER)
+    if path.stem.startswith(AT_FOUR_ONLY):
+        return mode == "processes" and not path.stem.startswith(IN_THE_BROWSER)
     return path.stem.startswith("06") and mode == "processes" and world_size == 4
 
+
+# FSDP2 x TP needs a (dp=2, tp=2) mesh: 13 runs at world 4 only
+AT_FOUR_ONLY = ("13",)
 
 CASES = [pytest.param(p, m, n, id=f"{p.stem}-{m}-{n}",
                       marks=() if in_default_run(p, m, n) else pytest.mark.extended)
          for p in NOTEBOOKS for m in modes(p) for n in sizes(p)]
-
-
-# FSDP2 x TP needs a (dp=2, tp=2) mesh: 13 runs at world 4 only (extended: it compiles)
-AT_FOUR_ONLY = ("13",)
 
 
 def test_every_notebook_claims_sizes_and_runs_at_2():

@@ -120,3 +120,24 @@ def test_a_finished_rank_that_skipped_a_collective_owes_it():
     where = {0: report(0, "in_collective", 9, 5, now), 1: report(1, "finished", 9, 4, now)}
     views = diagnose.views(where, 9, [0, 1], [1], 2, now)
     assert diagnose.owed(views) == {(1, "0"): (4, 5)}
+
+
+def _frame_in(path: str, name: str):
+    """A function named `name` whose frames say they are in file `path` (a torch file)."""
+    found: dict = {}
+    exec(compile(f"def {name}(inner):\n    return inner()\n", path, "exec"), found)
+    return found[name]
+
+
+def test_a_collective_traced_by_torch_compile_is_computing_not_waiting(report_state):
+    """torch.compile's tracing calls the functional collectives on fake tensors: a rank
+    compiling (a compiled SP MLP's backward under tplab.trace: seconds) is not waiting,
+    or a peer that really waits in the same all-gather looks deadlocked with it."""
+    report_state.cell, report_state.cell_started = 1, time.monotonic()
+    collective = _frame_in("/x/torch/distributed/_functional_collectives.py",
+                           "all_gather_tensor")
+    tracer = _frame_in("/x/torch/fx/experimental/proxy_tensor.py", "dispatch_trace")
+    waited = collective(reports.where_now)
+    traced = tracer(lambda: collective(reports.where_now))
+    assert waited["state"] == "in_collective" and waited["op"] == "all_gather", waited
+    assert traced["state"] == "running" and "op" not in traced, traced

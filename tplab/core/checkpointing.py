@@ -18,6 +18,9 @@ differentiates another network than the forward ran, and nothing fails.
 - `checkpointed(model, mesh, plan, per_module, masks)`: a `(model, mesh) -> model` plan:
   `plan` (a dict or a callable, such as `rng.parallelize`'s partial), then
   `checkpoint_blocks` (torchtitan's order: TP, then activation checkpointing, then FSDP2).
+- `memory_of(build_model, plan, x, per_module)`: rank side, for a lesson: `tplab.memory`'s
+  numbers for one forward and backward of the planned model on `x`, plain and with
+  `per_module` checkpointed (rows by module path, the wrapper's name left out).
 """
 
 from __future__ import annotations
@@ -25,13 +28,19 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
 
+from tplab.core import models
 from tplab.core.errors import PlanError
+from tplab.core.memory_use import memory
+from tplab.core.mesh import make_mesh
 from tplab.core.plans import parallelizer
 from tplab.core.rng import Dropout
 
-__all__ = ["checkpoint_blocks", "checkpointed", "keep_masks", "trackers"]
+__all__ = ["checkpoint_blocks", "checkpointed", "keep_masks", "memory_of", "trackers"]
 
 
 def trackers(module: torch.nn.Module) -> list:
@@ -77,13 +86,17 @@ def keep_masks(module: torch.nn.Module):
 
 
 def checkpoint_blocks(model: torch.nn.Module, per_module=("Block",),
-                      masks: str = "keep") -> torch.nn.Module:
+                      masks: str = "keep",
+                      impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT) -> torch.nn.Module:
     """Wrap each submodule whose class name (a subclass's too) or module name is in
-    `per_module` in a non-reentrant `checkpoint_wrapper`; `masks="redraw"` plants the bug
-    of not restoring tplab.rng's streams. Returns the model."""
+    `per_module` in a `checkpoint_wrapper` (non-reentrant unless `impl` says
+    `CheckpointImpl.REENTRANT`); `masks="redraw"` plants the bug of not restoring
+    tplab.rng's streams. Returns the model."""
     if masks not in ("keep", "redraw"):
         raise PlanError(f"checkpoint_blocks: masks is 'keep' or 'redraw' (the bug), not "
                         f"{masks!r}")
+    if not isinstance(impl, CheckpointImpl):
+        raise PlanError(f"checkpoint_blocks: impl is a CheckpointImpl, not {impl!r}")
     wanted = set(per_module)
     found = 0
     for parent in list(model.modules()):
@@ -91,8 +104,12 @@ def checkpoint_blocks(model: torch.nn.Module, per_module=("Block",),
             kinds = {c.__name__ for c in type(child).__mro__}
             if not (kinds & wanted or name in wanted):
                 continue
-            kw = {"context_fn": keep_masks(child)} if masks == "keep" else {}
-            setattr(parent, name, checkpoint_wrapper(child, **kw))  # non-reentrant: its default
+            kw = {"context_fn": keep_masks(child)} if masks == "keep" and trackers(child) else {}
+            if kw and impl is CheckpointImpl.REENTRANT:
+                raise PlanError(f"checkpoint_blocks: {name} draws tplab.rng dropout masks, "
+                                "and torch's reentrant checkpoint takes no context_fn to keep "
+                                "them: use CheckpointImpl.NO_REENTRANT")
+            setattr(parent, name, checkpoint_wrapper(child, checkpoint_impl=impl, **kw))
             found += 1
     if not found:
         raise PlanError(f"checkpoint_blocks: no submodule of {type(model).__name__} is a "
@@ -106,3 +123,26 @@ def checkpointed(model: torch.nn.Module, mesh, plan=None, per_module=("Block",),
     if plan is not None:
         model = parallelizer(plan)(model, mesh)
     return checkpoint_blocks(model, per_module, masks)
+
+
+def memory_of(build_model, plan, x, per_module=("Block",)) -> dict[str, dict]:
+    """Rank side: {"plain": ..., "checkpointed": ...}, each tplab.memory's activation_bytes,
+    recomputed_bytes, peak_bytes and rows ({module: bytes}) of one forward and backward of
+    `build_model()` under `plan` (on a tp mesh of the whole world), the loss `.sum()` of
+    its output (tokens in, logits out: tplab.models.lm_loss when `x` holds integers)."""
+    out = {}
+    for name in ("plain", "checkpointed"):
+        model = build_model()
+        model = parallelizer(plan)(model, make_mesh())
+        if name == "checkpointed":
+            checkpoint_blocks(model, per_module)
+        with memory() as m:
+            y = model(x)
+            (models.lm_loss(y, x) if not x.is_floating_point() else y.sum()).backward()
+        out[name] = {k: getattr(m, k) for k in ("activation_bytes", "recomputed_bytes",
+                                                "peak_bytes")}
+        for key in ("rows", "recomputed_rows"):
+            out[name][key] = {r["module"].replace("._checkpoint_wrapped_module", "")
+                              .replace("_checkpoint_wrapped_module.", ""): r["bytes"]
+                              for r in getattr(m, key)}
+    return out

@@ -21,13 +21,17 @@ The first call compiles (tens of seconds per rank on a small CPU); inductor cach
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import SequenceParallel
 
 from tplab.core.errors import PlanError
 from tplab.core.mesh import make_mesh
 from tplab.core.plans import parallelizer
 from tplab.core.tracing import trace
 
-__all__ = ["collectives", "compiled", "eager_and_compiled", "why_not_inductor"]
+__all__ = ["SEQUENCE_PARALLEL_REASON", "collectives", "compiled", "eager_and_compiled",
+           "sequence_parallel", "why_not_inductor"]
 
 
 def why_not_inductor() -> str | None:
@@ -46,14 +50,50 @@ def why_not_inductor() -> str | None:
     return None
 
 
+SEQUENCE_PARALLEL_REASON = (
+    "torch.compile of a sequence-parallel model is refused here: on CPU with gloo (torch "
+    f"{torch.__version__}) a compiled SP MLP at world 2 hung now and then in an all-gather, "
+    "both ranks in the same all-gather (1 of the 4 runs made after tplab stopped reading "
+    "torch.compile's tracing as waiting; its cause is not found, and no torch issue is "
+    "known to tplab). Compile the TP plan without sequence parallelism, or run SP eagerly")
+
+
+def sequence_parallel(plan, model: torch.nn.Module | None = None) -> bool:
+    """Whether `plan` (a dict) shards activations on the sequence: a `SequenceParallel`
+    style, or a style whose activation layouts hold a Shard of a non-negative dim (TP's own
+    activation shards are Shard(-1)); or, for a model already planned, a tplab.megatron
+    layer with `sequence_parallel` set."""
+    if model is not None and any(getattr(m, "sequence_parallel", False) is True
+                                 for m in model.modules()):
+        return True
+    if not isinstance(plan, dict):
+        return False
+    for style in plan.values():
+        if isinstance(style, SequenceParallel):
+            return True
+        for name in ("input_layouts", "output_layouts", "desired_input_layouts"):
+            layouts = getattr(style, name, None) or ()
+            if any(isinstance(p, Shard) and p.dim >= 0 for p in layouts
+                   if p is not None and not isinstance(p, tuple)):
+                return True
+    return False
+
+
 def compiled(model: torch.nn.Module, mesh, plan=None, backend: str = "inductor"):
-    """A `(model, mesh) -> model` plan: `plan`, then `torch.compile` (see the module doc)."""
+    """A `(model, mesh) -> model` plan: `plan`, then `torch.compile` (see the module doc).
+    A sequence-parallel plan is refused on gloo (`SEQUENCE_PARALLEL_REASON`)."""
     if backend == "inductor":
         why = why_not_inductor()
         if why:
             raise PlanError(why)
+    # on CPU: gloo, or tplab.simulate's fake backend standing for it (NCCL is not refused)
+    gloo = not dist.is_initialized() or dist.get_backend() != "nccl"
+    if gloo and sequence_parallel(plan):
+        raise PlanError(SEQUENCE_PARALLEL_REASON)
     if plan is not None:
         model = parallelizer(plan)(model, mesh)
+    if gloo and sequence_parallel(None, model):
+        raise PlanError(SEQUENCE_PARALLEL_REASON)
     return torch.compile(model, backend=backend)
 
 

@@ -168,20 +168,39 @@ def traced_step(build_model, plan, dp: int, x, loss_fn=None) -> list[dict]:
     return [{k: r[k] for k in ("seq", "phase", "module", "op", "group")} for r in t.records]
 
 
-def apply_hsdp(model, mesh, replicate: int = 2):
+def apply_hsdp(model, mesh, replicate: int = 2, tp_plan=None, reduce: str = "mean"):
     """HSDP (FSDP2 on a 2-D mesh: replicas of shards): the dp dim split into
     (dp_replicate, dp_shard); parameters replicated over the first, sharded over the second.
-    torch needs a tp of 1 here (HSDP x TP would need a 3-D mesh: 8 ranks at least)."""
-    dp = mesh["dp"].size()
-    if mesh["tp"].size() != 1 or dp % replicate:
-        raise PlanError(f"hsdp: a (dp, tp=1) mesh with dp divisible by {replicate} (HSDP x TP "
-                        f"needs a 3-D mesh), got dp={dp}, tp={mesh['tp'].size()}")
-    hsdp = init_device_mesh(mesh.device_type, (replicate, dp // replicate),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    With tp > 1 (8 ranks at least: 2 x 2 x 2), torchtitan's HSDP x TP: one 3-D mesh
+    (dp_replicate, dp_shard, tp) of the same ranks (tp innermost, as `make_mesh`), the
+    DTensor plan `tp_plan` on its "tp" dim, then fully_shard on ("dp_replicate",
+    "dp_shard"). `reduce="sum"` plants the bug of summing the replicas' gradients."""
+    dp, tp = mesh["dp"].size(), mesh["tp"].size()
+    if reduce not in ("mean", "sum"):
+        raise PlanError(f"hsdp: reduce is 'mean' or 'sum' (the bug), not {reduce!r}")
+    if tp > 1 and not isinstance(tp_plan, dict):
+        raise PlanError(f"hsdp: tp={tp} needs tp_plan, a DTensor plan (a dict for "
+                        "tplab.apply_plan), applied on the 3-D mesh's tp dim (HSDP x TP)")
+    if tp == 1 and tp_plan is not None:
+        raise PlanError("hsdp: tp_plan given on a mesh with tp=1: nothing to split")
+    if dp % replicate or dp == replicate:
+        raise PlanError(f"hsdp: dp={dp} must be a multiple of replicate={replicate} with "
+                        "at least 2 shards in each replica")
+    if tp == 1:
+        hsdp = init_device_mesh(mesh.device_type, (replicate, dp // replicate),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        root = init_device_mesh(mesh.device_type, (replicate, dp // replicate, tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        model = apply_plan(model, root["tp"], tp_plan)
+        hsdp = root["dp_replicate", "dp_shard"]
     fully_shard(model, mesh=hsdp)
+    if reduce == "sum":  # gloo has no PREMUL_SUM: a plain SUM, and no divide
+        model.set_gradient_divide_factor(1.0)
+        model.set_force_sum_reduction_for_comms(True)
     return model
 
 
-def hsdp(replicate: int = 2):
+def hsdp(replicate: int = 2, tp_plan: dict | None = None, reduce: str = "mean"):
     """A `(model, mesh) -> model` plan: `apply_hsdp` (see there)."""
-    return functools.partial(apply_hsdp, replicate=replicate)
+    return functools.partial(apply_hsdp, replicate=replicate, tp_plan=tp_plan, reduce=reduce)

@@ -27,9 +27,20 @@ while it is open, so an outer context includes what was saved inside an inner on
 they only overlap: `a` opened, `b` opened, `a` closed, `b` closed). torch runs only the
 innermost pair of saved-tensor hooks, so one pair serves every open context (`_OPEN`).
 
-Limits: a tensor saved by an activation-checkpointed region is not seen (torch.utils.
-checkpoint installs its own saved-tensor hooks there); a parameter used outside any module's
-forward is only recognised when the model is passed (`tplab.memory(model)`).
+Activation checkpointing (`torch.utils.checkpoint`, `checkpoint_wrapper`): what a
+checkpointed region keeps for backward is its inputs (the non-reentrant checkpoint saves them
+through a no-op autograd Function, the reentrant one through `save_for_backward`), counted as
+any saved tensor and charged to the module running when the checkpoint was entered (the
+`CheckpointWrapper`, for `checkpoint_wrapper`); what it saves inside is not kept. Backward
+runs the region's forward again and saves its tensors once more, for a moment: storages that
+first appear while backward runs are `recomputed_bytes`, by module in `recomputed_rows` (not
+in `activation_bytes` nor `rows`, which are what the forward pass leaves for backward), and
+they count in `peak_bytes`, all alive at the end of the recomputation. The non-reentrant
+checkpoint recomputes under saved-tensor hooks of its own; tplab's pair goes on top of them
+for the region's modules and hands every tensor on to torch's.
+
+Limits: a parameter used outside any module's forward is only recognised when the model is
+passed (`tplab.memory(model)`); a double backward's saved tensors count as recomputed.
 """
 
 from __future__ import annotations
@@ -63,6 +74,32 @@ def _pack_all(tensor):
 
 def _unpack(packed):
     return packed.tensor
+
+
+def _handing_on(pack, unpack):
+    """A pair that counts a tensor in every open context, then hands it to the pair it
+    covers (a non-reentrant checkpoint's recomputation hooks) and back."""
+    def pack_on(tensor):
+        # counted first: torch's pack stops the recomputation (an exception) once it has
+        # saved the last tensor backward needs, and that one is saved all the same
+        counted = _Packed(None, [(m, m._pack(tensor)) for m in list(_OPEN.contexts)])
+        counted.tensor = pack(tensor)
+        return counted
+
+    def unpack_on(packed):
+        return unpack(packed.tensor)
+
+    pack_on.tplab_memory = True
+    return pack_on, unpack_on
+
+
+def _ours_on_top() -> bool:
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return top is None or top[0] is _pack_all or getattr(top[0], "tplab_memory", False)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _local_mode():
@@ -154,9 +191,10 @@ class Memory:
             raise TypeError("tplab.memory(optimizer=...): expected a torch.optim.Optimizer, "
                             f"got {type(optimizer).__name__}")
         self.model, self.optimizer = model, optimizer
-        self.activation_bytes = self.peak_bytes = 0
+        self.activation_bytes = self.peak_bytes = self.recomputed_bytes = 0
         self.param_bytes = self.grad_bytes = self.optimizer_bytes = 0
         self.rows: list[dict] = []
+        self.recomputed_rows: list[dict] = []
         self._handles: list = []
 
     # --- entering and leaving -------------------------------------------------------------
@@ -176,6 +214,8 @@ class Memory:
         self._live_bytes = dict.fromkeys(self._ranks.ranks, 0)
         self._peak = dict.fromkeys(self._ranks.ranks, 0)
         self._by_module: dict[str, dict[int, list[int]]] = {}  # path -> rank -> [bytes, n]
+        self._recomputed: dict[str, dict[int, list[int]]] = {}  # the same, in backward
+        self._again: list[tuple[str, bool]] = []  # modules re-run in backward: path, pushed
         if self.model is not None:
             self._root(self.model)
         self._handles.append(register_module_forward_pre_hook(self._pre))
@@ -209,23 +249,29 @@ class Memory:
             self.optimizer_bytes = ranks.value({r: ADAM_STATE_BYTES * n
                                                 for r, n in numel.items()})
         self.peak_bytes = ranks.value(self._peak)
-        self.rows = []
+        self.rows, self.activation_bytes = self._table(self._by_module)
+        self.recomputed_rows, self.recomputed_bytes = self._table(self._recomputed)
+
+    def _table(self, by_module) -> tuple[list[dict], object]:
+        """(rows, total bytes) of {path: {rank: [bytes, storages]}}."""
+        ranks, rows = self._ranks, []
         totals = dict.fromkeys(ranks.ranks, 0)
-        for path, per_rank in self._by_module.items():
+        for path, per_rank in by_module.items():
             for r, (nbytes, _) in per_rank.items():
                 totals[r] += nbytes
-            self.rows.append({
+            rows.append({
                 "module": path,
                 "bytes": ranks.value({r: v[0] for r, v in per_rank.items()}),
                 "storages": ranks.value({r: v[1] for r, v in per_rank.items()})})
-        self.activation_bytes = ranks.value(totals)
+        return rows, ranks.value(totals)
 
     def summary(self) -> dict:
         """The numbers as a plain dict (what to return from a rank)."""
         return {"param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
                 "optimizer_bytes": self.optimizer_bytes,
                 "activation_bytes": self.activation_bytes, "peak_bytes": self.peak_bytes,
-                "rows": self.rows}
+                "rows": self.rows, "recomputed_bytes": self.recomputed_bytes,
+                "recomputed_rows": self.recomputed_rows}
 
     # --- modules: which one is running, and its parameters ----------------------------------
 
@@ -244,8 +290,13 @@ class Memory:
                 self._param_ptrs.setdefault(r, set()).add(_storage_key(local)[0])
 
     def _pre(self, module, args):
-        if torch._C._current_graph_task_id() != -1:
-            return  # a forward re-run inside backward
+        if _in_backward():   # a forward re-run inside backward: a checkpoint's recomputation
+            push = not _ours_on_top()
+            if push:
+                torch._C._autograd._push_saved_tensors_default_hooks(*_handing_on(
+                    *torch._C._autograd._top_saved_tensors_default_hooks(True)))
+            self._again.append((self._names.get(id(module), ""), push))
+            return
         if id(module) not in self._names:
             self._root(module)
         self._stack.append(self._names[id(module)])
@@ -255,15 +306,24 @@ class Memory:
             self._handles.append(module.register_forward_hook(self._post, always_call=True))
 
     def _post(self, module, args, output):
-        if torch._C._current_graph_task_id() == -1 and self._stack:
-            self._stack.pop()
+        if not _in_backward():
+            if self._stack:
+                self._stack.pop()
+        elif self._again:
+            if self._again.pop()[1]:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
 
     # --- saved tensors --------------------------------------------------------------------
 
     def _pack(self, tensor) -> list:
         """Count a tensor autograd saves; returns the (rank, storage) keys it holds."""
         keys = []
-        path = self._stack[-1] if self._stack else ""
+        again = _in_backward()
+        if again:
+            path = self._again[-1][0] if self._again else ""
+        else:
+            path = self._stack[-1] if self._stack else ""
+        by_module = self._recomputed if again else self._by_module
         for r, local in self._ranks.locals(tensor).items():
             ptr, nbytes = _storage_key(local)
             if not nbytes or ptr in self._param_ptrs.get(r, ()):
@@ -274,7 +334,7 @@ class Memory:
                 entry = self._live[key] = [nbytes, 0]
                 self._live_bytes[r] += nbytes
                 self._peak[r] = max(self._peak[r], self._live_bytes[r])
-                row = self._by_module.setdefault(path, {}).setdefault(r, [0, 0])
+                row = by_module.setdefault(path, {}).setdefault(r, [0, 0])
                 row[0] += nbytes
                 row[1] += 1
             entry[1] += 1

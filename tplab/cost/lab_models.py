@@ -84,7 +84,8 @@ def lab_memory(model, cfg, tp: int, sequence_parallel: bool = False) -> dict:
     `model` ("mlp" or "block") from `cfg` with `tp` ranks, under either plan (megatron or
     dtensor: both save the same tensors): param_bytes, grad_bytes, optimizer_bytes (Adam's
     two fp32 moments), activation_bytes, peak_bytes and rows (module, bytes, storages) in
-    the order the modules first save. Float32 throughout; see `tplab.cost.memory`."""
+    the order the modules first save; nothing checkpointed, so nothing recomputed. Float32
+    throughout; see `tplab.cost.memory`."""
     kind = _kind(model)
     shape = lab_shape(cfg, kind)
     d, f = cfg.dim, cfg.hidden_dim
@@ -108,4 +109,5 @@ def lab_memory(model, cfg, tp: int, sequence_parallel: bool = False) -> dict:
         row["storages"] += 1
     total = sum(r["bytes"] for r in rows.values())
     return {"param_bytes": params, "grad_bytes": params, "optimizer_bytes": 2 * params,
-            "activation_bytes": total, "peak_bytes": total, "rows": list(rows.values())}
+            "activation_bytes": total, "peak_bytes": total, "rows": list(rows.values()),
+            "recomputed_bytes": 0, "recomputed_rows": []}

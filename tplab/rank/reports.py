@@ -27,6 +27,16 @@ import torch.distributed as dist
 from tplab.rank.collectives import COLLECTIVE_FRAMES, REPORT, WHERE_KEY, groups_now, history
 
 REPORT_INTERVAL_S = 0.1
+# torch.compile's tracing (dynamo's bytecode interpreter, make_fx, fake tensors, inductor's
+# lowering) calls the functional collectives on fake tensors: a collective frame under one
+# of these is being compiled, not waited in. Read as waiting, a rank compiling a
+# sequence-parallel MLP's backward (seconds: sympy) looked like a peer of a rank that really
+# waits in the same all-gather, and the lab restarted both ("every rank is in the same
+# collective, yet it does not complete"): the compiled SP MLP "hang" of issue 28.
+COMPILING = (os.path.join("torch", "_dynamo", "symbolic_convert.py"),
+             os.path.join("torch", "fx", "experimental", "proxy_tensor.py"),
+             os.path.join("torch", "_subclasses", "fake_tensor.py"),
+             os.path.join("torch", "_inductor", ""))
 
 
 def _shape_of(frame) -> list[int] | None:
@@ -56,11 +66,16 @@ def where_now() -> dict:
                 seconds=round(time.monotonic() - state.cell_started, 2))
     frame = sys._current_frames().get(state.main_thread)
     op = shape = line = None
+    compiling = False
     while frame is not None:
         code = frame.f_code
         filename = code.co_filename
-        if op is None and code.co_name in COLLECTIVE_FRAMES and "torch" in filename:
+        if op is None and not compiling and code.co_name in COLLECTIVE_FRAMES \
+                and "torch" in filename:
             op, shape = COLLECTIVE_FRAMES[code.co_name], _shape_of(frame)
+        elif op is not None and any(part in filename for part in COMPILING):
+            op = shape = None   # traced by torch.compile, not waited in
+            compiling = True
         if line is None and not any(part in filename for part in state.library_parts):
             text = linecache.getline(filename, frame.f_lineno).strip()
             line = f"{filename}:{frame.f_lineno} {text}".strip()

@@ -207,6 +207,34 @@ def local_and_expected(param, pair: Pair, ref: torch.Tensor, mesh, piece: bool):
     return layout_value(param), want.to_local()
 
 
+def expected_pieces(param, pair: Pair, ref: torch.Tensor, mesh, piece: bool):
+    """This rank's piece of the reference at every step, `[steps + 1, *local shape]`, cut
+    once: the element indices that `local_and_expected` places (an index tensor cut as the
+    reference would be: the same elements, exactly) taken from every step's reference.
+    None where only the per-step path can do it (padded shards; FSDP2 given the tp dim,
+    whose comparison gathers the ranks' own parameter; a Partial placement, whose pieces
+    are not the reference's elements; tplab.simulate, whose ranks are one process)."""
+    if pair.padded or enabled_local_tensor_mode() is not None:
+        return None
+    if isinstance(param, DTensor) and (any(pl.is_partial() for pl in param.placements) or (
+            piece and "tp" in (param.device_mesh.mesh_dim_names or ()))):
+        return None
+    whole = torch.arange(ref[0].numel()).reshape(ref.shape[1:])
+    _, index = local_and_expected(param, pair, whole, mesh, piece)
+    return ref.reshape(ref.shape[0], -1)[:, index.reshape(-1)].reshape(-1, *index.shape)
+
+
+def parameter_diff(param, pair: Pair, cut, ref: torch.Tensor, step: int, mesh,
+                   piece: bool) -> torch.Tensor:
+    """max |local piece - the reference's| of one parameter after `step` steps (`cut`: its
+    `expected_pieces`, or None for the per-step path)."""
+    if cut is not None:
+        local, want = layout_value(param), cut[step]
+    else:
+        local, want = local_and_expected(param, pair, ref[step], mesh, piece)
+    return (local.float() - want.float()).abs().max() if local.numel() else torch.zeros(())
+
+
 def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> None:
     """One line per step for the notebook's live figure (see tplab/checks/train_live.py)."""
     record = {"rank": rank, "step": step, "loss": float(loss),
@@ -277,16 +305,18 @@ class Drift:
             and not described[p.ranks].fsdp and p.placement != placements.MESH]
         self.replicas: dict[str, list[torch.Tensor]] = {name: [] for name in self.copies}
         self.diffs: list[dict[str, torch.Tensor]] = []
+        # every step's expected piece cut once (a DTensor's placing costs a millisecond a
+        # parameter: per step, it was most of what train_check added to an FSDP2 x TP run)
+        self.pieces = {p.ranks: expected_pieces(self.params[p.ranks], p, reference[p.ref], mesh,
+                                                described[p.ranks].dp_placement is not None)
+                       for p in pairs}
         self.measure(0)
 
     def measure(self, step: int) -> None:
-        diffs = {}
-        for p in self.pairs:
-            local, want = local_and_expected(self.params[p.ranks], p, self.reference[p.ref][step],
-                                             self.mesh,
-                                             self.described[p.ranks].dp_placement is not None)
-            diffs[p.ranks] = (local.float() - want.float()).abs().max() if local.numel() \
-                else torch.zeros(())
+        diffs = {p.ranks: parameter_diff(self.params[p.ranks], p, self.pieces[p.ranks],
+                                         self.reference[p.ref], step, self.mesh,
+                                         self.described[p.ranks].dp_placement is not None)
+                 for p in self.pairs}
         for name in self.copies:
             self.replicas[name].append(layout_value(self.params[name]).clone())
         self.diffs.append(diffs)
