@@ -218,6 +218,7 @@ def slurm():
         cluster.stop()
 
 
+@pytest.mark.xdist_group("test_engines-slurm")  # its own xdist worker (conftest.py)
 def test_slurm_runs_four_ranks_and_cancels_its_job(slurm, monkeypatch):
     for k, v in slurm.env.items():
         monkeypatch.setenv(k, v)
@@ -471,6 +472,7 @@ def test_ssh_ranks_on_two_hosts_stream_live(hosts, monkeypatch):
         check_live(lab)
 
 
+@pytest.mark.xdist_group("test_engines-slurm")  # its own xdist worker (conftest.py)
 def test_slurm_ranks_stream_live(slurm, monkeypatch):
     for k, v in slurm.env.items():
         monkeypatch.setenv(k, v)
