@@ -14,10 +14,10 @@ lab:
 	  --ServerApp.root_dir=notebooks --ServerApp.open_browser=False \
 	  --LanguageServerManager.autodetect=False $(ROOT_FLAG)
 
-# 3 pytest-xdist workers: the suite mostly waits (rank start-up, rendezvous, kernels), so 3
+# 2 pytest-xdist workers: the suite mostly waits (rank start-up, rendezvous, kernels), so 2
 # on 2 cores cut its time; a module's tests share one worker (tests/conftest.py).
 # `make test WORKERS=0` runs it in this one process.
-WORKERS ?= 3
+WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test:

@@ -28,7 +28,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(line)
 
 
-# pytest-xdist (`make test` runs `-n 3 --dist loadgroup`): the tests of a module go to one
+# pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): the tests of a module go to one
 # worker together, so that its module-scoped labs start once and services it starts (sshd,
 # Slurm, JupyterLab) never meet another module's; the tests of SPREAD are independent (each
 # notebook starts its own kernel and lab), so they go to whichever worker is free.
