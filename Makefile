@@ -14,11 +14,17 @@ lab:
 	  --ServerApp.root_dir=notebooks --ServerApp.open_browser=False \
 	  --LanguageServerManager.autodetect=False $(ROOT_FLAG)
 
+# 2 pytest-xdist workers: the suite mostly waits (rank start-up, rendezvous, kernels), so 2
+# on 2 cores cut its time; a module's tests share one worker (tests/conftest.py).
+# `make test WORKERS=0` runs it in this one process.
+WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
+
 test:
-	scripts/env.sh python -m pytest -q $(PYTEST_ARGS)
+	scripts/env.sh python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-extended:
-	scripts/env.sh python -m pytest -q -m "" $(PYTEST_ARGS)
+	scripts/env.sh python -m pytest -q -m "" $(XDIST) $(PYTEST_ARGS)
 
 doctor:
 	scripts/env.sh python -m tplab doctor

@@ -24,9 +24,50 @@ def pytest_unconfigure(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    for lines in report.LINES.values():
-        for line in lines:
-            terminalreporter.write_line(line)
+    for line in report.lines():
+        terminalreporter.write_line(line)
+
+
+# pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): the tests of a module go to one
+# worker together, so that its module-scoped labs start once and services it starts (sshd,
+# Slurm, JupyterLab) never meet another module's; the tests of SPREAD are independent (each
+# notebook starts its own kernel and lab), so they go to whichever worker is free.
+SPREAD = ("test_notebooks.py", "test_workbooks.py")
+
+
+# Under xdist the longest modules (measured with --durations=0) start first, and the spread
+# notebooks last, so that no worker begins a long module while the others end: `make test`
+# passes --no-loadscope-reorder, which keeps this order (xdist would order by test count).
+FIRST = ("test_engines.py", "test_browser.py", "test_verdicts.py", "test_doctor.py",
+         "test_fsdp.py", "test_training.py", "test_room.py", "test_cells.py")
+
+
+def pytest_itemcollected(item):  # before xdist's modifyitems hook reads the xdist_group marks
+    if item.path.name not in SPREAD and not item.get_closest_marker("xdist_group"):
+        item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture)
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # an xdist worker collects; each sends the same order
+        def rank(item):
+            name = item.path.name
+            return (FIRST.index(name) if name in FIRST
+                    else len(FIRST) + 1 if name in SPREAD else len(FIRST))
+        items.sort(key=rank)  # stable: a module's own order (and its labs' reuse) is kept
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: send the report home
+        session.config.workeroutput["tplab_report"] = {"lines": report.LINES,
+                                                       "times": report.TIMES}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # xdist's controller, as each worker ends
+    sent = getattr(node, "workeroutput", {}).get("tplab_report")
+    if sent:
+        report.merge(sent["lines"], sent["times"])
 
 
 class _Labs:

@@ -103,6 +103,4 @@ def test_notebooks_are_saved_without_outputs():
 
 def teardown_module(module):
     if _times:
-        total = sum(_times.values())
-        lines = [f"  {name}: {s:.1f} s" for name, s in sorted(_times.items())]
-        report.LINES["notebooks"] = ["notebook times:", *lines, f"  total: {total:.1f} s"]
+        report.TIMES["notebooks"] = ("notebook times:", dict(_times))

@@ -17,7 +17,8 @@ def test_torch_is_a_lower_bound_and_the_pin_is_a_constraint():
     assert spec.replace(" ", "") == "torch>=2.10", spec
     pins = [ln.strip() for ln in (ROOT / "scripts/constraints.txt").read_text().splitlines()
             if ln.strip() and not ln.startswith("#")]
-    assert pins == ["torch==2.13.0"]
+    # torch, and the test runner's workers (make test's options are pytest-xdist 3.8's)
+    assert pins == ["torch==2.13.0", "pytest-xdist==3.8.0"]
     assert "-c scripts/constraints.txt" in (ROOT / "scripts/env.sh").read_text()
     assert torch.__version__.split("+")[0] == "2.13.0"  # what the set-up installed here
 
@@ -26,3 +27,13 @@ def test_playwright_is_a_dev_dependency():
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]["dev"]
     assert any(d.startswith("playwright") for d in extra)
+
+
+def test_make_test_runs_pytest_xdist_workers_and_the_set_up_installs_it():
+    import importlib.metadata
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["dev"]
+    assert any(d.startswith("pytest-xdist") for d in extra)
+    assert "--dist loadgroup" in (ROOT / "Makefile").read_text()  # a module's tests together
+    assert importlib.metadata.version("pytest-xdist") == "3.8.0"  # the pin, installed here

@@ -205,13 +205,23 @@ def _cli(*args):
                           text=True, timeout=240)
 
 
-def test_cli_train_refuses_step_without_train_and_a_bad_count():
-    bad = _cli("train_targets:build", "tplab.megatron:parallelize", "train_targets:make_batch",
-               "--world-size", "2", "--step", "train_targets:step")
-    assert bad.returncode == 2 and "--train" in bad.stderr
-    bad = _cli("train_targets:build", "tplab.megatron:parallelize", "train_targets:make_batch",
-               "--world-size", "2", "--train", "0")
-    assert bad.returncode == 2 and "--train STEPS must be >= 1" in bad.stderr
+def test_cli_train_refuses_step_without_train_and_a_bad_count(monkeypatch, capsys):
+    """Argument errors, in this process: `python -m tplab`'s main with what the command line
+    gives it (the command in a fresh process: the runs below and tests/test_cli_check.py)."""
+    import os
+    import sys
+
+    from tplab.__main__ import main
+
+    monkeypatch.chdir(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main adds the working directory
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # and to PYTHONPATH
+    targets = ("train_targets:build", "tplab.megatron:parallelize", "train_targets:make_batch",
+               "--world-size", "2")
+    assert main(["check", *targets, "--step", "train_targets:step"]) == 2
+    assert "--train" in capsys.readouterr().err
+    assert main(["check", *targets, "--train", "0"]) == 2
+    assert "--train STEPS must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.extended

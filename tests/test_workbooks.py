@@ -75,6 +75,4 @@ def test_workbook(path, inject, tmp_path):
 
 def teardown_module(module):
     if _times:
-        lines = [f"  {name}: {s:.1f} s" for name, s in sorted(_times.items())]
-        report.LINES["workbooks"] = ["exercise workbooks:", *lines,
-                                     f"  total: {sum(_times.values()):.1f} s"]
+        report.TIMES["workbooks"] = ("exercise workbooks:", dict(_times))
