@@ -191,3 +191,25 @@ def test_ranks_still_computing_after_another_failed_are_not_restarted(labs):
     assert info.value.ranks == [1] and "restarted" not in str(info.value)
     assert lab.rank_pids == pids
     assert lab.execute("kept") == [100, 101]
+
+
+def test_a_crash_report_keeps_what_the_rank_printed_before_it(tmp_path):
+    """A rank that printed a line and then crashed with a long stderr before faulthandler's
+    report (warnings, logging: more lines under load): the RankDied text still has the
+    printed line, and the crash report from its start (found as a race at world 4)."""
+    from tplab.lab.streams import RankFiles
+
+    out, err = tmp_path / "out", tmp_path / "err"
+    out.write_text("rank 3 before the fault\n")
+    noise = "".join(f"[W] a warning the engine wrote, {i}\n" for i in range(8))
+    err.write_text(noise + "Fatal Python error: Segmentation fault\n\nThread 0x1 (most recent "
+                   "call first):\n  File \"<cell>\", line 4 in <module>\n")
+    files = RankFiles()
+    files.attach(3, str(out), str(err))
+    try:
+        text = files.tail(3)
+    finally:
+        files.detach_all()
+    assert "rank 3 before the fault" in text
+    assert "Fatal Python error: Segmentation fault" in text and 'File "<cell>"' in text
+    assert "a warning the engine wrote, 0" not in text  # the crash shown, not all the noise

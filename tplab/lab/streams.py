@@ -112,19 +112,22 @@ class RankFiles:
 
     def tail(self, rank: int, lines: int = 15) -> str:
         """The last lines the rank wrote (both streams), for a RankDied message; a crash
-        report (faulthandler's "Fatal Python error") is shown from its start."""
-        text = []
+        report (faulthandler's "Fatal Python error") is shown from its start, after the last
+        lines of the other stream (what the rank printed before it died)."""
+        streams = []
         for _, fd, _ in self._files.get(rank, []):
             try:
                 size = os.fstat(fd).st_size
-                text.extend(os.pread(fd, min(size, 65536), max(0, size - 65536))
-                            .decode("utf-8", "replace").splitlines())
+                streams.append(os.pread(fd, min(size, 65536), max(0, size - 65536))
+                               .decode("utf-8", "replace").splitlines())
             except OSError:
                 continue
-        crash = next((i for i, x in enumerate(text) if x.startswith("Fatal Python")), None)
-        if crash is not None:
-            return "\n".join(text[max(0, crash - 3):crash + lines])
-        return "\n".join(text[-lines:])
+        for i, text in enumerate(streams):
+            crash = next((j for j, x in enumerate(text) if x.startswith("Fatal Python")), None)
+            if crash is not None:
+                before = [x for k, other in enumerate(streams) if k != i for x in other]
+                return "\n".join(before[-5:] + text[max(0, crash - 3):crash + lines])
+        return "\n".join([x for text in streams for x in text][-lines:])
 
 
 class _Progress:
