@@ -13,6 +13,7 @@ for _var, _sub in [("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "jupyter-co
 
 import pytest  # noqa: E402
 import report  # noqa: E402  (tests/report.py)
+from xdist.scheduler import LoadScopeScheduling  # noqa: E402
 
 import tplab  # noqa: E402
 
@@ -35,16 +36,28 @@ def pytest_terminal_summary(terminalreporter):
 SPREAD = ("test_notebooks.py", "test_workbooks.py")
 
 
+class ByModule(LoadScopeScheduling):
+    """xdist's scope scheduling with a module as the scope, and each test of SPREAD its own.
+    (xdist 3.8's loadgroup marks a group by rewriting `item._nodeid`, which pytest 9 no
+    longer reads: its groups fell apart, and one module's tests ran on both workers.)"""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return nodeid if path.rsplit("/", 1)[-1] in SPREAD else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return ByModule(config, log)
+    return None
+
+
 # Under xdist the longest modules (measured with --durations=0) start first, and the spread
 # notebooks last, so that no worker begins a long module while the others end: `make test`
 # passes --no-loadscope-reorder, which keeps this order (xdist would order by test count).
 FIRST = ("test_engines.py", "test_browser.py", "test_verdicts.py", "test_doctor.py",
          "test_fsdp.py", "test_training.py", "test_room.py", "test_cells.py")
-
-
-def pytest_itemcollected(item):  # before xdist's modifyitems hook reads the xdist_group marks
-    if item.path.name not in SPREAD and not item.get_closest_marker("xdist_group"):
-        item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture)
