@@ -12,13 +12,13 @@ simulated mode where they have one (00 starts processes): the browser run checks
 learner sees, and keeps within the suite's time; papermill (test_notebooks.py) runs every
 notebook in each of its modes at world 2, and at its other sizes in the extended run.
 
-The default run opens the notebooks whose page does something papermill cannot see: 00 (a
-plain notebook, ranks in processes), 01 and 08 (their widgets' controls) and 12 (its live
-figure), and 13, the lesson at world 4 (papermill leaves 12 and 13 to this test where it
-runs). The other notebooks' Run All in the browser is `extended`: papermill runs them in
-the default run, and their figures go through the same plotly renderer that 00, 01, 08 and
-12 check here. The notebooks open one after another in one page (File > Open from Path), as
-a person opens the next lesson; when a test ends its tab is closed and its kernel shut down.
+The default run opens the notebooks whose page does something papermill cannot see: 00 (a plain
+notebook, ranks in processes), 01 and 08 (their widgets' controls) and 12 (its live figure),
+and 13, the lesson at world 4 (papermill leaves 12 to this test where it runs, and runs 13 as
+well). The other notebooks' Run All in the browser is `extended`: papermill runs them in the
+default run, and their figures go through the same plotly renderer that 00, 01, 08 and 12 check
+here. The notebooks open one after another in one page (File > Open from Path), as a person
+opens the next lesson; when a test ends its tab is closed and its kernel shut down.
 """
 
 from __future__ import annotations
