@@ -213,3 +213,28 @@ def test_a_crash_report_keeps_what_the_rank_printed_before_it(tmp_path):
     assert "rank 3 before the fault" in text
     assert "Fatal Python error: Segmentation fault" in text and 'File "<cell>"' in text
     assert "a warning the engine wrote, 0" not in text  # the crash shown, not all the noise
+
+
+def collective_then_forget():
+    """Rank side: is a tensor that went through a collective freed when the code drops it,
+    and does the rank still describe that collective (for a peer that must replay it)?"""
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from tplab.rank.collectives import history
+
+    x = torch.ones(3, 5)
+    dist.all_reduce(x)
+    gone = weakref.ref(x)
+    del x
+    last = next(row for rows in history().values() for row in reversed(rows)
+                if row["api"] == "all_reduce")
+    return gone() is None, last["args"][0]
+
+
+def test_a_noted_collective_keeps_no_tensor_alive(labs):
+    # the noting once kept every argument of the last 8 collectives per group: under a
+    # checkpointed TP model that held a recomputed block's whole graph through backward
+    assert labs.get(2).run(collective_then_forget) == [(True, ["T", [3, 5], "float32"])] * 2

@@ -4,10 +4,11 @@ collective that a peer never called.
 Every collective entry point of torch.distributed (c10d: `dist.all_reduce`...) and of its
 functional collectives (`funcol.all_reduce`..., which DTensor uses) is wrapped once, at
 `init_rank`, to note the call's group, its number in that group (c10d's sequence number),
-and its arguments' shapes: a few microseconds per collective, nothing per op. A reporter
-thread writes where the rank is to the rendezvous store (tplab/rank/reports.py), so the
-notebook can tell, without asking the busy rank, whether it computes or waits, and in which
-collective of which group.
+and its arguments' shapes, described at the call so that no tensor is kept (a kept tensor
+would hold its autograd graph, and a checkpoint's recomputed storages, alive): a few
+microseconds per collective, nothing per op. A reporter thread writes where the rank is
+to the rendezvous store (tplab/rank/reports.py), so the notebook can tell, without asking
+the busy rank, whether it computes or waits, and in which collective of which group.
 
 When a peer finished a cell without calling a collective that this rank waits in (the
 classic `if rank == 0: dist.all_reduce(x)`), the notebook asks the finished peers to run
@@ -123,7 +124,10 @@ def _wrap(kind: str, api: str, fn, group_pos: int):
             if calls is None:
                 calls = REPORT.issued[name] = collections.deque(maxlen=HISTORY)
             REPORT.order += 1
-            calls.append((seq, REPORT.order, kind, api, args, kwargs, group_pos))
+            # described now, not kept: a kept tensor (and the autograd graph behind it)
+            # would stay alive for HISTORY more collectives
+            calls.append((seq, REPORT.order, kind, api, [_describe(a) for a in args],
+                          {k: _describe(v) for k, v in kwargs.items()}, group_pos))
         return fn(*args, **kwargs)
 
     noted.__tplab_noted__ = True
@@ -168,8 +172,7 @@ def history() -> dict[str, list]:
         for seq, order, kind, api, args, kwargs, pos in list(calls):
             rows.append({"seq": seq, "order": order, "kind": kind, "api": api,
                          "op": ops.family(api), "group_pos": pos,
-                         "args": [_describe(a) for a in args],
-                         "kwargs": {k: _describe(v) for k, v in kwargs.items()}})
+                         "args": args, "kwargs": kwargs})
         out[name] = rows
     return out
 
