@@ -141,3 +141,18 @@ def test_a_collective_traced_by_torch_compile_is_computing_not_waiting(report_st
     traced = tracer(lambda: collective(reports.where_now))
     assert waited["state"] == "in_collective" and waited["op"] == "all_gather", waited
     assert traced["state"] == "running" and "op" not in traced, traced
+
+
+def test_dynamo_compiling_inside_a_collective_frame_is_computing_not_waiting(report_state):
+    """A compiled model that breaks its graph runs DTensor's all-gather eagerly, and dynamo
+    compiles the frames the collective calls (tplab's wrapper, tplab.trace's
+    __torch_dispatch__): the compiler is innermost, under the all-gather frame. Read as
+    waiting, both ranks of a compiled SP MLP "hung" in the same all-gather (issue 28)."""
+    report_state.cell, report_state.cell_started = 1, time.monotonic()
+    collective = _frame_in("/x/torch/distributed/_functional_collectives.py",
+                           "all_gather_tensor")
+    converter = _frame_in("/x/torch/_dynamo/convert_frame.py", "_compile")
+    inside = collective(lambda: converter(reports.where_now))
+    assert inside["state"] == "running" and "op" not in inside, inside
+    # the collective on its own is still waited in
+    assert collective(reports.where_now)["op"] == "all_gather"

@@ -33,7 +33,14 @@ REPORT_INTERVAL_S = 0.1
 # sequence-parallel MLP's backward (seconds: sympy) looked like a peer of a rank that really
 # waits in the same all-gather, and the lab restarted both ("every rank is in the same
 # collective, yet it does not complete"): the compiled SP MLP "hang" of issue 28.
+# The compiler can also run INSIDE a real collective frame: a compiled model that breaks
+# its graph runs DTensor's redistribute eagerly, and dynamo compiles the frames the
+# collective calls (tplab's own wrapper `noted`, tplab.trace's __torch_dispatch__), up to
+# its recompile limit: measured at world 2 (SP MLP under tplab.trace), 37 of 43 reports of
+# "in all_gather" had dynamo's convert_frame.py inside the all-gather frame. A rank whose
+# innermost frames are the compiler's is computing, wherever the collective frame is.
 COMPILING = (os.path.join("torch", "_dynamo", "symbolic_convert.py"),
+             os.path.join("torch", "_dynamo", "convert_frame.py"),
              os.path.join("torch", "fx", "experimental", "proxy_tensor.py"),
              os.path.join("torch", "_subclasses", "fake_tensor.py"),
              os.path.join("torch", "_inductor", ""))
@@ -73,11 +80,14 @@ def where_now() -> dict:
         if op is None and not compiling and code.co_name in COLLECTIVE_FRAMES \
                 and "torch" in filename:
             op, shape = COLLECTIVE_FRAMES[code.co_name], _shape_of(frame)
-        elif op is not None and any(part in filename for part in COMPILING):
-            op = shape = None   # traced by torch.compile, not waited in
+        elif any(part in filename for part in COMPILING):
+            # outside a collective frame: it is traced; inside one: the compiler runs
+            # under it (see COMPILING). Either way not waited in.
+            op = shape = None
             compiling = True
         if line is None and not any(part in filename for part in state.library_parts):
-            text = linecache.getline(filename, frame.f_lineno).strip()
+            # f_lineno is None in a frame that has not run yet (one dynamo is converting)
+            text = linecache.getline(filename, frame.f_lineno or 0).strip()
             line = f"{filename}:{frame.f_lineno} {text}".strip()
         frame = frame.f_back
     if op is not None:
