@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import statistics
 
+from tplab.cost.collectives import collective_time
+from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.shapes import MODELS, BlockShape
 from tplab.cost.training_run import TrainingRun, model_flops_per_token, predict
 
@@ -73,9 +75,55 @@ ZERO3_2021 = (
     "work per GPU falls four-fold: its per-GPU traffic (one micro-batch per step: 6 bytes "
     "per parameter, whatever the GPU count) moved at 20-36 GB/s beyond the compute, a fifth "
     "to a tenth of what NCCL's rings measure on the same DGX A100 nodes (192 GB/s, "
-    "nccl#812): a limit of that implementation, not of the hardware")
+    "nccl#812): a limit of that implementation, not of the hardware; its per-parameter "
+    "collectives (`DEEPSPEED_ZERO3_2021`) at the model's NCCL terms leave +36% to +178% "
+    "even with none of them overlapped (`zero3_per_parameter_s`)")
 """Why Narayanan 2021's six ZeRO-3 rows are reported but left out of the goal's median and
 worst (`compare`): a checkable property of the rows themselves (tests/test_cost_runs.py)."""
+
+
+DEEPSPEED_ZERO3_2021 = (
+    "DeepSpeed's ZeRO-3 as of Narayanan 2021 (v0.3.13, 12a53b43, 2021-03-16, and v0.3.14, "
+    "0cd9abf2, 2021-04-08; ZeRO-3 came on 2021-03-08, #834): one torch.distributed.all_gather "
+    "per parameter over every DP rank, each after a torch.cuda.synchronize() "
+    "(partition_parameters.py, _allgather_param), waited for before the sub-module runs "
+    "(stage3.py, fetch_sub_module -> _synchronize_communication), with the next parameter "
+    "prefetched (prefetch_bucket_size 5e7 elements); parameters under "
+    "param_persistence_threshold (1e5 elements) stay whole; one reduce_scatter per "
+    "parameter's gradient (_reduce_scatter_gradient). Gathers were coalesced on 2021-10-31 "
+    "(#1188, v0.5.5), gradient reduce-scatters on 2022-01-20 (#1453)")
+"""How DeepSpeed 2021's ZeRO-3 issued its collectives (`zero3_per_parameter_s`)."""
+
+PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed 0.3.13's default `param_persistence_threshold` (stage3.py): smaller parameters
+are never partitioned, so never gathered (their gradients are still reduce-scattered)."""
+
+
+def zero3_per_parameter_s(r: dict) -> dict:
+    """One micro-batch's ZeRO-3 collectives of a row as `DEEPSPEED_ZERO3_2021` issues them,
+    priced by the model's own NCCL terms (`collective_time`, the DP group's fabric): each
+    layer's parameters one call each, gathered twice (forward and backward, as
+    `pipeline.data_parallel` counts FSDP) if at least `PERSISTENCE_THRESHOLD` elements, and
+    every gradient reduce-scattered: {"calls", "latency_s", "total_s"} (total: latency and
+    bytes, as if none of it overlapped)."""
+    run = to_run(r)
+    shape, n, h, f = run.shape, run.dp, run.shape.hidden, run.shape.ffn_size
+    qkv = h + 2 * shape.kv_dim
+    params = [h * qkv, h * h, (2 if shape.gated else 1) * h * f, f * h,   # weights
+              qkv, h, f, h, h, h, h, h]            # biases and the two norms' weight, bias
+    view = dp_group_hardware(run.hw, 1)
+
+    def cost(op, elements):
+        return collective_time(op, elements * shape.dtype_bytes, n, view, "auto")
+
+    gathered = [e for e in params if e >= PERSISTENCE_THRESHOLD]
+    calls = 2 * len(gathered) + len(params)
+    latency = (2 * len(gathered) * cost("all_gather", 0) + len(params)
+               * cost("reduce_scatter", 0))
+    total = (2 * sum(cost("all_gather", e) for e in gathered)
+             + sum(cost("reduce_scatter", e) for e in params))
+    return {"calls": shape.layers * calls, "latency_s": shape.layers * latency,
+            "total_s": shape.layers * total}
 
 
 FOUNDRY_STACK = (
