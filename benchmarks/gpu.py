@@ -61,7 +61,7 @@ def tp_step(steps: int, dim: int = 1024, hidden: int = 4096, batch: int = 32) ->
     import torch.distributed as dist
 
     import tplab
-    from tplab.core import plans
+    from tplab import plans
 
     torch.manual_seed(0)
     model = torch.nn.Sequential()
@@ -106,7 +106,7 @@ def traced_step():
     import torch
 
     import tplab
-    from tplab.core import plans
+    from tplab import plans
 
     torch.manual_seed(0)
     model = torch.nn.Sequential()
@@ -178,7 +178,7 @@ def mlp_input():
 @check("4. grad_check on CUDA")
 def check_grad():
     import tplab
-    from tplab.core import plans
+    from tplab import plans
 
     with tplab.launch(1, backend="nccl") as lab:
         report_ = tplab.grad_check(lab, build_mlp, plans.mlp(), mlp_input, atol=1e-4)

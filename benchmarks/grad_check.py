@@ -51,7 +51,7 @@ def bare(lab, build, plan, make_input, loss_fn):
 
 def main() -> None:
     import tplab
-    from tplab.core import models, plans
+    from tplab import models, plans
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", action="store_true", help="use tplab.simulate(4)")

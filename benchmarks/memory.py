@@ -32,7 +32,7 @@ def timed_steps(sequence_parallel: bool, repeats: int) -> dict:
     import torch
 
     import tplab
-    from tplab.core import models, plans
+    from tplab import models, plans
 
     torch.set_num_threads(1)  # four ranks share the cores
     cfg = models.Config(dim=64, hidden_dim=256, n_heads=4, seq_len=32, batch_size=4)
@@ -64,7 +64,7 @@ def measured_steps(cases, cfg) -> dict:
     import torch
 
     import tplab
-    from tplab.core import megatron, models, plans
+    from tplab import megatron, models, plans
 
     mesh = tplab.make_mesh(tp=torch.distributed.get_world_size())
     out = {}
@@ -106,7 +106,7 @@ def model_error(per_rank: list[dict], cfg, world_size: int) -> tuple[int, int, i
 
 def main() -> None:
     import tplab
-    from tplab.core import models
+    from tplab import models
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", action="store_true", help="use tplab.simulate(4)")

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from tplab.core import models, plans
-from tplab.core.plan_check import check_layouts
+from tplab import models, plans
+from tplab.plan_check import check_layouts
 
 
 def _llama():

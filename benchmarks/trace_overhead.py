@@ -23,8 +23,8 @@ def timed_steps(kind: str, sequence_parallel: bool, repeats: int) -> dict:
     import torch
 
     import tplab
-    from tplab.core import megatron, models, plans
-    from tplab.core.mesh import make_mesh
+    from tplab import megatron, models, plans
+    from tplab.mesh import make_mesh
 
     torch.set_num_threads(1)  # four ranks share the cores
     cfg = models.Config(dim=64, hidden_dim=256, n_heads=4, seq_len=32, batch_size=4)

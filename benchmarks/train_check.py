@@ -32,11 +32,11 @@ import time
 import torch
 
 import tplab
+from tplab import fsdp, megatron, models, rng
 from tplab.checks import train as training_check
 from tplab.checks.train_live import LiveTraining
-from tplab.core import fsdp, megatron, models, rng
-from tplab.core.training import lm, steps
 from tplab.rank.train_step import LIVE_PREFIX, LIVE_SUFFIX
+from tplab.training import lm, steps
 
 CFG = models.Config(vocab_size=32, dim=32, n_layers=2, n_heads=4, hidden_dim=64, seq_len=8,
                     batch_size=8)

@@ -18,7 +18,7 @@ from pathlib import Path
 import transformers
 
 import tplab
-from tplab.checks import hf_models
+from tplab import hf_models
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "MODELS.md"

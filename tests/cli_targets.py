@@ -8,7 +8,7 @@ import sys
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tplab.core import megatron, models
+from tplab import megatron, models
 
 CFG = models.Config(dim=16, hidden_dim=32, n_heads=4, seq_len=4, batch_size=2)
 build = functools.partial(models.MLP, CFG)

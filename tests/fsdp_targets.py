@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from tplab.core import fsdp, models, plans
+from tplab import fsdp, models, plans
 
 CFG = models.Config(dim=16, hidden_dim=32, n_heads=4, seq_len=4, batch_size=4)
 build = functools.partial(models.MLP, CFG)

@@ -12,7 +12,7 @@ import pytest
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import tplab
-from tplab.core import megatron, models, plans
+from tplab import megatron, models, plans
 
 
 def children() -> set[int]:

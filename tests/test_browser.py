@@ -37,7 +37,7 @@ import pytest
 import report
 from test_notebooks import modes
 
-from tplab.core.lessons import SIZES
+from tplab.lessons import SIZES
 
 REPO = pathlib.Path(__file__).parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))

@@ -131,7 +131,7 @@ def test_sys_exit_in_a_simulation_is_a_rank_error(tmp_path):
     assert_all_reduces(sim)
     (tmp_path / "exits.py").write_text(textwrap.dedent("""
         import functools, sys
-        from tplab.core import models
+        from tplab import models
         CFG = models.Config(dim=16, hidden_dim=32, n_heads=2, seq_len=4, batch_size=2)
         build = functools.partial(models.MLP, CFG)
         make_input = functools.partial(models.make_input, CFG)

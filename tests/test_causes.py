@@ -15,8 +15,8 @@ F_BACK = "Partial(sum) -> Replicate()"
 def _traced(kind, path, sequence_parallel, cfg):
     """Rank side: one traced step; the records and explain()'s rows."""
     import tplab
-    from tplab.core import megatron, models, plans
-    from tplab.core.mesh import make_mesh
+    from tplab import megatron, models, plans
+    from tplab.mesh import make_mesh
 
     mesh = make_mesh()
     model = {"mlp": models.MLP, "block": models.Block}[kind](cfg)
@@ -136,6 +136,6 @@ def test_a_hand_written_function_backward_belongs_to_the_layer_it_guards(tp_lab)
      "all_to_all in the backward pass (Shard(1) -> Shard(0))"),
     ("all_gather", "backward", "scatter", "split (keep my chunk) in the forward pass")])
 def test_conjugates(op, phase, cause, want):
-    from tplab.core.explain import conjugate
+    from tplab.explain import conjugate
 
     assert conjugate({"op": op, "phase": phase, "cause": cause}) == want

@@ -14,8 +14,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from tp_fixtures import CFG, activations, build, tokens, tp_lab  # noqa: F401
 
 import tplab
+from tplab import megatron, models, plans
 from tplab.checks.grad import GradCheckReport, assemble
-from tplab.core import megatron, models, plans
 from tplab.core.transfer import LocalShard
 
 SP = functools.partial(megatron.parallelize, sequence_parallel=True)
@@ -149,7 +149,7 @@ def _mlp_with_own_dp_average(model, mesh):
     """A plan that does data parallelism itself: hooks average every gradient over dp."""
     import torch.distributed as dist
 
-    from tplab.core import plans
+    from tplab import plans
 
     model = tplab.apply_plan(model, mesh, plans.mlp())
 
@@ -195,7 +195,7 @@ def test_a_bad_plan_is_refused_in_the_notebook_before_the_ranks_run_anything():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     import tplab
-    from tplab.core import models
+    from tplab import models
 
     sim = tplab.simulate(2)
     cfg = models.Config(dim=16, hidden_dim=32, n_heads=2, seq_len=4, batch_size=2)

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from tp_fixtures import llama, tp_lab  # noqa: F401
 
 import tplab
-from tplab.core import plans
+from tplab import plans
 
 D, H = 8, 16  # width and inner width: H divisible by 2 and 4
 
@@ -294,7 +294,7 @@ class Lookup(nn.Module):
 
 def _padded_vocab(model, mesh):
     """Megatron pads the vocabulary to a multiple of tp: 30 rows become 32 over 4 ranks."""
-    from tplab.core import megatron
+    from tplab import megatron
 
     n, vocab = mesh.size(), model.emb.num_embeddings
     padded = nn.Embedding(-(-vocab // n) * n, D)

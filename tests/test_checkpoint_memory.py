@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 import tplab
-from tplab.core import models
+from tplab import models
 
 CFG = models.Config(dim=32, hidden_dim=64, n_layers=2, seq_len=8, batch_size=2)
 CASES = [("megatron", False), ("megatron", True), ("dtensor", False), ("dtensor", True)]
@@ -62,7 +62,7 @@ def measured(cases, cfg, independent):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
 
     import tplab
-    from tplab.core import checkpointing, megatron, models, plans
+    from tplab import checkpointing, megatron, models, plans
 
     mesh = tplab.make_mesh(tp=torch.distributed.get_world_size())
     tokens = models.make_tokens(cfg)

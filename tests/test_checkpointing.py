@@ -17,8 +17,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 import tplab
-from tplab.core import checkpointing, fsdp, megatron, models, plans, rng
-from tplab.core.training import lm, steps
+from tplab import checkpointing, fsdp, megatron, models, plans, rng
+from tplab.training import lm, steps
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=2, n_heads=4, hidden_dim=32, seq_len=8,
                     batch_size=4)

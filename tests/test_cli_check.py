@@ -232,7 +232,7 @@ def test_the_pytest_fixture_shares_one_lab_across_a_users_tests(tmp_path):
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["tplab.testing"]\n')
     (tmp_path / "test_user.py").write_text(textwrap.dedent("""
         import functools
-        from tplab.core import models, plans
+        from tplab import models, plans
         from tplab.testing import assert_grad_check
 
         CFG = models.Config(dim=16, hidden_dim=32, n_heads=4, seq_len=4, batch_size=2)
@@ -248,7 +248,7 @@ def test_the_pytest_fixture_shares_one_lab_across_a_users_tests(tmp_path):
             assert SEEN == [tplab_lab]  # the same lab, not a new one
 
         def test_a_failing_check_says_why(tplab_lab):
-            from tplab.core import megatron
+            from tplab import megatron
             broken = functools.partial(megatron.parallelize, reduce_grad=False)
             assert_grad_check(tplab_lab, functools.partial(models.MLP, CFG), broken,
                               functools.partial(models.make_input, CFG))

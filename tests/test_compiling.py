@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tplab
-from tplab.core import compiling, models, plans
+from tplab import compiling, models, plans
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=4,
                     batch_size=2)
@@ -31,7 +31,7 @@ def _step(model, x):
 
 
 def _on_rank(compile_it: bool, plan=SP):
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     torch.manual_seed(0)
     model = MLP()
@@ -85,7 +85,7 @@ def test_a_compiled_sequence_parallel_step_issues_the_collectives_of_eager_mode(
 
 
 def test_which_plans_are_sequence_parallel():
-    from tplab.core import megatron
+    from tplab import megatron
 
     assert compiling.sequence_parallel(SEQ) and not compiling.sequence_parallel(SP)
     assert not compiling.sequence_parallel(plans.lm()) and compiling.sequence_parallel(
@@ -97,7 +97,7 @@ def test_which_plans_are_sequence_parallel():
 
 
 def _is_sp(parallelize):
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     return compiling.sequence_parallel(None, parallelize(MLP(), make_mesh(tp=2)))
 

@@ -449,7 +449,7 @@ def traced_steps(cases, cfg):
     import torch
 
     import tplab
-    from tplab.core import megatron, models, plans
+    from tplab import megatron, models, plans
 
     mesh = tplab.make_mesh(tp=torch.distributed.get_world_size())
     out = {}
@@ -487,7 +487,7 @@ def check_against_traces(per_rank, cfg, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_predicted_bytes_equal_traced_bytes_simulated(world_size):
     simulate = pytest.importorskip("tplab.lab.simulate")
-    from tplab.core import models
+    from tplab import models
 
     cfg = models.Config()
     per_rank = simulate.simulate(world_size).run(traced_steps, LAB_CASES, cfg)
@@ -497,7 +497,7 @@ def test_predicted_bytes_equal_traced_bytes_simulated(world_size):
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_predicted_bytes_equal_traced_bytes_on_real_ranks(labs, world_size):
-    from tplab.core import models
+    from tplab import models
 
     cfg = models.Config(dim=48, hidden_dim=96, seq_len=12, batch_size=3)
     check_against_traces(labs.get(world_size).run(traced_steps, LAB_CASES, cfg), cfg,

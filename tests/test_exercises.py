@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 
 import tplab
-from tplab import exercises
-from tplab.core import models
+from tplab import exercises, models
 from tplab.core.answers import clipping, mistakes, solutions
-from tplab.core.training import lm
-from tplab.core.training.steps import lm_step, sgd
+from tplab.training import lm
+from tplab.training.steps import lm_step, sgd
 
 
 def test_catalog():

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import tplab
-from tplab.checks import fsdp_report
-from tplab.core import fsdp, megatron, models, placements, plans, rng
-from tplab.core.training import lm, steps
+from tplab import fsdp, fsdp_report, megatron, models, plans, rng
+from tplab.core import placements
 from tplab.rank.grad_step import loss_context
+from tplab.training import lm, steps
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=2, n_heads=4, hidden_dim=32, seq_len=8,
                     batch_size=4)
@@ -57,7 +57,7 @@ def _whole(model, of: str) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from tplab.core.mesh import tp_group
+    from tplab.mesh import tp_group
 
     out = {}
     for path, module in model.named_modules():
@@ -80,7 +80,7 @@ def _whole(model, of: str) -> dict[str, torch.Tensor]:
 def _rank_grads(plan, state, tokens, dp):
     import torch.distributed as dist
 
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     mesh = make_mesh(dp=dp, tp=dist.get_world_size() // dp)
     model = TINY()
@@ -145,8 +145,8 @@ def test_fully_shard_on_the_tp_dim_of_a_dtensor_plan_is_refused_by_torch(lab4):
 @pytest.mark.slow
 def test_the_parameters_end_with_strided_placements_on_both_mesh_dims(lab4):
     def placements_of(plan):
-        from tplab.core.layouts import tp_layout
-        from tplab.core.mesh import make_mesh
+        from tplab.layouts import tp_layout
+        from tplab.mesh import make_mesh
 
         model = plan(TINY(), make_mesh(dp=2, tp=2))
         return {n: (i.mesh_placements, i.fsdp) for n, i in tp_layout(model).items()}
@@ -165,7 +165,7 @@ def test_vocab_sharded_logits_take_their_loss_under_loss_parallel(lab4):
     def logits(plan):
         import contextlib
 
-        from tplab.core.mesh import make_mesh
+        from tplab.mesh import make_mesh
 
         mesh = make_mesh(dp=2, tp=2)
         out = plan(TINY(), mesh)(TOKENS().chunk(2)[mesh.get_local_rank("dp")])
@@ -182,7 +182,7 @@ def test_vocab_sharded_logits_take_their_loss_under_loss_parallel(lab4):
 def _rank_run(plan, state, n, step, dp, make_optimizer):
     import torch.distributed as dist
 
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     mesh = make_mesh(dp=dp, tp=dist.get_world_size() // dp)
     model = TINY()
@@ -335,8 +335,8 @@ def _seeded(cfg, i):
 def _reduce_scatters(sync_each):
     import torch.distributed as dist
 
-    from tplab.core.mesh import make_mesh
-    from tplab.core.tracing import trace
+    from tplab.mesh import make_mesh
+    from tplab.tracing import trace
 
     mesh = make_mesh(dp=2, tp=dist.get_world_size() // 2)
     model = CORRECT["DTensor TP + FSDP2 on the root only"](TINY(), mesh)

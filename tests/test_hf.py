@@ -12,10 +12,9 @@ import pytest
 import torch
 
 import tplab
-from tplab.checks import hf_models
-from tplab.core import hf
-from tplab.core.layouts import global_index
+from tplab import hf, hf_models
 from tplab.core.pairing import gather_indexed
+from tplab.layouts import global_index
 
 pytest.importorskip("transformers")
 
@@ -31,7 +30,7 @@ def _pieces():
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     mesh = make_mesh(tp=dist.get_world_size())
     whole = torch.arange(4 * 8 * 6, dtype=torch.float32).reshape(4, 8, 6)
@@ -68,7 +67,7 @@ def _judge(build_model, state, x, overrides=None):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     model = build_model()
     model.load_state_dict(state)
@@ -131,7 +130,7 @@ def _both_ways(path, plan_fn):
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     world = dist.get_world_size()
     ours = AutoModelForCausalLM.from_pretrained(path)
@@ -169,8 +168,8 @@ def _translated(build_model, state, x):
     parameter's placements and local shard, the logits and every local gradient."""
     import torch.distributed as dist
 
-    from tplab.core.mesh import make_mesh
-    from tplab.core.plans import apply_plan
+    from tplab.mesh import make_mesh
+    from tplab.plans import apply_plan
 
     mesh = make_mesh(tp=dist.get_world_size())
     out = []
@@ -261,9 +260,9 @@ def test_from_hf_checks_come_in_order_and_prefix_is_normalised():
 def _moe_causes(build_model, way):
     import torch.distributed as dist
 
-    from tplab.core.mesh import make_mesh
-    from tplab.core.plans import apply_plan
-    from tplab.core.tracing import trace
+    from tplab.mesh import make_mesh
+    from tplab.plans import apply_plan
+    from tplab.tracing import trace
 
     model = build_model()
     mesh = make_mesh(tp=dist.get_world_size())
@@ -278,7 +277,7 @@ def _moe_causes(build_model, way):
 
 @pytest.mark.parametrize("way", ["own", "from_hf"])
 def test_causes_name_the_style_and_its_rule(way):
-    from tplab.core.causes import REPLICATED_GRAD_RULE
+    from tplab.causes import REPLICATED_GRAD_RULE
 
     records = tplab.simulate(2).run(_moe_causes, functools.partial(hf_models.build,
                                                                    "qwen3_moe"), way)[0]
@@ -296,7 +295,7 @@ def test_causes_name_the_style_and_its_rule(way):
 def test_a_packed_weight_split_as_one_block_is_wrong_and_packed_is_right(sim):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from tplab.core import models, parallel_styles
+    from tplab import models, parallel_styles
 
     cfg = models.Config(dim=16, hidden_dim=4 * sim.world_size)
     build = functools.partial(models.PackedFeedForward, cfg)

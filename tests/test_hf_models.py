@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import tplab
-from tplab.checks import hf_models
+from tplab import hf_models
 
 transformers = pytest.importorskip("transformers")
 

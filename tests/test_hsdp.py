@@ -14,8 +14,7 @@ import functools
 import pytest
 
 import tplab
-from tplab.checks import fsdp_report
-from tplab.core import fsdp, models, plans
+from tplab import fsdp, fsdp_report, models, plans
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=4,
                     batch_size=8)

@@ -7,11 +7,14 @@ with no loop, so the order modules load in is the order they depend on each othe
 
 Sides, from the path alone (no table to keep up to date):
 - tplab/rank/: the rank side, what runs inside a rank process (or a Simulation's ranks);
-- tplab/core/ and tplab/__init__.py: both sides, the TP library a cell calls on the ranks
-  that a Simulation runs in the notebook, and the plain data both exchange;
-- everything else is the notebook side: tplab/lab/ (labs), tplab/viz/ (figures, widgets),
-  tplab/checks/ (grad_check, train_check, the CLI and doctor), tplab/cost/ (the cost model),
-  tplab/exercises/, and the entry points tplab/__main__.py and tplab/testing.py.
+- the notebook side: the folders tplab/lab/ (labs), tplab/viz/ (figures), tplab/checks/
+  (grad_check, train_check, the CLI and doctor), tplab/cost/ (the cost model),
+  tplab/exercises/, and the top-level modules NOTEBOOK_MODULES names: the entry points
+  tplab/__main__.py and tplab/testing.py and the public notebook tools tplab/widgets.py,
+  tplab/hf_models.py and tplab/fsdp_report.py;
+- everything else is both sides: tplab/__init__.py, the library's public modules at the top
+  (tplab/plans.py, tplab/megatron/, ...: the TP library a cell calls on the ranks that a
+  Simulation runs in the notebook) and tplab/core/, what they are built on.
 The rank side and both sides import nothing of the notebook side: no tplab notebook module,
 no IPython display, ipyparallel client, plotly or ipywidgets; not at the top of a file, not
 inside a function (a rank runs those when it calls the function).
@@ -33,7 +36,9 @@ import tplab
 ROOT = pathlib.Path(tplab.__file__).parent
 RANK, NOTEBOOK, BOTH = "rank", "notebook", "both"
 NOTEBOOK_PLACES = ("lab", "viz", "checks", "cost", "exercises")  # folders under tplab/
-ENTRY_POINTS = ("__main__", "testing")  # `python -m tplab`, pytest_plugins = ["tplab.testing"]
+# top-level modules of the notebook side: `python -m tplab`, pytest_plugins = ["tplab.testing"],
+# and the public notebook tools (`import tplab.widgets`)
+NOTEBOOK_MODULES = ("__main__", "testing", "widgets", "hf_models", "fsdp_report")
 
 
 def module_files() -> dict[str, pathlib.Path]:
@@ -51,13 +56,11 @@ def side_of(module: str) -> str | None:
     """A module's side, from its dotted name (its path); None for one that has no place."""
     parts = module.split(".")
     place = parts[1] if len(parts) > 1 else None
-    if place is None or place == "core":
-        return BOTH
     if place == "rank":
         return RANK
-    if place in NOTEBOOK_PLACES or (len(parts) == 2 and place in ENTRY_POINTS):
+    if place in NOTEBOOK_PLACES or (len(parts) == 2 and place in NOTEBOOK_MODULES):
         return NOTEBOOK
-    return None
+    return BOTH
 
 
 def imports_of(name: str, path: pathlib.Path, modules) -> dict[str, int]:
@@ -135,10 +138,10 @@ def test_the_cycle_finder_finds_a_loop():
 
 def test_the_graph_reads_tplabs_imports():
     graph = import_graph()
-    assert "tplab.core.mesh" in graph["tplab.core.megatron"]
-    assert "tplab.core.rng" in graph["tplab.core.models"]
+    assert "tplab.mesh" in graph["tplab.megatron"]
+    assert "tplab.rng" in graph["tplab.models"]
     assert "tplab.cost.shapes" in graph["tplab.cost.memory"]
-    assert "tplab.core.plan_check.fit" in graph["tplab.core.plan_check"]
+    assert "tplab.plan_check.fit" in graph["tplab.plan_check"]
 
 
 def test_the_graph_sees_imports_inside_functions(tmp_path):
@@ -164,19 +167,47 @@ def test_tplab_has_no_import_cycles():
 # --- the sides -----------------------------------------------------------------------------
 
 
-def test_every_module_has_a_side_by_its_path():
-    homeless = sorted(m for m in module_files() if side_of(m) is None)
-    assert not homeless, (f"these modules live where no side is: move them under tplab/core/ "
-                          f"(both), tplab/rank/ or a notebook place {NOTEBOOK_PLACES}: "
-                          f"{homeless}")
+def test_every_public_name_imports_the_standard_way():
+    # `import tplab.NAME` and `from tplab.NAME import x` for every public module, in a fresh
+    # interpreter (here the notebook side is loaded already), and `from tplab.training import
+    # steps` for a package's own modules: real modules at those paths, no aliases
+    code = ("import importlib, sys, tplab\n"
+            "for short in tplab.MODULES:\n"
+            "    exec(f'import tplab.{short}')\n"
+            "    assert sys.modules[f'tplab.{short}'] is getattr(tplab, short), short\n"
+            "from tplab.training import steps\n"
+            "from tplab.megatron import ColumnParallelLinear\n"
+            "from tplab.lessons import require_world_size\n"
+            "print(len(tplab.MODULES))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == len(tplab.MODULES) >= 26
+    assert all(tplab.MODULES[short] == f"tplab.{short}" for short in tplab.MODULES)
+
+
+def test_what_a_learner_reads_imports_only_public_names():
+    # the notebooks and the README never name the internals (tplab.core); the docs, which
+    # also describe the internals to developers, never import them in an example
+    repo = ROOT.parent
+    learner = [*repo.glob("notebooks/**/*.ipynb"), repo / "README.md"]
+    docs = list(repo.glob("docs/*.md"))
+    assert len(learner) > 15 and docs
+    found = [f"{path.relative_to(repo)}:{n}"
+             for paths, pattern in ((learner, r"tplab[./]core\b"),
+                                    (docs, r"(from|import) tplab\.core\b"))
+             for path in paths for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(pattern, line)]
+    assert not found, f"internal imports where a learner reads them: {found}"
 
 
 def test_the_sides_follow_from_the_path():
-    assert side_of("tplab") == side_of("tplab.core.plans") == BOTH
+    assert side_of("tplab") == side_of("tplab.plans") == BOTH
     assert side_of("tplab.rank.runner") == RANK
-    assert side_of("tplab.lab.launch") == side_of("tplab.viz.widgets") == NOTEBOOK
+    assert side_of("tplab.lab.launch") == side_of("tplab.widgets") == NOTEBOOK
     assert side_of("tplab.checks.grad") == side_of("tplab.testing") == NOTEBOOK
-    assert side_of("tplab.plans") is None  # a module at the top is no place of its own
+    assert side_of("tplab.plans") == side_of("tplab.megatron.layers") == BOTH
+    assert side_of("tplab.widgets") == side_of("tplab.hf_models") == NOTEBOOK
 
 
 # What the rank side may load of IPython and ipyparallel: a rank is an ipyparallel engine,

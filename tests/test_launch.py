@@ -257,7 +257,7 @@ def test_functions_passed_as_arguments_travel_by_value(lab):
 def test_a_traced_function_can_be_sent_after_the_notebook_touched_tplab_trace(lab):
     # Using tplab.trace in the notebook (as simulate does) must not stop functions that use
     # it from travelling to the ranks.
-    import tplab.core.tracing  # noqa: F401
+    import tplab.tracing  # noqa: F401
 
     assert callable(tplab.trace)
 

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 import tplab
-from tplab.core.lessons import SIZES, require_world_size
+from tplab.lessons import SIZES, require_world_size
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 

@@ -17,8 +17,8 @@ def _operator(name, dim, dp=None):
     import torch
     import torch.distributed as dist
 
-    from tplab.core import megatron
-    from tplab.core.mesh import make_mesh
+    from tplab import megatron
+    from tplab.mesh import make_mesh
 
     mesh = make_mesh() if dp is None else make_mesh(dp=dp, tp=dist.get_world_size() // dp)
     scale = torch.ones(()) * (dist.get_rank() + 1)  # a per-rank value in tplab.simulate too
@@ -95,8 +95,8 @@ def _linears(cfg, dp=None):
     import torch.distributed as dist
     import torch.nn as nn
 
-    from tplab.core import megatron, models
-    from tplab.core.mesh import make_mesh
+    from tplab import megatron, models
+    from tplab.mesh import make_mesh
 
     mesh = make_mesh() if dp is None else make_mesh(dp=dp, tp=dist.get_world_size() // dp)
     with models.rank_free_randomness():
@@ -130,8 +130,8 @@ def test_parallel_linears_on_a_2d_mesh_split_over_tp_only(tp_lab):  # noqa: F811
 def _indivisible(cfg):
     import torch.nn as nn
 
-    from tplab.core import megatron
-    from tplab.core.mesh import make_mesh
+    from tplab import megatron
+    from tplab.mesh import make_mesh
 
     megatron.ColumnParallelLinear(nn.Linear(cfg.dim, 6), make_mesh())
 

@@ -8,8 +8,7 @@ import pytest
 import report
 
 import tplab
-from tplab import cost
-from tplab.core import models
+from tplab import cost, models
 from tplab.cost import BlockShape
 from tplab.cost.lab_models import lab_memory
 from tplab.cost.memory import gpt_layer, layer_saved, tplab_layer
@@ -25,7 +24,7 @@ def measured_steps(cases, cfg):
     import torch
 
     import tplab
-    from tplab.core import megatron, models, plans
+    from tplab import megatron, models, plans
 
     mesh = tplab.make_mesh(tp=torch.distributed.get_world_size())
     out = {}

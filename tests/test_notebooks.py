@@ -25,7 +25,7 @@ import papermill
 import pytest
 import report
 
-from tplab.core.lessons import SIZES
+from tplab.lessons import SIZES
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 _times: dict[str, float] = {}

@@ -10,8 +10,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from tp_fixtures import CFG
 
 import tplab
-from tplab.core import megatron, models, ops, placements
-from tplab.core.mesh import make_mesh
+from tplab import megatron, models
+from tplab.core import ops, placements
+from tplab.mesh import make_mesh
 from tplab.viz.palette import OPS as FIGURE_OPS
 
 

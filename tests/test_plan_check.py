@@ -20,9 +20,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 import tplab
-from tplab.core import models, plans
-from tplab.core.mesh import make_mesh
-from tplab.core.plan_check import Edge, PlanCheckSkipped, check_layouts
+from tplab import models, plans
+from tplab.mesh import make_mesh
+from tplab.plan_check import Edge, PlanCheckSkipped, check_layouts
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=4,
                     batch_size=2)

@@ -10,9 +10,8 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from tp_fixtures import CFG, activations, build, tp_lab  # noqa: F401
 
-from tplab import PlanError, RankError
-from tplab.core import models, plans
-from tplab.core.plans import check_plan, describe_plan
+from tplab import PlanError, RankError, models, plans
+from tplab.plans import check_plan, describe_plan
 
 # --- PlanError ---------------------------------------------------------------------------
 
@@ -52,9 +51,8 @@ def test_a_style_on_the_wrong_kind_of_module_is_a_plan_error():
 
 
 def _apply(cfg, plan):
-    from tplab import apply_plan
-    from tplab.core import models
-    from tplab.core.mesh import make_mesh
+    from tplab import apply_plan, models
+    from tplab.mesh import make_mesh
 
     apply_plan(models.MLP(cfg), make_mesh(), plan)
 
@@ -64,8 +62,8 @@ def _torch_only_warns(cfg):
 
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-    from tplab.core import models
-    from tplab.core.mesh import make_mesh
+    from tplab import models
+    from tplab.mesh import make_mesh
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -114,9 +112,8 @@ def test_describe_plan_expands_wildcards_per_layer():
 
 
 def _placements(cfg, sequence_parallel):
-    from tplab import apply_plan
-    from tplab.core import models, plans
-    from tplab.core.mesh import make_mesh
+    from tplab import apply_plan, models, plans
+    from tplab.mesh import make_mesh
 
     model = apply_plan(models.TinyLM(cfg), make_mesh(), plans.lm(sequence_parallel))
     from tplab.core import placements

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from tplab.core import platforms
-from tplab.core.platforms import Platform
+from tplab import platforms
+from tplab.platforms import Platform
 
 
 def test_system_names():

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import tplab
-from tplab.core.layouts import ParamLayout, tp_layout
-from tplab.core.mesh import make_mesh
 from tplab.core.pairing import Pair, pair
-from tplab.core.plans import apply_plan, mlp
+from tplab.layouts import ParamLayout, tp_layout
+from tplab.mesh import make_mesh
+from tplab.plans import apply_plan, mlp
 from tplab.rank.grad_step import StepResult
 
 

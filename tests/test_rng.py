@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tplab
-from tplab.core import models, plans, rng
+from tplab import models, plans, rng
 
 CFG = models.Config(dim=16, n_heads=4, hidden_dim=32, seq_len=4, batch_size=2)
 
@@ -62,7 +62,7 @@ def test_tp_regions_draw_a_different_mask_on_each_rank(sim):
 @pytest.mark.parametrize("path", ["dtensor", "megatron"])
 def test_replicated_dropout_under_sequence_parallelism_matches_one_device(sim, path):
     # each rank keeps its sequence shard of the one-device mask (not a whole mask of its own)
-    from tplab.core import megatron
+    from tplab import megatron
 
     sp = (plans.block(sequence_parallel=True) if path == "dtensor"
           else functools.partial(megatron.parallelize, sequence_parallel=True))

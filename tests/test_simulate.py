@@ -13,15 +13,15 @@ from tp_fixtures import CFG
 
 import tplab
 from tplab import LabError, RankError
-from tplab.core.mesh import make_mesh
 from tplab.core.transfer import LocalShard
+from tplab.mesh import make_mesh
 
 
 def _dtensors():
     import torch
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     mesh = make_mesh(dp=2, tp=2)
     full = torch.arange(16.0).reshape(4, 4)
@@ -48,8 +48,8 @@ def test_run_returns_one_result_per_rank_with_dtensors_as_local_shards():
 
 def _rowwise_output(cfg):
     import tplab
-    from tplab.core import models, plans
-    from tplab.core.mesh import make_mesh
+    from tplab import models, plans
+    from tplab.mesh import make_mesh
 
     model = tplab.apply_plan(models.MLP(cfg), make_mesh(), plans.mlp())
     out = model(models.make_input(cfg))
@@ -118,7 +118,7 @@ def test_dataclass_results_come_back_per_rank_as_from_rank_processes():
 def _randomness(cfg):
     import torch
 
-    from tplab.core import models
+    from tplab import models
 
     g = torch.Generator().manual_seed(0)
     return torch.randn(3, generator=g), torch.randn(3), models.make_input(cfg)
@@ -144,7 +144,7 @@ def test_switching_world_sizes_and_the_lab_lifecycle_no_ops():
 
 
 def _dtensors_2d_needs_4():
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     return tuple(make_mesh().shape)
 

@@ -13,8 +13,8 @@ KEYS = {"rank", "seq", "phase", "module", "op", "shape", "dtype", "bytes", "grou
 def _mlp_step(cfg, path, input_grad):
     """Rank side: one traced forward and backward of the MLP; its records and counts."""
     import tplab
-    from tplab.core import megatron, models, plans
-    from tplab.core.mesh import make_mesh
+    from tplab import megatron, models, plans
+    from tplab.mesh import make_mesh
 
     mesh = make_mesh()
     model = models.MLP(cfg)
@@ -64,8 +64,8 @@ def _block_step(cfg, sequence_parallel):
     from torch.distributed.tensor.debug import CommDebugMode
 
     import tplab
-    from tplab.core import models, plans
-    from tplab.core.mesh import make_mesh
+    from tplab import models, plans
+    from tplab.mesh import make_mesh
 
     plan = plans.block(sequence_parallel)
     model = tplab.apply_plan(models.Block(cfg), make_mesh(), plan)
@@ -100,8 +100,8 @@ def test_block_counts_match_comm_debug_mode(tp_lab, sequence_parallel):  # noqa:
 
 def _megatron_block_step(cfg):
     import tplab
-    from tplab.core import megatron, models
-    from tplab.core.mesh import make_mesh
+    from tplab import megatron, models
+    from tplab.mesh import make_mesh
 
     model = megatron.parallelize(models.Block(cfg), make_mesh())
     x = models.make_input(cfg).requires_grad_()
@@ -123,7 +123,7 @@ def _plain_calls():
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import tplab
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     n = dist.get_world_size()
     mesh = make_mesh()
@@ -159,7 +159,7 @@ def _two_d_mesh_and_reentry():
     import torch.distributed as dist
 
     import tplab
-    from tplab.core.mesh import make_mesh
+    from tplab.mesh import make_mesh
 
     mesh = make_mesh(dp=2, tp=2)
     x = torch.ones(2) * (dist.get_rank() + 1)

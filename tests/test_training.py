@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import tplab
-from tplab.core import megatron, models, plans, rng
-from tplab.core.training import ReductionOrder, lm, steps
+from tplab import megatron, models, plans, rng
+from tplab.training import ReductionOrder, lm, steps
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=8,
                     batch_size=4)
@@ -141,7 +141,7 @@ def _norms(build):
     mesh = tplab.make_mesh()
     model = megatron.parallelize(build(), mesh)
     models.lm_loss(model(BATCHES(0)), BATCHES(0)).backward()
-    from tplab.core.training import grad_norm
+    from tplab.training import grad_norm
 
     local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     return grad_norm(model), local
@@ -317,7 +317,7 @@ def test_a_cancelled_one_device_run_stops_between_steps():
     import threading
 
     from tplab.checks.train import run_reference
-    from tplab.core.errors import LabError
+    from tplab.errors import LabError
 
     cancel = threading.Event()
     cancel.set()

@@ -15,8 +15,8 @@ import verdict_draws
 from tp_fixtures import llama
 
 import tplab
-from tplab.core import megatron, models, plans, rng
-from tplab.core.training import lm
+from tplab import megatron, models, plans, rng
+from tplab.training import lm
 
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=8,
                     batch_size=4)

@@ -9,11 +9,11 @@ import torch
 from test_viz import megatron_mlp, rec
 
 import tplab
-from tplab.core import models
+from tplab import models
 from tplab.rank.explore_step import Settings, explore_step
 from tplab.viz import forward_stages, grad_flow
 from tplab.viz.flow import ROW_Y, module_order, side
-from tplab.viz.widgets import forward_order
+from tplab.widgets import forward_order
 
 CFG = models.Config()
 MODELS = {"mlp": models.MLP, "attention": models.Attention, "block": models.Block}
@@ -148,7 +148,7 @@ def traced_step(kind, path, cfg, sequence_parallel=False):
     """Rank side: one traced forward and backward of a model, TP over the whole world."""
     from torch.distributed.tensor import DTensor
 
-    from tplab.core import megatron, plans
+    from tplab import megatron, plans
 
     model = MODELS[kind](cfg)
     mesh = tplab.make_mesh(tp=torch.distributed.get_world_size())

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 import tplab
-from tplab.viz.widgets import Explorer, divisors, forward_order
+from tplab.widgets import Explorer, divisors, forward_order
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch's c10d deprecations
 
@@ -81,7 +81,7 @@ def test_dtensor_attention_and_a_tp_degree_below_the_world_size(explorer):
 
 
 def test_helpers():
-    from tplab.core import models
+    from tplab import models
 
     cfg = models.Config()
     assert forward_order(models.Block(cfg), models.make_input(cfg)) == [

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tplab
-from tplab.core import models
+from tplab import models
 
 # small sizes: the cost of a simulated step is the number of ops, not their size
 CFG = models.Config(vocab_size=32, dim=16, n_layers=1, n_heads=4, hidden_dim=32, seq_len=4,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from tplab.core import megatron, models
-from tplab.core.training import lm, steps
+from tplab import megatron, models
+from tplab.training import lm, steps
 
 CFG = models.Config(vocab_size=16, dim=8, n_layers=1, n_heads=2, hidden_dim=16, seq_len=4,
                     batch_size=2)

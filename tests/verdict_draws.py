@@ -30,8 +30,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 import tplab
-from tplab.core import megatron, models, rng
-from tplab.core.megatron import RowParallelLinear
+from tplab import megatron, models, rng
+from tplab.megatron import RowParallelLinear
 from tplab.rank.grad_step import replica_slice
 from tplab.rank.train_step import per_rank_parameters
 

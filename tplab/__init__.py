@@ -10,12 +10,13 @@ import importlib
 import os
 import sys
 
-from tplab.core.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
+from tplab.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
 
 __version__ = "0.1.0"
 
-# Public names, each from its home. Where the code lives says its side: tplab/core/ (both
-# sides), tplab/rank/ (the ranks), everything else the notebook (tests/test_imports.py).
+# Public names, each from its home. Where the code lives says its side (tests/test_imports.py):
+# tplab/rank/ the ranks; tplab/lab/, viz/, checks/, cost/, exercises/ and a few named top-level
+# modules the notebook; the rest (tplab/core/ and the library's top-level modules) both.
 _LAZY = {
     "launch": "tplab.lab.launch",
     "Lab": "tplab.lab.launch",
@@ -23,30 +24,23 @@ _LAZY = {
     "Simulation": "tplab.lab.simulate",
     "LocalShard": "tplab.core.transfer",
     "grad_check": "tplab.checks.grad",
-    "make_mesh": "tplab.core.mesh",
-    "apply_plan": "tplab.core.plans",
-    "describe_plan": "tplab.core.plans",
-    "trace": "tplab.core.tracing",  # not trace.py: importing it would shadow the function
+    "make_mesh": "tplab.mesh",
+    "apply_plan": "tplab.plans",
+    "describe_plan": "tplab.plans",
+    "trace": "tplab.tracing",  # not trace.py: importing it would shadow the function
     "memory": "tplab.core.memory_use",  # not memory.py: that module would shadow the function
     "train_check": "tplab.checks.train",
     "TrainReport": "tplab.checks.train_report",
 }
 
-# Public modules by their short names: `tplab.plans.block()`, `from tplab import models`.
-# (`from tplab.X import name` needs the home: `from tplab.core.models import Config`.)
-MODULES = {
-    **{name: f"tplab.core.{name}" for name in (
-        "megatron", "models", "plans", "rng", "mesh", "hf", "parallel_styles", "plan_check",
-        "tracing", "fsdp", "checkpointing", "compiling", "platforms", "training", "lessons",
-        "causes", "explain", "layouts", "errors")},
-    **{name: f"tplab.checks.{name}" for name in ("hf_models", "fsdp_report")},
-    "widgets": "tplab.viz.widgets",
-    "cost": "tplab.cost",
-    "viz": "tplab.viz",
-    "exercises": "tplab.exercises",
-    "checks": "tplab.checks",
-    "core": "tplab.core",
-}
+# Public modules: each is a real module at tplab/NAME, so `import tplab.plans`,
+# `from tplab.training import steps` and `tplab.plans` (loaded on first use) all work.
+# tplab/core/ holds what they are built on and is no public name.
+MODULES = {name: f"tplab.{name}" for name in (
+    "megatron", "models", "plans", "rng", "mesh", "hf", "parallel_styles", "plan_check",
+    "tracing", "fsdp", "checkpointing", "compiling", "platforms", "training", "lessons",
+    "causes", "explain", "layouts", "errors", "hf_models", "fsdp_report", "widgets", "cost",
+    "viz", "exercises", "checks")}
 
 __all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",
            *_LAZY, *MODULES]

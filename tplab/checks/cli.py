@@ -48,12 +48,12 @@ import traceback
 from torch.distributed.tensor.parallel import ParallelStyle
 
 import tplab
-from tplab.core.errors import LabError, PlanError, RankError
 from tplab.core.output import format_rank_list
-from tplab.core.plans import parallelizer
 from tplab.core.pytrees import call_model
+from tplab.errors import LabError, PlanError, RankError
 from tplab.lab.engines.local import LocalKind
 from tplab.lab.validate import MAX_LOCAL_RANKS, check_launch_args
+from tplab.plans import parallelizer
 from tplab.rank.grad_step import call_loss
 
 
@@ -113,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _import(module_name: str):
-    """The module; tplab's public short names too (`tplab.megatron`: tplab/core/megatron/)."""
+    """The module; tplab's public short names too (`tplab.megatron`: tplab/megatron/)."""
     head, _, short = module_name.partition(".")
     if head == "tplab" and short in tplab.MODULES:
         module_name = tplab.MODULES[short]

@@ -23,7 +23,7 @@ import psutil
 from jupyter_core.paths import jupyter_path
 
 import tplab
-from tplab.core import platforms
+from tplab import platforms
 from tplab.lab.validate import resolve_backend
 
 GiB = 2**30

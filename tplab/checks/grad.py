@@ -54,15 +54,16 @@ import dataclasses
 
 import torch
 
-from tplab.checks.fsdp_report import name_mesh_dims, replica_grads
+from tplab import rng
 from tplab.checks.grad_report import GradCheckReport, compare, unpaired, unreadable
-from tplab.core import placements, rng
-from tplab.core.errors import LabError
-from tplab.core.layouts import ParamLayout
+from tplab.core import placements
 from tplab.core.pairing import Pair, gather, gather_indexed, pair
-from tplab.core.plans import parallelizer
 from tplab.core.pytrees import call_model, leaves, map_tensors
 from tplab.core.transfer import LocalShard
+from tplab.errors import LabError
+from tplab.fsdp_report import name_mesh_dims, replica_grads
+from tplab.layouts import ParamLayout
+from tplab.plans import parallelizer
 from tplab.rank.grad_step import call_loss, parallel_step, with_grad
 
 __all__ = ["TOLERANCES", "GradCheckReport", "assemble", "compare", "grad_check", "mesh_shape",
@@ -114,7 +115,7 @@ def tensor_rows(name: str, kind: str, values: list, ref, atol: float, rtol: floa
                 note: str = "") -> list[dict]:
     """The report's rows for one tensor from the ranks' values (one per rank): the
     assembled tensor against `ref`, and the spread across its replicas when it has any.
-    What `grad_check` and the Explorer (tplab/viz/widgets.py) both report."""
+    What `grad_check` and the Explorer (tplab/widgets.py) both report."""
     full, spread = assemble(values)
     if not note and isinstance(values[0], LocalShard) and any(
             placements.is_partial(p) for p in values[0].placements):
@@ -207,7 +208,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | N
     wholes: dict = {}
     notes = _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes)
     if dp > 1 and any(r["kind"] == "param_grad" and not r["ok"] for r in rows):
-        # which mesh dim a wrong gradient comes from (tplab/checks/fsdp_report.py)
+        # which mesh dim a wrong gradient comes from (tplab/fsdp_report.py)
         name_mesh_dims(rows, wholes, replica_grads(build_model, state, x, loss_fn, dp), dp,
                        atol, rtol)
     return GradCheckReport(rows, len(results), atol, rtol, loss_ref.item(),

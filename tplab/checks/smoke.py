@@ -9,7 +9,7 @@ import time
 import psutil
 
 import tplab
-from tplab.core import megatron, models
+from tplab import megatron, models
 from tplab.lab.contract import Ranks
 from tplab.rank.doctor_step import all_reduce_ranks, mlp_step
 

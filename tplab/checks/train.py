@@ -25,7 +25,7 @@
   (`rng.reference_tracker`), so a run with dropout is compared exactly too.
 
 The band (tplab/checks/train_band.py) is measured by running the reference a second time with
-every matrix product, forward and backward, summed in another order (tplab/core/training/
+every matrix product, forward and backward, summed in another order (tplab/training/
 noise.py, `ReorderedProducts`): from the same weights, the same batches and the same
 global RNG state (so torch's own nn.Dropout draws the same masks), so that it differs from
 the first run by rounding alone, and by whatever the optimizer makes of rounding.
@@ -51,18 +51,18 @@ import uuid
 
 import torch
 
+from tplab import rng
 from tplab.checks.grad import mesh_shape
 from tplab.checks.train_band import FACTOR, noise_band
 from tplab.checks.train_live import LiveTraining, live_default
 from tplab.checks.train_report import TrainReport, diverged
-from tplab.core import placements, rng
-from tplab.core.errors import LabError
+from tplab.core import placements
 from tplab.core.fsdp_layout import tp_placement
 from tplab.core.pairing import gather
-from tplab.core.plans import parallelizer
 from tplab.core.pytrees import map_tensors
-from tplab.core.training.noise import ReorderedProducts
+from tplab.errors import LabError
 from tplab.lab.contract import Ranks
+from tplab.plans import parallelizer
 from tplab.rank.train_step import (
     batch_of,
     batch_sum,
@@ -72,6 +72,7 @@ from tplab.rank.train_step import (
     step_scheduler,
     train_on_ranks,
 )
+from tplab.training.noise import ReorderedProducts
 
 
 def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order=None,

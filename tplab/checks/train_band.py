@@ -2,7 +2,7 @@
 
 The reference (one device) runs twice: once plainly, once under `ReorderedProducts(tp)`
 (every matrix product, forward and backward, as tp partial sums added in another order:
-tplab/core/training/noise.py), on the same batches from the same RNG state. Both are correct;
+tplab/training/noise.py), on the same batches from the same RNG state. Both are correct;
 their difference at step i is what reduction order alone does by then (and what the
 optimizer makes of it).
 The band at step i is FACTOR times the largest such difference up to step i (so it only
@@ -11,7 +11,7 @@ compared (a run whose products do not split still rounds somewhere).
 
 FACTOR: a TP run splits its sums differently from the noise run (over ranks, in the
 collective's order), so its drift is of the same size but not the same number. Measured
-here (TinyLM and tplab.core.training.lm.DropoutLM, TP, SP, hand-written and DTensor, world 2
+here (TinyLM and tplab.training.lm.DropoutLM, TP, SP, hand-written and DTensor, world 2
 and 4): correct runs stayed below 0.1 x the band (1 x the measured noise); every bug of
 lesson 12 was 10^3 to 10^4 x outside it from its first bad step (tests/test_training.py).
 A run that explodes (tests/verdict_draws.py, benchmarks/verdicts.py seed 0 draw 423: SGD

@@ -1,16 +1,9 @@
-"""Both sides: the tensor-parallel library a rank runs, that `tplab.simulate` runs in the
-notebook too, and the plain data both sides exchange. Nothing here imports the notebook side
-(IPython, the ipyparallel client, plotly, ipywidgets, tplab/lab/, tplab/viz/, ...); a module's
-side is where it lives (tests/test_imports.py): tplab/core/ both, tplab/rank/ the ranks, the
-rest the notebook.
-
-- What a cell calls on the ranks: `mesh` (make_mesh), `plans` (apply_plan, the named plans),
-  `plan_check` (does a plan fit, before anything runs), `megatron` (hand-written f, g and
-  parallel layers), `models`, `rng` (dropout under TP), `tracing` (tplab.trace), `causes` and
-  `explain` (why each collective), `memory_use` (tplab.memory), `hf` and `parallel_styles`
-  (transformers' models), `fsdp`, `checkpointing`, `compiling`, `training` (clipping, the
-  reduction-order noise, a language model and its steps), `answers` (the exercises').
-- What both sides share: `errors`, `output`, `transfer` (a rank's tensors to the notebook),
-  `placements`, `layouts`, `fsdp_layout`, `pairing`, `ops`, `pytrees`, `platforms`,
-  `lessons`.
+"""Both sides, beneath the public modules: what tplab's library (tplab/plans.py,
+tplab/megatron/, tplab/training/, ... at the top of the package) is built on, and the plain
+data both sides exchange. No learner needs to name it: `output` (grouping lines), `transfer`
+(a rank's tensors to the notebook), `placements` (placement names), `ops` (the op table),
+`pytrees`, `pairing` (pairing and assembling shards), `fsdp_layout`, `memory_use`
+(tplab.memory) and `answers` (the exercises' solutions and mistakes). Nothing here imports the
+notebook side (IPython, the ipyparallel client, plotly, ipywidgets, tplab/lab/, tplab/viz/, ...;
+tests/test_imports.py).
 """

@@ -10,8 +10,8 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from tplab.core.errors import PlanError
 from tplab.core.placements import MESH
+from tplab.errors import PlanError
 
 __all__ = ["SIMULATE_REASON", "managed", "over_piece", "refuse_in_simulation", "tp_placement",
            "tp_view"]

@@ -2,7 +2,7 @@
 and putting the ranks' pieces back together: what `grad_check` needs to compare gradients of
 any TP model. Both sides: `grad_check` pairs in the notebook, `train_check`'s ranks pair
 their own (tplab/rank/train_step.py); the ranks read their parameters with
-`tplab.core.layouts.tp_layout`.
+`tplab.layouts.tp_layout`.
 
 - `pair(...)` pairs them with the reference's parameters: by `param_map` first, then by
   name, then by registration order and shape.
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from tplab.core import placements
-from tplab.core.errors import LabError
-from tplab.core.layouts import ParamLayout
+from tplab.errors import LabError
+from tplab.layouts import ParamLayout
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tplab.core import ops
-from tplab.core.errors import LabError
 from tplab.cost.collectives import collective_terms
 from tplab.cost.hardware import Hardware, Link
+from tplab.errors import LabError
 from tplab.lab.contract import Ranks
 
 KiB, MiB = 1024, 1024 * 1024

@@ -25,7 +25,7 @@ import re
 from IPython.display import Markdown
 
 from tplab.core.answers import mistakes, solutions
-from tplab.core.errors import CellTimeout, LabError
+from tplab.errors import CellTimeout, LabError
 from tplab.exercises import predictions
 from tplab.exercises.catalog import BY_NAME, EXERCISES
 from tplab.exercises.feedback import (

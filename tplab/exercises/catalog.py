@@ -11,8 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 import tplab
-from tplab import cost
-from tplab.core import models
+from tplab import cost, models
 from tplab.cost.lab_models import lab_memory
 from tplab.exercises import checks, fsdp_placements, qk_norm
 from tplab.exercises.feedback import fail, fmt_counts

@@ -11,7 +11,7 @@ import inspect
 import torch
 
 import tplab
-from tplab.core import models
+from tplab import models
 from tplab.core.answers.solutions import BLOCK_SP_PLAN, MLP_PLAN
 from tplab.exercises.feedback import close, fail, fmt_counts, max_diff, run_on_ranks, shape, spread
 from tplab.rank import exercise_steps as steps

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import tplab
-from tplab.core import fsdp, models, plans
+from tplab import fsdp, models, plans
 from tplab.core.answers.solutions import FSDP_PLACEMENTS
 from tplab.exercises.feedback import fail, run_on_ranks
 

@@ -5,7 +5,7 @@ answers the ranks run (tplab/core/answers/). `SOLUTIONS` and `MISTAKES` add to t
 
 from __future__ import annotations
 
-from tplab.core import models
+from tplab import models
 from tplab.cost.lab_models import lab_memory
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import functools
 
 import tplab
-from tplab.core import megatron, models
+from tplab import megatron, models
 from tplab.core.answers import clipping
-from tplab.core.errors import CellTimeout, LabError, RankError
-from tplab.core.training import lm, steps
+from tplab.errors import CellTimeout, LabError, RankError
 from tplab.exercises.feedback import fail
+from tplab.training import lm, steps
 
 STEPS = 2
 

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from tplab.core.errors import (
+from tplab.errors import (
     CellTimeout,
     CollectiveHang,
     LabError,

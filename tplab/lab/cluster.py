@@ -21,8 +21,8 @@ import time
 import ipyparallel as ipp
 from traitlets.config import Config
 
-from tplab.core import platforms
-from tplab.core.errors import LabError
+from tplab import platforms
+from tplab.errors import LabError
 from tplab.lab import processes
 from tplab.lab.engines import EngineKind, EngineWatch, kind_for
 from tplab.lab.joining import Rendezvous

@@ -21,9 +21,9 @@ import weakref
 
 import ipyparallel as ipp
 
-from tplab.core import platforms
-from tplab.core.errors import CellTimeout, LabError
+from tplab import platforms
 from tplab.core.output import strip_ansi
+from tplab.errors import CellTimeout, LabError
 from tplab.lab import joining
 from tplab.lab.addresses import address
 from tplab.lab.cell_watch import deferred_interrupts
@@ -78,7 +78,7 @@ class Lab:
                  cluster_options: dict | None = None,
                  **more_cluster_options):
         # The fork server is the default on Linux only: on macOS forking after torch is
-        # imported crashes the child (tplab/core/platforms.py says why).
+        # imported crashes the child (tplab/platforms.py says why).
         fork = platforms.default_fork() if fork is None else fork
         check_launch_args(world_size, backend, ip, fork)
         if cluster_options is not None and not isinstance(cluster_options, dict):

@@ -13,8 +13,8 @@ import weakref
 from IPython import get_ipython
 from IPython.core.displayhook import DisplayHook
 
-from tplab.core.errors import LabError
 from tplab.core.output import format_rank_list
+from tplab.errors import LabError
 from tplab.lab.validate import check_timeout, parse_rank_spec
 
 _labs: list = []  # weak references, oldest first: the magics must not keep a lab alive

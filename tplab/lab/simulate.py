@@ -56,11 +56,11 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import tplab
-from tplab.core import mesh
-from tplab.core.errors import LabError, PlanError, RankError, RankPlanError
+from tplab import mesh
 from tplab.core.output import format_rank_list
 from tplab.core.pytrees import map_leaves
 from tplab.core.transfer import LocalShard, describe_dtensor
+from tplab.errors import LabError, PlanError, RankError, RankPlanError
 from tplab.lab.time_limit import stop_after
 from tplab.lab.validate import check_ranks, check_timeout, check_world_size
 from tplab.rank import torch_log

@@ -9,7 +9,7 @@ import socket
 
 import psutil
 
-from tplab.core.errors import LabError
+from tplab.errors import LabError
 from tplab.lab.addresses import EVERY_INTERFACE
 
 BACKENDS = ("auto", "gloo", "nccl")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tplab.core import megatron, models
-from tplab.core.mesh import make_mesh
-from tplab.core.tracing import trace
+from tplab import megatron, models
+from tplab.mesh import make_mesh
+from tplab.tracing import trace
 
 
 def mlp_step(cfg):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from tplab.core import megatron, plans, tracing
-from tplab.core.mesh import make_mesh
+from tplab import megatron, plans, tracing
+from tplab.mesh import make_mesh
 
 
 def _mine(stacked: torch.Tensor, mesh) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Rank side of the Explorer (tplab/viz/widgets.py): the one TP step each control change runs.
+"""Rank side of the Explorer (tplab/widgets.py): the one TP step each control change runs.
 
 `explore_step` builds the chosen model with the notebook's weights, parallelises it by the
 hand-written Megatron path or a DTensor plan, runs forward and backward under
@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from tplab.core import megatron, models, placements, plans
-from tplab.core.layouts import tp_layout
-from tplab.core.mesh import make_mesh, tp_mesh
-from tplab.core.plans import apply_plan
-from tplab.core.tracing import Trace
+from tplab import megatron, models, plans
+from tplab.core import placements
+from tplab.layouts import tp_layout
+from tplab.mesh import make_mesh, tp_mesh
+from tplab.plans import apply_plan
+from tplab.tracing import Trace
 
 __all__ = ["MODELS", "PATHS", "ExploreResult", "Settings", "build_model", "explore_step"]
 

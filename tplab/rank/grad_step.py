@@ -23,12 +23,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from tplab.core import placements
-from tplab.core.errors import LabError
 from tplab.core.fsdp_layout import refuse_in_simulation
-from tplab.core.layouts import ParamLayout, tp_layout
-from tplab.core.mesh import make_mesh
-from tplab.core.plans import parallelizer
 from tplab.core.pytrees import call_model, leaves, map_tensors
+from tplab.errors import LabError
+from tplab.layouts import ParamLayout, tp_layout
+from tplab.mesh import make_mesh
+from tplab.plans import parallelizer
 
 __all__ = ["StepResult", "call_loss", "loss_context", "parallel_step", "replica_slice",
            "with_grad"]

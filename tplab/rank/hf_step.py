@@ -1,13 +1,13 @@
-"""Rank side of the check of transformers' own models (tplab/checks/hf_models.py): the loss
+"""Rank side of the check of transformers' own models (tplab/hf_models.py): the loss
 every check of them takes, and the collectives of decoder layer 0 under a plan."""
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from tplab.core.mesh import make_mesh
-from tplab.core.plans import parallelizer
-from tplab.core.tracing import trace
+from tplab.mesh import make_mesh
+from tplab.plans import parallelizer
+from tplab.tracing import trace
 
 
 def logits_loss(out):

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tplab.core import megatron, tracing
-from tplab.core.mesh import make_mesh
+from tplab import megatron, tracing
+from tplab.mesh import make_mesh
 
 
 def qk_norm_step(answer, q: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> dict:

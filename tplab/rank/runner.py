@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401  (warmed up in the background at start)
 
 import tplab
-from tplab.core import platforms
+from tplab import platforms
 from tplab.core.output import strip_ansi
 from tplab.core.transfer import to_wire, unsendable_part
 from tplab.rank import collectives, forward, reports, torch_log

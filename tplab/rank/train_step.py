@@ -25,13 +25,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tplab.core import placements
 from tplab.core.fsdp_layout import managed, refuse_in_simulation, tp_view
-from tplab.core.layouts import ParamLayout, tp_layout
-from tplab.core.mesh import make_mesh, split, tp_group
 from tplab.core.pairing import Pair, pair
-from tplab.core.plans import parallelizer
 from tplab.core.pytrees import call_model, leaves, map_tensors
-from tplab.core.rng import rank_free_randomness
+from tplab.layouts import ParamLayout, tp_layout
+from tplab.mesh import make_mesh, split, tp_group
+from tplab.plans import parallelizer
 from tplab.rank.grad_step import call_loss, loss_context, replica_slice
+from tplab.rng import rank_free_randomness
 
 LIVE_PREFIX = "\x1b[8m[tplab-train]"  # concealed: an old terminal shows nothing of it
 LIVE_SUFFIX = "\x1b[0m"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from tplab.core.explain import conjugate, short_cause
+from tplab.explain import conjugate, short_cause
 from tplab.viz.edges import (  # noqa: F401  (module_order, side: part of this module's API)
     match,
     module_order,

@@ -3,7 +3,7 @@ they run on the ranks; the notebook shows them).
 
 The answer is `clip(model, max_norm) -> total norm` for a hand-written TP model whose
 parameters are plain local shards (tplab.megatron's layers declare which in
-`tp_placements`), run inside `tplab.core.training.steps.lm_step` on the ranks only: `judged`
+`tp_placements`), run inside `tplab.training.steps.lm_step` on the ranks only: `judged`
 clips the one-device reference with torch's own `clip_grad_norm_` on the whole tensors, so
 the answer is judged against the right clipping, never against itself (a no-op, or any
 scaling done alike on one device and on the ranks, would pass that), and the answer's code

@@ -18,7 +18,7 @@ from importlib.metadata import entry_points
 
 from ipyparallel.cluster.launcher import find_launcher_class
 
-from tplab.core.errors import LabError
+from tplab.errors import LabError
 from tplab.lab.engines.kind import EngineKind
 from tplab.lab.engines.watch import EngineWatch, hint_for, start_error
 

@@ -30,7 +30,7 @@ import os
 
 from ipyparallel.cluster.launcher import BatchSystemLauncher, LocalProcessLauncher, SSHLauncher
 
-from tplab.core.errors import LabError
+from tplab.errors import LabError
 from tplab.lab.engines import watch
 from tplab.lab.joining import Rendezvous
 from tplab.lab.transports import RemoteTransport

@@ -9,7 +9,7 @@ import os
 
 import psutil
 
-from tplab.core.errors import LabError
+from tplab.errors import LabError
 from tplab.lab import processes
 from tplab.lab.engines.kind import EngineKind
 from tplab.lab.joining import Rendezvous

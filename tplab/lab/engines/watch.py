@@ -18,7 +18,7 @@ import time
 
 import psutil
 
-from tplab.core.errors import LabError
+from tplab.errors import LabError
 
 # A line that says an engine could not start (ipyparallel logs "CRITICAL" on fatal errors).
 FATAL = re.compile(r"Traceback \(most recent call last\)|\bCRITICAL\b|\bFATAL\b"

@@ -10,7 +10,7 @@
 - `style_contracts`: what each ParallelStyle reads and hands on.
 """
 
-from tplab.core.plan_check.fit import (
+from tplab.plan_check.fit import (
     PLAN_KINDS,
     PlanCheckSkipped,
     check_at_first_call,
@@ -24,7 +24,7 @@ from tplab.core.plan_check.fit import (
     skipped_because,
     styles_by_module,
 )
-from tplab.core.plan_check.handovers import Edge
+from tplab.plan_check.handovers import Edge
 
 __all__ = ["PLAN_KINDS", "Edge", "PlanCheckSkipped", "check_at_first_call", "check_layouts",
            "check_plan", "check_plan_type", "check_tp", "check_vocab", "match", "padded_vocab",

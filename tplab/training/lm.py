@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tplab.core import models
-from tplab.core.rng import Dropout, RNGTracker
+from tplab import models
+from tplab.rng import Dropout, RNGTracker
 
 
 class DropoutFeedForward(models.FeedForward):

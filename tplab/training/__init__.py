@@ -11,7 +11,7 @@ ranks and on one device and judges every step, is the notebook's: tplab/checks/t
 
 from __future__ import annotations
 
-from tplab.core.training.clip import clip_grad_norm, grad_norm
-from tplab.core.training.noise import ReductionOrder, ReorderedProducts
+from tplab.training.clip import clip_grad_norm, grad_norm
+from tplab.training.noise import ReductionOrder, ReorderedProducts
 
 __all__ = ["ReductionOrder", "ReorderedProducts", "clip_grad_norm", "grad_norm"]

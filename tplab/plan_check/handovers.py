@@ -22,9 +22,10 @@ from torch.distributed.tensor.parallel import (
 from torch.utils._pytree import tree_flatten
 
 from tplab.core import placements
-from tplab.core.errors import PlanError
-from tplab.core.plan_check.style_contracts import inputs_of, known, outputs_of
-from tplab.core.plan_check.tags import (
+from tplab.core.pytrees import map_tensors
+from tplab.errors import PlanError
+from tplab.plan_check.style_contracts import inputs_of, known, outputs_of
+from tplab.plan_check.tags import (
     Flow,
     Tracer,
     layout_name,
@@ -32,7 +33,6 @@ from tplab.core.plan_check.tags import (
     normalized,
     short_name,
 )
-from tplab.core.pytrees import map_tensors
 
 # styles that only move a module's inputs or outputs: the module computes with whole weights
 _MOVE_ONLY = (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput)

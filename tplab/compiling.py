@@ -24,10 +24,10 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from tplab.core.errors import PlanError
-from tplab.core.mesh import make_mesh
-from tplab.core.plans import parallelizer
-from tplab.core.tracing import trace
+from tplab.errors import PlanError
+from tplab.mesh import make_mesh
+from tplab.plans import parallelizer
+from tplab.tracing import trace
 
 __all__ = ["collectives", "compiled", "eager_and_compiled", "sequence_parallel",
            "why_not_inductor"]

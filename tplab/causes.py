@@ -12,7 +12,7 @@ collective is dispatched, and it reads the Python stack above that call, innermo
 - inside another autograd Function's forward or backward: "MyCopy.backward" and its line;
 - otherwise the line of user code that issued it, "train.py:12 dist.all_reduce(x)".
 
-What the causes mean, and each one's conjugate in the other pass, is tplab/core/explain.py
+What the causes mean, and each one's conjugate in the other pass, is tplab/explain.py
 (`explain(records)`, `Trace.explain()`), which works on the records anywhere.
 """
 
@@ -25,10 +25,10 @@ import sys
 import torch
 
 from tplab.core import placements
-from tplab.core.parallel_styles import REPLICATED_GRAD_RULE
+from tplab.parallel_styles import REPLICATED_GRAD_RULE
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
-_TPLAB = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # tplab/
+_TPLAB = os.path.dirname(os.path.abspath(__file__)) + os.sep  # tplab/
 _STYLE_HOOKS = {"_prepare_input_fn": "input", "_prepare_output_fn": "output",
                 "_prepare_out_fn": "output", "_prepare_input_kwarg_fn": "input",
                 "_prepare_input_redistribute_fn": "input",
@@ -124,7 +124,7 @@ def _declared_cause(frame) -> str | None:
     if module.startswith("transformers.distributed"):
         owner = frame.f_globals.get(_qualname(frame, None).split(".")[0])
         return transformers_rules().get(owner) if isinstance(owner, type) else None
-    if not module.startswith("tplab.core.parallel_styles"):
+    if not module.startswith("tplab.parallel_styles"):
         return None
     for name in ("self", "ctx"):
         cause = getattr(frame.f_locals.get(name), "tp_cause", None)

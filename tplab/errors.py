@@ -12,7 +12,7 @@ class LabError(Exception):
         # IPython shows this instead of a traceback through tplab's own code: what went
         # wrong on the ranks is in the message (with the ranks' own tracebacks).
         return [f"{type(self).__module__}.{type(self).__name__}: {self}".replace(
-            "tplab.core.errors.", "tplab.")]
+            "tplab.errors.", "tplab.")]
 
 
 class RankError(LabError):

@@ -34,7 +34,6 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from tplab.core.errors import PlanError
 from tplab.core.fsdp_layout import (
     SIMULATE_REASON,
     managed,
@@ -43,12 +42,13 @@ from tplab.core.fsdp_layout import (
     tp_placement,
     tp_view,
 )
-from tplab.core.layouts import tp_layout
-from tplab.core.mesh import make_mesh
-from tplab.core.plans import apply_plan
 from tplab.core.pytrees import call_model, map_tensors
-from tplab.core.tracing import trace
+from tplab.errors import PlanError
+from tplab.layouts import tp_layout
+from tplab.mesh import make_mesh
+from tplab.plans import apply_plan
 from tplab.rank.grad_step import call_loss, loss_context
+from tplab.tracing import trace
 
 __all__ = ["SIMULATE_REASON", "accumulate_step", "apply_fsdp_tp", "fsdp_tp", "managed",
            "over_piece", "placements_after", "refuse_in_simulation", "tp_placement",

@@ -7,7 +7,7 @@ rather than deep inside with a shape error.
 
 from __future__ import annotations
 
-from tplab.core.errors import LabError
+from tplab.errors import LabError
 
 # notebook -> the world sizes it runs at; tests/test_notebooks.py runs each at every one
 # (world 2 in the default run, the others extended), the browser test at 2 simulated

@@ -49,10 +49,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tplab.causes import find_cause
 from tplab.core import ops
-from tplab.core.causes import find_cause
-from tplab.core.explain import explain
-from tplab.core.mesh import GROUP_NAMES
+from tplab.explain import explain
+from tplab.mesh import GROUP_NAMES
 
 _c10d = torch.ops.c10d
 _funcol = torch.ops._c10d_functional

@@ -34,9 +34,9 @@ import torch
 from IPython import get_ipython
 from IPython.display import display
 
+from tplab import models
 from tplab.checks.grad import tensor_rows
 from tplab.checks.grad_report import GradCheckReport
-from tplab.core import models
 from tplab.rank.explore_step import MODELS, PATHS, Settings, build_model, explore_step
 from tplab.viz import comm_timeline, forward_stages, grad_error, grad_flow, sharding_map
 

@@ -30,10 +30,10 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from tplab.core import parallel_styles as ps
-from tplab.core.errors import PlanError
-from tplab.core.mesh import tp_mesh
-from tplab.core.plan_check import check_vocab
+from tplab import parallel_styles as ps
+from tplab.errors import PlanError
+from tplab.mesh import tp_mesh
+from tplab.plan_check import check_vocab
 
 # transformers' style name -> a torch DTensor style for a module (None: nothing to plan)
 _TORCH_STYLES = {

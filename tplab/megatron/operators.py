@@ -3,7 +3,7 @@
 Megatron-LM's megatron/core/tensor_parallel/mappings.py (Shoeybi et al. 2019, section 3;
 Korthikanti et al. 2022 for the sequence-parallel pair): f, g, scatter, gather, and SP's
 all-gather / reduce-scatter on the sequence dim, each with its functional form
-(`copy_to_tp(x, mesh)`, ...). The table is in tplab/core/megatron/__init__.py.
+(`copy_to_tp(x, mesh)`, ...). The table is in tplab/megatron/__init__.py.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tplab.core.errors import PlanError
-from tplab.core.mesh import split, tp_group
+from tplab.errors import PlanError
+from tplab.mesh import split, tp_group
 
 # --- the collectives, on one dim ---------------------------------------------------------
 

@@ -49,8 +49,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import SequenceParallel
 
-from tplab.core.mesh import split, tp_group
-from tplab.core.plans import parallelizer
+from tplab.mesh import split, tp_group
+from tplab.plans import parallelizer
 
 REGIONS = ("replicated", "tp")
 OFFSET = 2718   # Megatron-LM: tensor_model_parallel_seed = seed + 2718 + tp_rank

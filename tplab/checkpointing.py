@@ -33,12 +33,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from tplab.core import models
-from tplab.core.errors import PlanError
+from tplab import models
 from tplab.core.memory_use import memory
-from tplab.core.mesh import make_mesh
-from tplab.core.plans import parallelizer
-from tplab.core.rng import Dropout
+from tplab.errors import PlanError
+from tplab.mesh import make_mesh
+from tplab.plans import parallelizer
+from tplab.rng import Dropout
 
 __all__ = ["checkpoint_blocks", "checkpointed", "keep_masks", "memory_of", "trackers"]
 

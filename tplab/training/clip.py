@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tplab.core import placements
-from tplab.core.layouts import tp_layout
-from tplab.core.megatron import tp_group
+from tplab.layouts import tp_layout
+from tplab.megatron import tp_group
 
 
 def find_mesh(model: torch.nn.Module):

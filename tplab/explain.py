@@ -3,7 +3,7 @@ pass (`explain(records)`, `Trace.explain()`), and short labels for figures.
 
 Works on records anywhere: on the ranks (`t.explain()`) or in the notebook on what
 `lab.run` brought back (`explain(lab.run(step))`). The causes themselves are read on the
-ranks when a collective is dispatched (tplab/core/causes.py).
+ranks when a collective is dispatched (tplab/causes.py).
 
 The conjugate is the same operator's collective in the other pass (DESIGN.md's table):
 all-reduce <-> identity, all-gather <-> reduce-scatter, all-to-all <-> all-to-all.
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from tplab.core import megatron, ops, placements
+from tplab import megatron
+from tplab.core import ops, placements
 
 __all__ = ["Explanation", "conjugate", "explain", "short_cause"]
 

@@ -24,13 +24,13 @@ DeviceMesh inside `tplab.simulate`: the rank comes from `mesh.get_local_rank()`,
 simulation answers for every rank at once.
 """
 
-from tplab.core.megatron.layers import (
+from tplab.megatron.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     parallelize,
 )
-from tplab.core.megatron.operators import (
+from tplab.megatron.operators import (
     OPERATORS,
     AllGatherSeq,
     CopyToTP,
@@ -47,7 +47,7 @@ from tplab.core.megatron.operators import (
     reduce_scatter_seq,
     scatter_to_tp,
 )
-from tplab.core.mesh import split, tp_group, tp_mesh
+from tplab.mesh import split, tp_group, tp_mesh
 
 __all__ = ["OPERATORS", "AllGatherSeq", "ColumnParallelLinear", "CopyToTP", "CopyToTPNoReduce",
            "GatherFromTP", "ReduceFromTP", "ReduceScatterSeq", "RowParallelLinear",

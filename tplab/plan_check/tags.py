@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from tplab.core import placements
-from tplab.core.errors import PlanError
+from tplab.errors import PlanError
 
 INPUT = "the model's input"
 # ops that contract or mix the last two dims: a shard there does not survive them

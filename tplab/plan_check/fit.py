@@ -17,13 +17,13 @@ modules, both placements and a fix.
 How the dataflow is found: one forward pass of a copy of the model whose parameters are on
 the meta device (no memory, no arithmetic), with the user's example input also on meta.
 Each module's call records which planned module is called when, and a `TorchFunctionMode`
-(`tplab.core.plan_check.tags`) carries a small tag on every activation: the layout it would have on
+(`tplab.plan_check.tags`) carries a small tag on every activation: the layout it would have on
 the ranks (a whole tensor, a local shard of dim d, a DTensor) and the module it came from,
 moved along through views, transposes, pointwise ops and attention. Why not torch.fx or
 torch.export: symbolic tracing fails on ordinary control flow (transformers' models), and
 export needs the model to be export-clean; a forward on meta runs any model that runs, and
 the tags follow the Python ops the model actually calls. Each hand-over is checked by
-tplab/core/plan_check/handovers.py. Where the tag cannot be followed
+tplab/plan_check/handovers.py. Where the tag cannot be followed
 (an op whose effect on the sharded dim is unknown, a style this module does not know: in
 and below it), it is dropped and nothing downstream is checked: never a guess, never a
 false alarm on a plan that chains. The forward runs in a thread of its own, each module
@@ -61,10 +61,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from tplab.core.errors import PlanError
-from tplab.core.plan_check.handovers import Edge, HandoverHooks, tensors_of
-from tplab.core.plan_check.tags import Flow, Tracer
 from tplab.core.pytrees import map_tensors
+from tplab.errors import PlanError
+from tplab.plan_check.handovers import Edge, HandoverHooks, tensors_of
+from tplab.plan_check.tags import Flow, Tracer
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:

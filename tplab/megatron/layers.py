@@ -2,7 +2,7 @@
 
 megatron/core/tensor_parallel/layers.py: ColumnParallelLinear, RowParallelLinear and
 VocabParallelEmbedding, each built from a full layer and the operators of
-tplab/core/megatron/operators.py (Shoeybi et al. 2019, section 3); `parallelize` turns a
+tplab/megatron/operators.py (Shoeybi et al. 2019, section 3); `parallelize` turns a
 tplab model into them.
 """
 
@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from tplab.core import models
-from tplab.core.errors import PlanError
-from tplab.core.megatron.operators import (
+from tplab import models
+from tplab.errors import PlanError
+from tplab.megatron.operators import (
     all_gather_seq,
     all_reduce_grad,
     check_divisible,
@@ -27,7 +27,7 @@ from tplab.core.megatron.operators import (
     reduce_scatter_seq,
     scatter_to_tp,
 )
-from tplab.core.mesh import split, tp_group
+from tplab.mesh import split, tp_group
 
 # --- parallel layers ---------------------------------------------------------------------
 

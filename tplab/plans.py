@@ -24,12 +24,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tplab.core import placements, plan_check
-from tplab.core.hf import HF_SUPPORTED, from_hf  # noqa: F401 (plans.from_hf: transformers' plans)
-from tplab.core.mesh import tp_mesh
+from tplab import plan_check
+from tplab.core import placements
+from tplab.hf import HF_SUPPORTED, from_hf  # noqa: F401 (plans.from_hf: transformers' plans)
+from tplab.mesh import tp_mesh
 
 # the checks live in plan_check; plans.check_plan, .check_vocab, .match stay where users look
-from tplab.core.plan_check import check_plan, check_vocab, match, padded_vocab  # noqa: F401
+from tplab.plan_check import check_plan, check_vocab, match, padded_vocab  # noqa: F401
 
 # --- the named plans ---------------------------------------------------------------------
 

@@ -16,9 +16,9 @@ import functools
 
 import torch
 
-from tplab.core.models import lm_loss
-from tplab.core.training.clip import clip_grad_norm
+from tplab.models import lm_loss
 from tplab.rank.grad_step import loss_context
+from tplab.training.clip import clip_grad_norm
 
 
 def per_rank_clip(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from tplab.core.errors import LabError
+from tplab.errors import LabError
 
 _MESHES: dict[tuple, DeviceMesh] = {}
 # process group name -> mesh dim name, for traces: a 1-D mesh over the whole world reuses

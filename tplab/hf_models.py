@@ -15,8 +15,8 @@ import functools
 
 import torch
 
+from tplab import hf
 from tplab.checks.grad import grad_check
-from tplab.core import hf
 from tplab.lab.contract import Ranks
 from tplab.rank.hf_step import layer_counts, logits_loss
 
