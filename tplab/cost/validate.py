@@ -97,3 +97,31 @@ def check_rows(name: str, rows, keys) -> list[dict]:
         if missing:
             raise ValueError(f"{name} rows need {missing} (rows from sweep or step_time)")
     return list(rows)
+
+
+def check_degrees(name: str, value) -> tuple[int, ...]:
+    """A non-empty sequence of parallel degrees (ints >= 1), never a bare int or a string."""
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of degrees such as (1, 2, 4), got "
+                        f"{_kind(value)}; for one degree write ({value!r},)")
+    out = tuple(value)
+    if not out:
+        raise ValueError(f"{name} must name at least one degree, got {value!r}")
+    for v in out:
+        check_int(f"{name} entry", v)
+    return out
+
+
+def check_choices(name: str, value, choices) -> tuple[str, ...]:
+    """A non-empty sequence of `choices`, never a bare string (iterated letter by letter)."""
+    if isinstance(value, str):
+        raise TypeError(f"{name} must be a sequence of {tuple(choices)}, got the string "
+                        f"{value!r}; for one write ({value!r},)")
+    if not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of {tuple(choices)}, got {_kind(value)}")
+    out = tuple(value)
+    if not out:
+        raise ValueError(f"{name} must name at least one of {tuple(choices)}")
+    for v in out:
+        check_choice(f"{name} entry", v, choices)
+    return out
