@@ -23,6 +23,7 @@ redrew (the summary changed, the figure did not).
 from __future__ import annotations
 
 import json
+import math
 
 import ipywidgets as w
 from IPython.display import display
@@ -33,8 +34,11 @@ from tplab.cost.shapes import MODELS, BlockShape, scaled
 from tplab.cost.step import best_tp, comm_bound_tp, sweep
 from tplab.cost.training_run import SHARDINGS, TrainingRun, predict
 from tplab.cost.transformer import allowed_tps
+from tplab.cost.validate import check_bool, check_int
 
 TPS = (1, 2, 4, 8, 16, 32, 64)
+# the dropdowns of sizes, where code may set a size they do not list yet (hidden=3072)
+NUMBERS = ("hidden", "seq", "gpus_per_node", "gpus", "global_batch", "pp", "cp")
 
 
 class CostExplorer:
@@ -105,9 +109,28 @@ class CostExplorer:
         control = self.controls[name]
         if name in ("model", "hardware") and value not in control.options:
             raise ValueError(f"no {name} named {value!r}; have {list(control.options)}")
-        if isinstance(control, w.Dropdown) and value not in control.options:
+        if name in NUMBERS and value not in control.options:
             control.options = sorted({*control.options, value})
         control.value = value
+
+    def _check(self, name: str, value) -> None:
+        """A value from code, as the control could hold it: the widget would clamp an
+        out-of-range number (batch=128 priced as 64) or fail deep inside on a string, so a
+        wrong type or range is an error naming the control and what it takes."""
+        control = self.controls[name]
+        if isinstance(control, w.Checkbox):
+            check_bool(name, value)
+        elif isinstance(control, w.BoundedIntText):
+            check_int(name, value, minimum=-math.inf)   # its type; the range below
+            if not control.min <= value <= control.max:
+                raise ValueError(f"{name} must be from {control.min} to {control.max} (the "
+                                 f"control's range), got {value}")
+        elif name in NUMBERS:   # a dropdown of sizes: another whole number is added to it
+            check_int(name, value)
+        elif name not in ("model", "hardware"):
+            allowed = [o[1] if isinstance(o, tuple) else o for o in control.options]
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
     def _value(self, name: str):
         return self.controls[name].value
@@ -130,6 +153,8 @@ class CostExplorer:
         unknown = set(values) - set(self.controls)
         if unknown:
             raise ValueError(f"no control named {sorted(unknown)}; have {list(self.controls)}")
+        for name, value in values.items():
+            self._check(name, value)
         self._updating = True
         try:
             if "model" in values:   # a preset first, so that explicit values win over it
