@@ -22,6 +22,15 @@ def test_a_size_that_does_not_fit_names_those_that_do():
         require_world_size("01", "4")
 
 
+def test_a_notebook_of_one_size_says_that_size_only():
+    with pytest.raises(tplab.LabError) as e:
+        require_world_size("13", 2)
+    assert str(e.value) == ("notebook 13 runs at world_size 4 only, not 2: set world_size in "
+                            "its first cell (the parameters) to 4")
+    with pytest.raises(tplab.LabError, match="not True"):
+        require_world_size("00", True)
+
+
 def test_every_notebook_checks_its_world_size_before_starting_ranks():
     assert sorted(SIZES) == [p.name[:2] for p in NOTEBOOKS]
     for path in NOTEBOOKS:

@@ -24,8 +24,11 @@ def require_world_size(notebook: str, world_size) -> int:
     """`world_size` if notebook `notebook` ("00" to "13") runs at it, else a LabError that
     names the sizes it can use."""
     sizes = SIZES[notebook]
-    if not isinstance(world_size, int) or world_size not in sizes:
-        names = ", ".join(map(str, sizes[:-1])) + f" or {sizes[-1]}"
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size not in sizes:
+        if len(sizes) == 1:
+            names, which = f"{sizes[0]} only", f"to {sizes[0]}"
+        else:
+            names, which = ", ".join(map(str, sizes[:-1])) + f" or {sizes[-1]}", "to one of them"
         raise LabError(f"notebook {notebook} runs at world_size {names}, not {world_size!r}: "
-                       "set world_size in its first cell (the parameters) to one of them")
+                       f"set world_size in its first cell (the parameters) {which}")
     return world_size

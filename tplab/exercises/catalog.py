@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import tplab
@@ -51,14 +52,18 @@ def _counts(name: str, answer, phase: str) -> dict:
     if not isinstance(said, dict):
         raise fail(name, f'"{phase}" must be a dict {{op: count}} such as {example}, not '
                          f"{type(said).__name__} {said!r}")
+    counts = {}
     for op, n in said.items():
         if not isinstance(op, str):
             raise fail(name, f'in "{phase}", {op!r} is not a collective\'s name (a string '
                              'such as "all_reduce")')
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if isinstance(n, float) and n.is_integer():
+            n = int(n)   # 2.0 is the whole number 2
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
             raise fail(name, f'in "{phase}", the count of {op!r} must be a whole number '
                              f">= 0, not {type(n).__name__} {n!r}")
-    return {op: n for op, n in said.items() if n}
+        counts[op] = int(n)
+    return {op: n for op, n in counts.items() if n}
 
 
 def _predict_counts(name, answer, lab):

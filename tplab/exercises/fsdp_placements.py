@@ -13,6 +13,7 @@ import functools
 
 import tplab
 from tplab import fsdp, models, plans
+from tplab.core import placements
 from tplab.core.answers.solutions import FSDP_PLACEMENTS
 from tplab.exercises.feedback import fail, run_on_ranks
 
@@ -21,7 +22,8 @@ TITLE = "Predict the placements of FSDP2 x TP"
 TASK = ("tplab.models.Block under tplab.fsdp.fsdp_tp(tplab.plans.block()) on a (dp=2, tp=2) "
         f"mesh: for each of {', '.join(NAMES)}, a dict {{mesh dim: placement}} with "
         "torch's spelling ('Shard(0)', 'Replicate()', '_StridedShard(dim=0, split_factor=2)'"
-        "), one entry per mesh dim the parameter's DTensor lives on.")
+        "; its repr and placement objects are fine too), one entry per mesh dim the "
+        "parameter's DTensor lives on.")
 HINTS = ("TP first: wq is ColwiseParallel (rows split over tp), wo RowwiseParallel "
          "(columns). The norm is not in the plan.",
          "FSDP2 then shards dim 0 of every parameter over dp. If tp already split dim 0, "
@@ -29,8 +31,23 @@ HINTS = ("TP first: wq is ColwiseParallel (rows split over tp), wo RowwiseParall
          "lives on the dp mesh only.",
          "wq: {'dp': '_StridedShard(dim=0, split_factor=2)', 'tp': 'Shard(0)'}; wo: {'dp': "
          "'Shard(0)', 'tp': 'Shard(1)'}; attention_norm: {'dp': 'Shard(0)'}.")
-def _spelled(p) -> str:
-    return str(p).replace(" ", "")
+# torch's terse str() of a placement ("S(0)", "_S(0, 2)", "R", "P(sum)") and its repr
+# ("Shard(dim=0)", "_StridedShard(dim=0, sf=2)") name the same placements as the
+# constructors' spelling ("Shard(0)", "_StridedShard(dim=0, split_factor=2)")
+TERSE = {"S": "Shard", "_S": "_StridedShard", "R": "Replicate", "P": "Partial"}
+
+
+def spelled(p) -> str:
+    """One spelling of a placement written any way torch writes it (object, constructor,
+    repr, str()): the class and its arguments' values, without keywords or spaces."""
+    if not isinstance(p, str):
+        p = placements.name(p)
+    head, paren, args = p.strip().partition("(")
+    head = TERSE.get(head.strip(), head.strip())
+    if not paren:
+        return f"{head}()" if head == "Replicate" else p.strip()
+    values = [a.split("=")[-1].strip() for a in args.rstrip().rstrip(")").split(",")]
+    return f"{head}({','.join(v for v in values if v)})"
 
 
 def check_fsdp_placements(name, answer, lab=None):
@@ -53,7 +70,7 @@ def check_fsdp_placements(name, answer, lab=None):
                                                   " dp mesh only" if set(want) == {"dp"}
                                                   else ""))
         for dim, placement in want.items():
-            if _spelled(said[dim]) != _spelled(placement):
+            if spelled(said[dim]) != spelled(placement):
                 why = (": FSDP2 shards dim 0 of the tp rank's piece, a strided shard"
                        if "Strided" in placement else "")
                 raise fail(name, f"{param} on {dim}: you said {said[dim]!r}, the ranks hold "
