@@ -27,6 +27,7 @@ returns; in papermill nobody clicks, and `set()` is how a notebook drives the pa
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import asdict, replace
 
 import ipywidgets as w
@@ -58,6 +59,17 @@ def forward_order(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
     return names
 
 
+def tolerance(name: str, value) -> float:
+    """grad_check's tolerance `name` as a finite number >= 0 (a negative one fails every
+    gradient, inf passes any, nan none)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number such as 1e-5, not {type(value).__name__} "
+                        f"{value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, not {value!r}")
+    return float(value)
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0 and (d > 1 or n == 1)]
 
@@ -75,7 +87,7 @@ class Explorer:
         self.lab = lab
         self.world_size = lab.world_size
         self.config = config or models.Config()
-        self.atol, self.rtol = atol, rtol
+        self.atol, self.rtol = tolerance("atol", atol), tolerance("rtol", rtol)
         self.settings = self._checked(replace(Settings(), **settings))
         self.report = self.trace = self.params = self.error = None
         self.figures: dict = {}
@@ -99,19 +111,35 @@ class Explorer:
         return self
 
     def _checked(self, s: Settings) -> Settings:
-        if not s.tp:
+        if s.tp is None or (type(s.tp) is int and s.tp == 0):
             s = replace(s, tp=self.world_size)
+        self._checked_tp(s.tp)
+        for name in ("sequence_parallel", "drop_f"):
+            if not isinstance(getattr(s, name), bool):
+                raise TypeError(f"{name} must be True or False, not {getattr(s, name)!r}")
         if s.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, not {s.model!r}")
         if s.path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, not {s.path!r}")
-        if s.tp not in divisors(self.world_size):
-            raise ValueError(f"tp must divide the world size {self.world_size}: "
-                             f"one of {divisors(self.world_size)}, not {s.tp}")
         if s.drop_f and s.path != "megatron":
             raise ValueError("drop_f needs path='megatron': a DTensor plan issues f's "
                              "all-reduce itself, there is no f to drop")
         return s
+
+    def _checked_tp(self, tp) -> None:
+        """A TP degree the panel can show: a divisor of the world size above 1 (tp = 1
+        splits nothing, so nothing would be drawn), as an int."""
+        world, allowed = self.world_size, divisors(self.world_size)
+        if isinstance(tp, bool) or not isinstance(tp, int):
+            raise TypeError(f"tp must be an int, one of {allowed}; got {type(tp).__name__} "
+                            f"{tp!r}")
+        if tp == 1 and world > 1:
+            raise ValueError(f"tp = 1 splits nothing, so the Explorer has no TP to show: tp "
+                             f"is a divisor of the world size {world} above 1, one of "
+                             f"{allowed}")
+        if tp not in allowed:
+            raise ValueError(f"tp must divide the world size {world}: one of {allowed}, "
+                             f"not {tp}")
 
     # --- one step ---------------------------------------------------------------------
 
