@@ -241,7 +241,11 @@ class LabProcesses:
         self._remember_roots()
 
     def close(self) -> None:
-        """End everything and remove the state folder (the lab's finalizer)."""
+        """End everything and remove the state folder (the lab's finalizer). The folder goes
+        first: jupyter_client SIGTERMs a kernel 2.5 s into its shutdown, and ending the
+        processes can take longer under load; a kernel killed after its ranks are gone
+        (their owner watch would remove the folder) must not leave it behind."""
+        shutil.rmtree(self.state_dir, ignore_errors=True)
         if self.client is not None:
             try:
                 self.client.close(linger=0)
@@ -253,7 +257,7 @@ class LabProcesses:
             self.cluster.engines.clear()
             self.cluster.controller = None
         self.files.close()
-        shutil.rmtree(self.state_dir, ignore_errors=True)
+        shutil.rmtree(self.state_dir, ignore_errors=True)  # what an ending process wrote
 
     # --- what the watchdog sees ----------------------------------------------------------
 

@@ -15,6 +15,7 @@ from IPython.core.displayhook import DisplayHook
 
 from tplab.core.output import format_rank_list
 from tplab.errors import LabError
+from tplab.lab.orphans import check_earlier_labs
 from tplab.lab.validate import check_timeout, parse_rank_spec
 
 _labs: list = []  # weak references, oldest first: the magics must not keep a lab alive
@@ -97,5 +98,8 @@ def register_magics(lab=None) -> None:
     shell = get_ipython()
     if shell is None:
         return
+    if not getattr(shell, "_tplab_checks_earlier_labs", False):   # once per shell
+        shell.events.register("post_run_cell", lambda result: check_earlier_labs(shell, _labs))
+        shell._tplab_checks_earlier_labs = True
     shell.register_magic_function(ranks_magic, "cell", "ranks")
     shell.register_magic_function(rank_magic, "cell", "rank")

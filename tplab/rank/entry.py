@@ -57,10 +57,24 @@ def owner_token(pid: int | None = None) -> str:
     return f"{pid}:{process_start_time(pid) or ''}:{boot_id()}"
 
 
-def _owner_alive(token: str) -> bool:
+def owner_alive(token: str) -> bool:
+    """Whether the process `token` (owner_token) names still runs. A zombie does not: a
+    dead kernel that its parent has not reaped yet keeps its pid and start time (for as
+    long as it stays a zombie, 90 s in one run), so its state ("Z", psutil's
+    STATUS_ZOMBIE) is read too."""
+    # deferred: this module loads before the torch-warming thread starts (see _watch_heartbeat)
+    import psutil
+
     pid_s, _, start = token.partition(":")
     start = start.split(":", 1)[0]
     pid = int(pid_s)
+    try:
+        if psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return False
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        pass   # AccessDenied: no verdict from its state; the checks below decide
     if start and os.path.exists("/proc"):
         return process_start_time(pid) == start
     try:
@@ -72,8 +86,10 @@ def _owner_alive(token: str) -> bool:
     return True
 
 
-def _watch_owner(token: str) -> None:
-    while _owner_alive(token):
+def watch_owner(token: str) -> None:
+    """Until the owner is gone (owner_alive); then remove the lab's state folder and end
+    this process group."""
+    while owner_alive(token):
         time.sleep(POLL_S)
     # The owner is gone: remove the lab's state folder (the owner cannot any more), then
     # end this process and the children it started (the engine's nanny, the controller's
@@ -148,7 +164,7 @@ def _start_owner_watch(role: str = "engine") -> None:
         threading.Thread(target=_watch_heartbeat, args=(heartbeat,), daemon=True,
                          name="tplab-heartbeat-watch").start()
     elif token and token.rsplit(":", 1)[-1] in (boot_id(), ""):  # the owner is on this machine
-        threading.Thread(target=_watch_owner, args=(token,), daemon=True,
+        threading.Thread(target=watch_owner, args=(token,), daemon=True,
                          name="tplab-owner-watch").start()
 
 
