@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import os
 import re
 import socket
+import subprocess
+import sys
 
 import psutil
 
+import tplab
 from tplab.errors import LabError
 from tplab.lab.addresses import EVERY_INTERFACE
 
@@ -142,6 +146,7 @@ def check_launch_args(world_size, backend, ip, fork: bool = True) -> None:
     check_ip(ip)
     if not isinstance(fork, bool):
         raise TypeError(f"fork must be True or False, got {fork!r}")
+    check_no_shadowing_folder(os.getcwd())
     # what a kind itself can run (local ranks: this machine's memory and GPUs) is checked
     # by the kind (`EngineKind.check_size`)
 
@@ -160,3 +165,34 @@ def check_timeout(timeout, name: str = "timeout") -> float | None:
         raise ValueError(f"{name} must be a positive number of seconds (or None), "
                          f"got {timeout!r}")
     return float(timeout)
+
+
+def shadowing_folder(directory: str) -> str | None:
+    """The folder `directory`/tplab if a Python started there (a rank: `python -m
+    tplab.rank.entry`, the working directory first on its sys.path) would import it in
+    place of this package: a checkout's root, or a folder without __init__.py that it takes
+    for an empty namespace package (an editable install's finder comes after the path's).
+    Asked of such a Python itself (only when there is such a folder), as its sys.path is not
+    this process's. Else None."""
+    folder = os.path.join(os.path.abspath(directory), "tplab")
+    if not os.path.isdir(folder) or os.path.samefile(folder, os.path.dirname(tplab.__file__)):
+        return None
+    found = subprocess.run(
+        [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec("
+                               "'tplab').origin)"],
+        cwd=directory, capture_output=True, text=True, timeout=120).stdout.strip()
+    same = os.path.isfile(found) and os.path.samefile(found, tplab.__file__)
+    return None if same else folder
+
+
+def check_no_shadowing_folder(directory: str) -> None:
+    """A LabError naming a folder that would shadow tplab on the ranks (`shadowing_folder`),
+    before any rank is started (they would fail with "No module named 'tplab.rank'")."""
+    folder = shadowing_folder(directory)
+    if folder:
+        raise LabError(
+            f"the folder {folder} in the working directory shadows the tplab package: the "
+            "ranks, started here, would import it instead (a checkout's root, or a folder "
+            "without __init__.py that Python takes for an empty namespace package). Run the "
+            "notebook from another directory (%cd there, or inside the checkout), or rename "
+            "the folder")
