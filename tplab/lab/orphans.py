@@ -92,7 +92,9 @@ def check_earlier_labs(shell, labs: list) -> None:
             lab = ref()
             if lab is not None and id(lab) not in _told:
                 _told.add(id(lab))
-                name = (_names(shell.user_ns, lab) or ["an earlier lab"])[0]
-                print(f"[tplab] two labs are running in this kernel: {name} (world_size "
-                      f"{lab.world_size}) is still running too; {name}.shutdown() ends it",
+                names = _names(shell.user_ns, lab)
+                which, how = ((names[0], f"{names[0]}.shutdown()") if names else
+                              ("an earlier lab", "its .shutdown() (where it is held)"))
+                print(f"[tplab] two labs are running in this kernel: {which} (world_size "
+                      f"{lab.world_size}) is still running too; {how} ends it",
                       file=sys.stderr, flush=True)
