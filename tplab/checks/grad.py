@@ -56,6 +56,7 @@ import torch
 
 from tplab import rng
 from tplab.checks.grad_report import GradCheckReport, compare, unpaired, unreadable
+from tplab.checks.grad_tolerance import TOLERANCES, check_tolerance, kind_floors, tolerances
 from tplab.core import placements
 from tplab.core.pairing import Pair, gather, gather_indexed, pair
 from tplab.core.pytrees import call_model, leaves, map_tensors
@@ -66,17 +67,8 @@ from tplab.layouts import ParamLayout
 from tplab.plans import parallelizer
 from tplab.rank.grad_step import call_loss, parallel_step, with_grad
 
-__all__ = ["TOLERANCES", "GradCheckReport", "assemble", "compare", "grad_check", "mesh_shape",
-           "tensor_rows", "tolerances"]
-
-# (atol, rtol) by the dtype the model computes in, as torch.testing.assert_close picks its
-# defaults by dtype. float32's are grad_check's own (a TP run's gradients differ from one
-# device's by about 16 ulps of the largest); the half types' keep about the same ratio to
-# what their rounding makes (measured here: TinyLM, TP and DTensor plans, world 2: bfloat16
-# up to 0.024 of the largest, float16 up to 0.004; every bug of the lessons is O(1)).
-TOLERANCES = {torch.float64: (1e-5, 1e-4), torch.float32: (1e-5, 1e-4),
-              torch.float16: (1e-4, 2e-2), torch.bfloat16: (1e-3, 1e-1)}
-
+__all__ = ["TOLERANCES", "GradCheckReport", "assemble", "check_tolerance", "compare",
+           "grad_check", "mesh_shape", "tensor_rows", "tolerances"]
 
 def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
     """The whole tensor from the ranks' values, and the spread across its replicas.
@@ -141,16 +133,6 @@ def mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
     return dp, tp
 
 
-def tolerances(tensors, atol: float | None, rtol: float | None):
-    """(atol, rtol, dtype): those given, else TOLERANCES of the least precise floating dtype
-    among `tensors` (the model's parameters and outputs: what it computes in)."""
-    dtypes = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
-    dtype = max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)
-    default = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
-    return (default[0] if atol is None else atol, default[1] if rtol is None else rtol,
-            dtype)
-
-
 def _reference(model, x, loss_fn, dp):
     """The single-device step: (output leaves, loss, input with gradients)."""
     x_ref = with_grad(x)
@@ -182,6 +164,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | N
     and parameter gradient. `dp`/`tp` check data x tensor parallelism on a 2-D mesh;
     `param_map` pairs parameters by hand. See the module docstring."""
     dp, tp = mesh_shape(lab.world_size, dp, tp)
+    atol, rtol = check_tolerance(atol, "atol"), check_tolerance(rtol, "rtol")
     if param_map is not None and not isinstance(param_map, dict):
         raise LabError("grad_check: param_map is a dict {parallel name: reference name} or "
                        "{parallel name: (reference name, shard dim or None)}")
@@ -192,11 +175,14 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | N
     rng.reference_tracker(model, tp)  # tplab.rng's "tp" masks drawn as the tp ranks draw them
     out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)
     atol, rtol, dtype = tolerances([*model.parameters(), *out_ref.values()], atol, rtol)
+    floors = kind_floors({"output": [*out_ref.values(), loss_ref],
+                          "input_grad": [t.grad for _, t in leaves(x_ref, "input")],
+                          "param_grad": [p.grad for p in model.parameters()]}, atol, dtype)
     results = lab.run(parallel_step, build_model, state, plan, x, loss_fn, dp, average_dp)
     rows: list[dict] = []
 
     def add(name, kind, values, ref, note=""):
-        rows.extend(tensor_rows(name, kind, values, ref, atol, rtol, note))
+        rows.extend(tensor_rows(name, kind, values, ref, floors[kind], rtol, note))
 
     for name in [*out_ref, *(k for k in results[0].outputs if k not in out_ref)]:
         add(name, "output", [r.outputs.get(name) for r in results], out_ref.get(name))
@@ -206,13 +192,15 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | N
         if t.grad is not None:
             add(name, "input_grad", [r.input_grads.get(name) for r in results], t.grad)
     wholes: dict = {}
-    notes = _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes)
+    notes = _param_rows(model, results, tp, param_map, rows, floors["param_grad"], rtol,
+                        wholes)
     if dp > 1 and any(r["kind"] == "param_grad" and not r["ok"] for r in rows):
         # which mesh dim a wrong gradient comes from (tplab/fsdp_report.py)
         name_mesh_dims(rows, wholes, replica_grads(build_model, state, x, loss_fn, dp), dp,
-                       atol, rtol)
+                       floors["param_grad"], rtol)
     return GradCheckReport(rows, len(results), atol, rtol, loss_ref.item(),
-                           {"dp": dp, "tp": tp}, notes, dtype=str(dtype).removeprefix("torch."))
+                           {"dp": dp, "tp": tp}, notes, dtype=str(dtype).removeprefix("torch."),
+                           floors=floors)
 
 
 def _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes=None) -> list[str]:
