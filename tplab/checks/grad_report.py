@@ -29,21 +29,26 @@ WORDS = {"output": "{name} wrong", "input_grad": "{name} gradient wrong",
          "unreadable": "{name}: layout on the ranks unreadable (not checked)"}
 
 
-def _ratio(value: torch.Tensor, ref: torch.Tensor) -> str:
-    """"= 4.00 x the reference" when the error is a scale: a collective summed copies."""
+def _ratio(value: torch.Tensor, ref: torch.Tensor, sizes: tuple = ()) -> str:
+    """"= 4 x the reference" when the error is a scale that a collective could make: a
+    whole number of copies, one of the mesh's group sizes `sizes` when given."""
     v, r = value.double().flatten(), ref.double().flatten()
     rr = float(r @ r)
     if rr == 0:
         return ""
     k = float(v @ r) / rr
-    if abs(k - 1) < 1e-3 or float((v - k * r).abs().max()) > 1e-3 * float(r.abs().max()):
+    n = round(k)
+    if n < 2 or abs(k - n) > 1e-3 * n or (sizes and n not in sizes):
         return ""
-    return f"= {k:.3g} x the reference (a collective summed {k:.3g} copies?)"
+    if float((v - k * r).abs().max()) > 1e-3 * float(r.abs().max()):
+        return ""
+    return f"= {n} x the reference (a collective summed {n} copies?)"
 
 
 def compare(name: str, kind: str, value, ref, atol: float, rtol: float, note: str = "",
-            pair: str = "") -> dict:
-    """A report row: `value` (a tensor, or a spread already measured) against `ref`."""
+            pair: str = "", sizes: tuple = ()) -> dict:
+    """A report row: `value` (a tensor, or a spread already measured) against `ref`.
+    `sizes`: the mesh's group sizes, the only scales the note may blame on a collective."""
     ref = ref.detach() if isinstance(ref, torch.Tensor) else ref
     scale = float(ref.abs().max()) if ref is not None and ref.numel() else 0.0
     if value is None or ref is None or (isinstance(value, torch.Tensor)
@@ -56,7 +61,7 @@ def compare(name: str, kind: str, value, ref, atol: float, rtol: float, note: st
     elif isinstance(value, torch.Tensor):
         max_abs = float((value.double() - ref.double()).abs().max()) if ref.numel() else 0.0
         if max_abs > atol + rtol * scale and kind != "replica_spread" and not note:
-            note = _ratio(value, ref)
+            note = _ratio(value, ref, sizes)
     else:  # a spread, already a number
         max_abs = float(value)
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import math
 import os
 import threading
@@ -52,7 +53,7 @@ import uuid
 import torch
 
 from tplab import rng
-from tplab.checks.grad import mesh_shape
+from tplab.checks.grad import DP_REDUCTIONS, state_of
 from tplab.checks.train_band import FACTOR, noise_band
 from tplab.checks.train_live import LiveTraining, live_default
 from tplab.checks.train_report import TrainReport, diverged
@@ -62,8 +63,10 @@ from tplab.core.pairing import gather
 from tplab.core.pytrees import map_tensors
 from tplab.errors import LabError
 from tplab.lab.contract import Ranks
+from tplab.mesh import MeshShape
 from tplab.plans import parallelizer
 from tplab.rank.train_step import (
+    TrainJob,
     batch_of,
     batch_sum,
     default_step,
@@ -77,7 +80,7 @@ from tplab.training.noise import ReorderedProducts
 
 def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order=None,
                   cancel: threading.Event | None = None, *, dp: int = 1,
-                  batches: list | None = None):
+                  batches: list | None = None, dp_reduction: str = "mean"):
     """One device: `steps` of the user's step on `model`. Returns (losses, {parameter name:
     [steps + 1, *shape] trajectory}, batch checksums). `cancel` (set by another thread)
     stops it between steps with a LabError. `dp`: the default step's loss is the mean of
@@ -89,7 +92,7 @@ def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order
     named = list(model.named_parameters())
     traj = {n: [p.detach().clone()] for n, p in named}
     losses, sums = [], []
-    user_step = step or (lambda m, o, b: default_step(m, o, b, loss_fn, dp))
+    user_step = step or (lambda m, o, b: default_step(m, o, b, loss_fn, dp, dp_reduction))
     replay = bool(batches)
     with order or contextlib.nullcontext():
         for i in range(steps):
@@ -130,6 +133,8 @@ def _check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_mod
     if not isinstance(lab, Ranks):
         raise TypeError(f"train_check: lab must be a Lab (tplab.launch(2)) or a Simulation "
                         f"(tplab.simulate(2)), got {lab!r}")
+    if lab.closed:
+        raise LabError("train_check: this lab was shut down; start a new one")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"train_check: steps must be a positive int, got {steps!r}")
     if isinstance(build_model, torch.nn.Module):
@@ -148,6 +153,17 @@ def _check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_mod
                          "its own loss (drop loss_fn=, or drop step=)")
     if live not in (None, True, False):
         raise TypeError(f"train_check: live must be True, False or None, got {live!r}")
+
+
+def _check_options(context, dp_reduction, param_map) -> None:
+    if context is not None and not callable(context):
+        raise TypeError(f"train_check: context must be a function of no arguments that "
+                        f"returns a context manager, got {type(context).__name__} {context!r}")
+    if dp_reduction not in DP_REDUCTIONS:
+        raise ValueError(f"train_check: dp_reduction={dp_reduction!r}: one of "
+                         f"{', '.join(map(repr, DP_REDUCTIONS))}")
+    if param_map is not None and not isinstance(param_map, dict):
+        raise TypeError("train_check: param_map is a dict {parallel name: reference name}")
 
 
 def _bound_memory(model, steps: int) -> None:
@@ -194,7 +210,7 @@ def _refuse_non_finite(losses: torch.Tensor) -> None:
 
 def _describe(model):
     """(weights, {name: shape}, {tied name: the name it shares}, {name: requires_grad})."""
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = state_of(model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     aliases = {n: ref for n, p in model.named_parameters(remove_duplicate=False)
                for ref, q in model.named_parameters() if p is q and n != ref}
@@ -204,20 +220,19 @@ def _describe(model):
 def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step=None,
                 make_optimizer=None, loss_fn=None, *, dp: int | None = None,
                 tp: int | None = None, param_map: dict | None = None,
-                live: bool | None = None) -> TrainReport:
+                live: bool | None = None, context=None,
+                dp_reduction: str = "mean") -> TrainReport:
     """Train on the ranks of `lab` (a Lab or a Simulation) and on one device from the same
-    weights, and compare them step by step against a measured noise band. See the module
-    docstring."""
+    weights; compare them step by step against a measured noise band. `context` (entered
+    around each step on the ranks), `dp_reduction`: as grad_check's. See the module doc."""
     _check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live)
-    if lab.closed:
-        raise LabError("train_check: this lab was shut down; start a new one")
-    dp, tp = mesh_shape(lab.world_size, dp, tp)
-    if param_map is not None and not isinstance(param_map, dict):
-        raise TypeError("train_check: param_map is a dict {parallel name: reference name}")
+    _check_options(context, dp_reduction, param_map)
+    shape = MeshShape.of(lab.world_size, dp, tp, who="train_check")
+    dp, tp = shape.dp, shape.tp
     model = build_model()
     _bound_memory(model, steps)
     _refuse_torch_dropout(lab, model)
-    parallelizer(plan, model, tp)  # a PlanError here, before anything reaches the ranks
+    step_plan = parallelizer(plan, model, tp)  # a PlanError here, before the ranks run
     state, shapes, aliases, kinds = _describe(model)
     rng.reference_tracker(model, tp)
     twin = build_model()
@@ -230,13 +245,14 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
         torch.set_rng_state(start)
         noise_losses, noise, _ = run_reference(twin, make_batch, steps, step, make_optimizer,
                                                loss_fn, ReorderedProducts(max(tp, 2)), cancel,
-                                               dp=dp, batches=batches)
+                                               dp=dp, batches=batches,
+                                               dp_reduction=dp_reduction)
         return noise_band(ref_losses, noise_losses, ref, noise)
 
     with reference_threads(lab), concurrent.futures.ThreadPoolExecutor(1) as pool:
         ref_losses, ref, ref_sums = run_reference(model, make_batch, steps, step,
                                                   make_optimizer, loss_fn, dp=dp,
-                                                  batches=batches)
+                                                  batches=batches, dp_reduction=dp_reduction)
         end = torch.get_rng_state()
         _refuse_non_finite(ref_losses)
         # The band's run needs nothing from the ranks, nor they from it: with rank
@@ -246,10 +262,11 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
         if lab.in_process:
             band.result()
             torch.set_rng_state(end)  # where the ranks' global RNG goes on from
+        job = TrainJob(build_model, state, step_plan, make_batch, steps, step, make_optimizer,
+                       loss_fn, shape, ref, shapes, aliases, param_map, False, context,
+                       dp_reduction)
         try:
-            results = _train_ranks(lab, build_model, state, plan, make_batch, steps, step,
-                                   make_optimizer, loss_fn, dp, param_map, ref, shapes,
-                                   aliases, ref_losses, band, live)
+            results = _train_ranks(lab, job, ref_losses, band, live)
         except BaseException:
             cancel.set()
             raise
@@ -262,22 +279,19 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
     return report
 
 
-def _train_ranks(lab: Ranks, build_model, state, plan, make_batch, steps, step, make_optimizer,
-                 loss_fn, dp, param_map, ref, shapes, aliases, ref_losses, band, live):
+def _train_ranks(lab: Ranks, job: TrainJob, ref_losses, band, live):
     """The ranks' run (tplab/rank/train_step.py), live or not; returns (results, view)."""
     live = live_default(lab) if live is None else live
     view = LiveTraining(lab.world_size, ref_losses, band) if live else None
     path = None
-    source = ref
     if lab.shared_dir:
         path = os.path.join(lab.shared_dir, f"train-reference-{uuid.uuid4().hex}.pt")
-        torch.save(ref, path)  # read by every local rank (mmap), not sent to each of them
-        source = path
+        torch.save(job.reference, path)  # read by every local rank (mmap), not sent to each
+        job = dataclasses.replace(job, reference=path)
+    job = dataclasses.replace(job, live=bool(live))
     try:
         with view.listening() if view else contextlib.nullcontext():
-            results = lab.run(train_on_ranks, build_model, state, plan, make_batch, steps,
-                              step, make_optimizer, loss_fn, dp, source, param_map,
-                              {"shapes": shapes, "aliases": aliases}, bool(live))
+            results = lab.run(train_on_ranks, job)
     finally:
         if path:
             with contextlib.suppress(OSError):
