@@ -235,3 +235,45 @@ def test_fsdp2s_sum_convention_on_gloo(labs):
                                 global_token_loss, dp=2, dp_reduction="sum")
     assert not averaged.ok
     assert {r["name"] for r in averaged.failures if r["kind"] == "param_grad"}
+
+
+# train_check: the same options ---------------------------------------------------------------
+
+def test_train_check_enters_the_context_and_carries_none_in_a_state_dict():
+    """Fails on main: no context= (TypeError), and `_extra_state: None` crashed (.detach)."""
+    ENTERED.clear()
+    make = functools.partial(models.make_tokens, CFG, seed=0)
+    report = tplab.train_check(tplab.simulate(2), BUILD, needs_context, lambda i: make(),
+                               steps=2, loss_fn=models.lm_loss, live=False,
+                               context=training_context)
+    assert report.ok, str(report)
+    assert ENTERED.count("in") == ENTERED.count("out") >= 2  # each step
+    inputs = functools.partial(models.make_input, CFG, seed=0)
+    extra = tplab.train_check(tplab.simulate(2), WithExtraState, parallelize_inner,
+                              lambda i: inputs(), steps=2, live=False)
+    assert extra.ok, str(extra)
+
+
+def test_train_check_under_the_sum_convention_matches_plain_torch():
+    """dp_reduction="sum" with a global-token loss: the one-device run minimises the
+    whole batch's mean (plain torch below, the same losses); the ranks sum their
+    gradients. Fails on main (no dp_reduction=)."""
+    make = functools.partial(models.make_tokens, CFG, seed=0)
+    report = tplab.train_check(tplab.simulate(4), BUILD, megatron.parallelize,
+                               lambda i: make(), steps=2, loss_fn=global_token_loss, dp=2,
+                               live=False, dp_reduction="sum",
+                               make_optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert report.ok, str(report)
+    model, tokens = BUILD(), make()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    truth = []
+    for _ in range(2):
+        loss = models.lm_loss(model(tokens), tokens)
+        truth.append(float(loss))
+        loss.backward()
+        sgd.step()
+        sgd.zero_grad()
+    assert [r["ref_loss"] for r in report.rows] == pytest.approx(truth, rel=1e-5)
+    with pytest.raises(ValueError, match="dp_reduction"):
+        tplab.train_check(tplab.simulate(4), BUILD, megatron.parallelize, lambda i: make(),
+                          steps=1, dp=2, dp_reduction="avg")

@@ -273,7 +273,7 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
         results, view = results
         band = band.result()
         torch.set_rng_state(end)
-    report = _report(results, ref_losses, ref_sums, ref, band, dp, tp, lab.world_size, kinds)
+    report = _report(results, ref_losses, ref_sums, ref, band, job, lab.world_size, kinds)
     if view is not None:
         view.finish(report)
     return report
@@ -299,8 +299,9 @@ def _train_ranks(lab: Ranks, job: TrainJob, ref_losses, band, live):
     return results, view
 
 
-def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_grad):
+def _report(results, ref_losses, ref_sums, ref, band, job: TrainJob, world, requires_grad):
     _check_batches(results, ref_sums)
+    dp, tp = job.mesh.dp, job.mesh.tp
     first = results[0]
     pairs = first.pairs
     names = [p.ranks for p in pairs]
@@ -319,7 +320,10 @@ def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_gr
         row = _param_row(i, d.amax(0), names, sharded, band, spreads[i])
         if i:
             per_replica = losses[:, i - 1].reshape(dp, tp)
-            mean = float(per_replica[:, 0].double().mean())
+            # the replicas' losses as the one-device run takes them: their mean, or their
+            # sum (dp_reduction="sum": each divided by the global count already)
+            mean = float(per_replica[:, 0].double().mean() if job.dp_reduction == "mean"
+                         else per_replica[:, 0].double().sum())
             within = float((per_replica - per_replica[:, :1]).abs().max())
             row.update(ref_loss=float(ref_losses[i - 1]), losses=losses[:, i - 1].tolist(),
                        loss_diff=max(abs(mean - float(ref_losses[i - 1])), within),
