@@ -277,3 +277,26 @@ def test_train_check_under_the_sum_convention_matches_plain_torch():
     with pytest.raises(ValueError, match="dp_reduction"):
         tplab.train_check(tplab.simulate(4), BUILD, megatron.parallelize, lambda i: make(),
                           steps=1, dp=2, dp_reduction="avg")
+
+
+# typed jobs: the plan checked once, in the notebook -----------------------------------------
+
+@pytest.mark.parametrize("which", ["grad_check", "train_check"])
+def test_a_plan_is_checked_once_in_the_notebook_not_again_on_the_ranks(monkeypatch, which):
+    """Fails on main: check_plan ran in the notebook and again on the ranks (apply_plan)."""
+    calls = []
+    real = tplab.plans.check_plan
+    monkeypatch.setattr(tplab.plans, "check_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    sim = tplab.simulate(2)
+    if which == "grad_check":
+        report = tplab.grad_check(sim, BUILD, plans.lm(), TOKENS, models.lm_loss)
+    else:
+        make = functools.partial(models.make_tokens, CFG, seed=0)
+        report = tplab.train_check(sim, BUILD, plans.lm(), lambda i: make(), steps=1,
+                                   loss_fn=models.lm_loss, live=False)
+    assert report.ok, str(report)
+    assert len(calls) == 1
+    with pytest.raises(tplab.errors.PlanError):  # and a wrong plan is still refused
+        tplab.grad_check(sim, BUILD, {"layers.0.feed_forward.w1": ColwiseParallel(),
+                                      "layers.0.feed_forward.w2": ColwiseParallel()},
+                         TOKENS, models.lm_loss)
