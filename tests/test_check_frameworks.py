@@ -300,3 +300,17 @@ def test_a_plan_is_checked_once_in_the_notebook_not_again_on_the_ranks(monkeypat
         tplab.grad_check(sim, BUILD, {"layers.0.feed_forward.w1": ColwiseParallel(),
                                       "layers.0.feed_forward.w2": ColwiseParallel()},
                          TOKENS, models.lm_loss)
+
+
+def test_no_arrow_runs_from_the_library_to_the_rank_side():
+    """Issue 36 item 5: the helpers both sides use (the loss, the qk_norm answers) live in
+    the both-sides library; core/ and the library import nothing from tplab/rank/. Fails on
+    main (core/answers, fsdp, training/steps imported tplab.rank)."""
+    from test_imports import BOTH, RANK, imports_of, module_files, side_of  # noqa: PLC0415
+
+    modules = module_files()
+    arrows = [f"{name} -> {imported}" for name, path in modules.items()
+              if side_of(name) == BOTH
+              for imported in imports_of(name, path, modules)
+              if imported.startswith("tplab.") and side_of(imported) == RANK]
+    assert arrows == []
