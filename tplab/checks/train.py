@@ -21,6 +21,10 @@
   step sees the whole batch on one device: give it a loss that is a mean over the batch).
 - `make_optimizer(params)` builds the optimizer (default AdamW, lr 1e-3, weight decay 0.01),
   or returns (optimizer, scheduler): the scheduler is stepped after every step, on both.
+- `context=` (a function of no arguments returning a context manager) is entered on every
+  rank around each call of the step; `dp_reduction="sum"` (torchtitan's convention: the
+  replicas' gradients summed, the loss divided by the global token count by loss_fn or the
+  step) makes the reference's loss the sum of the dp slices' losses. As grad_check's.
 - tplab.rng's dropout: the reference draws its "tp"-region masks as the ranks do
   (`rng.reference_tracker`), so a run with dropout is compared exactly too.
 
@@ -53,7 +57,8 @@ import uuid
 import torch
 
 from tplab import rng
-from tplab.checks.grad import DP_REDUCTIONS, state_of
+from tplab.checks.grad import state_of
+from tplab.checks.train_args import check_args, check_options
 from tplab.checks.train_band import FACTOR, noise_band
 from tplab.checks.train_live import LiveTraining, live_default
 from tplab.checks.train_report import TrainReport, diverged
@@ -129,43 +134,6 @@ def reference_threads(lab: Ranks):
 MEMORY_LIMIT = 2 * 2**30  # bytes of one-device trajectories train_check keeps (see below)
 
 
-def _check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live):
-    if not isinstance(lab, Ranks):
-        raise TypeError(f"train_check: lab must be a Lab (tplab.launch(2)) or a Simulation "
-                        f"(tplab.simulate(2)), got {lab!r}")
-    if lab.closed:
-        raise LabError("train_check: this lab was shut down; start a new one")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"train_check: steps must be a positive int, got {steps!r}")
-    if isinstance(build_model, torch.nn.Module):
-        raise TypeError(f"train_check: build_model must be a function that builds the model "
-                        f"(every rank builds its own), got a {type(build_model).__name__} "
-                        "instance: pass its class, functools.partial(Class, config), or a "
-                        "function that returns a new model")
-    for name, fn in (("build_model", build_model), ("make_batch", make_batch)):
-        if not callable(fn):
-            raise TypeError(f"train_check: {name} must be callable, got {fn!r}")
-    for name, fn in (("step", step), ("make_optimizer", make_optimizer), ("loss_fn", loss_fn)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"train_check: {name} must be callable or None, got {fn!r}")
-    if step is not None and loss_fn is not None:
-        raise ValueError("train_check: loss_fn is for the default step; your step computes "
-                         "its own loss (drop loss_fn=, or drop step=)")
-    if live not in (None, True, False):
-        raise TypeError(f"train_check: live must be True, False or None, got {live!r}")
-
-
-def _check_options(context, dp_reduction, param_map) -> None:
-    if context is not None and not callable(context):
-        raise TypeError(f"train_check: context must be a function of no arguments that "
-                        f"returns a context manager, got {type(context).__name__} {context!r}")
-    if dp_reduction not in DP_REDUCTIONS:
-        raise ValueError(f"train_check: dp_reduction={dp_reduction!r}: one of "
-                         f"{', '.join(map(repr, DP_REDUCTIONS))}")
-    if param_map is not None and not isinstance(param_map, dict):
-        raise TypeError("train_check: param_map is a dict {parallel name: reference name}")
-
-
 def _bound_memory(model, steps: int) -> None:
     """The ranks compare every step with the one-device parameters of that step, so those
     of every step are kept (twice: the band's run too). Refuse a run past MEMORY_LIMIT
@@ -225,8 +193,8 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
     """Train on the ranks of `lab` (a Lab or a Simulation) and on one device from the same
     weights; compare them step by step against a measured noise band. `context` (entered
     around each step on the ranks), `dp_reduction`: as grad_check's. See the module doc."""
-    _check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live)
-    _check_options(context, dp_reduction, param_map)
+    check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live)
+    check_options(context, dp_reduction, param_map)
     shape = MeshShape.of(lab.world_size, dp, tp, who="train_check")
     dp, tp = shape.dp, shape.tp
     model = build_model()
