@@ -62,6 +62,10 @@ nothing is reported as "unpaired" with how to pair it, and the check does not pa
 The report has one row per tensor: every output leaf (and the loss), every input gradient,
 every parameter gradient (assembled from the ranks' pieces), and for every tensor that
 should be the same on every rank, the spread across ranks (kind "replica_spread").
+Each row is judged relative to its own tensor's scale, as torch.testing judges: max |error|
+<= atol + rtol * max|reference|, rtol by the model's dtype and atol a floor for what is near
+zero (tplab/checks/grad_tolerance.py); the row's "tol" says what it used. `atol`/`rtol`
+may be numbers or numeric strings (as a config file gives them), finite and >= 0.
 """
 
 from __future__ import annotations
