@@ -45,9 +45,9 @@ from tplab.core.fsdp_layout import (
 from tplab.core.pytrees import call_model, map_tensors
 from tplab.errors import PlanError
 from tplab.layouts import tp_layout
+from tplab.losses import call_loss, loss_context
 from tplab.mesh import make_mesh
 from tplab.plans import apply_plan
-from tplab.rank.grad_step import call_loss, loss_context
 from tplab.tracing import trace
 
 __all__ = ["SIMULATE_REASON", "accumulate_step", "apply_fsdp_tp", "fsdp_tp", "managed",
