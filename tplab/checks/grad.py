@@ -57,6 +57,7 @@ import torch
 from tplab import rng
 from tplab.checks.grad_report import GradCheckReport, compare, unpaired, unreadable
 from tplab.core import placements
+from tplab.core.fsdp_layout import refuse_plan_in_simulation
 from tplab.core.pairing import Pair, gather, gather_indexed, pair
 from tplab.core.pytrees import call_model, leaves, map_tensors
 from tplab.core.transfer import LocalShard
@@ -185,6 +186,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | N
     if param_map is not None and not isinstance(param_map, dict):
         raise LabError("grad_check: param_map is a dict {parallel name: reference name} or "
                        "{parallel name: (reference name, shard dim or None)}")
+    refuse_plan_in_simulation(plan, lab.in_process)  # FSDP2 under tplab.simulate
     model = build_model()
     x = make_input()
     parallelizer(plan, model, tp, x)  # a PlanError here, before anything reaches the ranks

@@ -57,7 +57,7 @@ from tplab.checks.train_band import FACTOR, noise_band
 from tplab.checks.train_live import LiveTraining, live_default
 from tplab.checks.train_report import TrainReport, diverged
 from tplab.core import placements
-from tplab.core.fsdp_layout import tp_placement
+from tplab.core.fsdp_layout import refuse_plan_in_simulation, tp_placement
 from tplab.core.pairing import gather
 from tplab.core.pytrees import map_tensors
 from tplab.errors import LabError
@@ -214,6 +214,7 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
     dp, tp = mesh_shape(lab.world_size, dp, tp)
     if param_map is not None and not isinstance(param_map, dict):
         raise TypeError("train_check: param_map is a dict {parallel name: reference name}")
+    refuse_plan_in_simulation(plan, lab.in_process)  # FSDP2 under tplab.simulate
     model = build_model()
     _bound_memory(model, steps)
     _refuse_torch_dropout(lab, model)
