@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from tplab.compiling import refuse_in_fully_shard
 from tplab.core.fsdp_layout import (
     SIMULATE_REASON,
     managed,
@@ -86,6 +87,7 @@ def apply_fsdp_tp(model, mesh, tp_plan=None, per_module=(), on: str = "dp",
         model = tp_plan(model, mesh)
     if on == "tp" and any(isinstance(p, DTensor) for p in model.parameters()):
         raise PlanError(ON_TP_DTENSOR)
+    refuse_in_fully_shard(model, per_module)
     targets = shard_targets(model, per_module)
     hooks = carry_grad_hooks(model)
     for m in targets:
