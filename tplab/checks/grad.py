@@ -77,6 +77,7 @@ from tplab.checks.grad_params import assemble, param_rows
 from tplab.checks.grad_report import GradCheckReport, compare
 from tplab.checks.grad_tolerance import TOLERANCES, check_tolerance, kind_floors, tolerances
 from tplab.core import placements
+from tplab.core.fsdp_layout import refuse_plan_in_simulation
 from tplab.core.pytrees import call_model, leaves, map_tensors
 from tplab.core.transfer import LocalShard
 from tplab.errors import LabError
@@ -216,6 +217,7 @@ def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | N
     shape = MeshShape.of(lab.world_size, dp, tp)
     atol, rtol = check_tolerance(atol, "atol"), check_tolerance(rtol, "rtol")
     _check_options(dp_reduction, average_dp, context, param_map)
+    refuse_plan_in_simulation(plan, lab.in_process)  # FSDP2 under tplab.simulate
     model = build_model()
     x = make_input()
     # a PlanError here, before anything reaches the ranks

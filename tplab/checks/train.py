@@ -63,7 +63,7 @@ from tplab.checks.train_band import FACTOR, noise_band
 from tplab.checks.train_live import LiveTraining, live_default
 from tplab.checks.train_report import TrainReport, diverged
 from tplab.core import placements
-from tplab.core.fsdp_layout import tp_placement
+from tplab.core.fsdp_layout import refuse_plan_in_simulation, tp_placement
 from tplab.core.pairing import gather
 from tplab.core.pytrees import map_tensors
 from tplab.errors import LabError
@@ -197,6 +197,7 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
     check_options(context, dp_reduction, param_map)
     shape = MeshShape.of(lab.world_size, dp, tp, who="train_check")
     dp, tp = shape.dp, shape.tp
+    refuse_plan_in_simulation(plan, lab.in_process)  # FSDP2 under tplab.simulate
     model = build_model()
     _bound_memory(model, steps)
     _refuse_torch_dropout(lab, model)
