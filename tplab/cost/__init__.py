@@ -14,8 +14,10 @@ Korthikanti et al. 2022, the Ultra-Scale Playbook, the JAX scaling book), `memor
 activations, tplab's own block), `gemm` (per-shape GEMM efficiency), `data_parallel` (DP
 gradient and ZeRO traffic), `step` (a step's time and the TP degree rows recommend),
 `validate` (one check of every input), `calibrate` (the fit), `training_run` (a whole
-run: `TrainingRun`, `predict`), with `kernels` and `pipeline`, and `published` (the published
-runs it is checked against, docs/VALIDATION.md). Also: `lab_models` (the
+run: `TrainingRun`, `predict`), `stacks` (the software a run runs on: `STACKS`,
+`DEFAULT_STACK`), with `kernels` and `pipeline`, `published` (the published runs it is
+checked against, data files in tplab/cost/data/, docs/VALIDATION.md) and `scores` (the
+goal figures). Also: `lab_models` (the
 lab's own MLP and Block under its plans, checked against `tplab.trace` and
 `tplab.memory`), `figures` (plotly) and `explorer` (an ipywidgets explorer); those two
 import plotly and ipywidgets, so they are not imported here.
@@ -43,6 +45,7 @@ from tplab.cost.memory import (
     param_count,
 )
 from tplab.cost.shapes import MODELS, BlockShape, scaled
+from tplab.cost.stacks import DEFAULT_STACK, STACKS, Stack
 from tplab.cost.step import (
     best_tp,
     comm_bound_tp,
@@ -65,6 +68,7 @@ from tplab.cost.transformer import (
 
 __all__ = [
     "Prediction", "TrainingRun", "best_layout", "layouts", "predict",
+    "DEFAULT_STACK", "STACKS", "Stack",
     "ALGORITHMS", "BLOCK_SAVES", "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS",
     "OVERLAPS", "PRECISIONS", "PROTOCOLS", "BlockShape", "Calibration", "Hardware", "Link",
     "activation_bytes", "allowed_tps", "best_tp", "block_collectives", "block_flops",

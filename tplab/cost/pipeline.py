@@ -118,11 +118,14 @@ def data_parallel(run, stage: dict, lt: dict, m: int) -> dict:
         return {"comm_s": ar, "exposed_s": max(0.0, ar - bwd)}
     if run.sharding == "zero1":
         return {"comm_s": rs + ag, "exposed_s": max(0.0, rs - bwd) + max(0.0, ag - fwd)}
+    waits = run.settings.fsdp_exposed    # the stack syncs every micro-batch in the open
     if run.sharding == "zero2":
         return {"comm_s": m * rs + ag,
-                "exposed_s": m * max(0.0, rs - bwd) + max(0.0, ag - fwd)}
+                "exposed_s": m * (rs if waits else max(0.0, rs - bwd)) + max(0.0, ag - fwd)}
     gathers = 1 if run.pp > 1 else 2      # reshard after forward only without PP
     per_mb = max(0.0, ag - fwd) + max(0.0, (gathers - 1) * ag + rs - bwd)
+    if waits:
+        per_mb = gathers * ag + rs
     comm, exposed = m * (gathers * ag + rs), m * per_mb
     if run.sharding == "hsdp" and group > shard:
         ar = t("all_reduce", 4 * n / shard, group // shard)

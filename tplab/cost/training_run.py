@@ -45,21 +45,20 @@ attention, no recomputation) over the step time x peak, communication and bubble
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tplab.cost import kernels, pipeline
 from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.hardware import HARDWARE, Hardware
 from tplab.cost.shapes import MODELS, BlockShape
+from tplab.cost.stacks import ATTENTIONS, DEFAULT_STACK, KERNELS, STACKS, Stack, get_stack
 from tplab.cost.transformer import block_collectives, tp_allowed
 from tplab.cost.validate import check_bool, check_choice, check_int, check_type
 
 PRECISIONS = ("bf16", "fp8")
 RECOMPUTES = ("none", "selective", "full", "op", "half_layers")
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
-KERNELS = ("fused", "eager")
-ATTENTIONS = ("flash", "unfused")
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,8 @@ class TrainingRun:
     """One training run: `model` (a `MODELS` name or a `BlockShape`) on `gpus` GPUs of
     `hardware` (a `HARDWARE` name or a `Hardware`), gpus = tp x pp x cp x dp; see the
     module doc. `global_batch` and `micro_batch` are in sequences of `seq_len` tokens.
+    `stack` (a `cost.STACKS` name, default `DEFAULT_STACK`, "megatron-lm") is the software
+    that runs it (`tplab.cost.stacks`): it sets the fields below, which a run may override.
     `kernels` ("fused": Megatron-LM / Transformer Engine; "eager": PyTorch eager) and
     `attention` ("flash"; "unfused": materialised scores) say how the framework runs the
     layer (`tplab.cost.kernels`). `grad_overlap` False ("ddp" and "zero1"): the framework
@@ -94,14 +95,16 @@ class TrainingRun:
     sharding: str = "zero1"
     gpus_per_node: int | None = None
     nics_per_node: int | None = None
-    kernels: str = "fused"
-    attention: str = "flash"
-    grad_overlap: bool = True
-    tp_overlap: bool = True
-    torch_cp: bool = False
-    p2p_overlap: bool = True
+    stack: str = DEFAULT_STACK
+    kernels: str | None = None
+    attention: str | None = None
+    grad_overlap: bool | None = None
+    tp_overlap: bool | None = None
+    torch_cp: bool | None = None
+    p2p_overlap: bool | None = None
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
+    settings: Stack = field(init=False, repr=False)
 
     def __post_init__(self):
         shape = MODELS.get(self.model) if isinstance(self.model, str) else self.model
@@ -130,12 +133,7 @@ class TrainingRun:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("recompute", self.recompute, RECOMPUTES)
         check_choice("sharding", self.sharding, SHARDINGS)
-        check_choice("kernels", self.kernels, KERNELS)
-        check_choice("attention", self.attention, ATTENTIONS)
-        check_bool("grad_overlap", self.grad_overlap)
-        check_bool("tp_overlap", self.tp_overlap)
-        check_bool("torch_cp", self.torch_cp)
-        check_bool("p2p_overlap", self.p2p_overlap)
+        resolve_stack(self)
         check_rules(self)
 
     @property
@@ -146,6 +144,30 @@ class TrainingRun:
     def micro_batches(self) -> int:
         """m: micro-batches per DP replica per optimizer step."""
         return self.global_batch // (self.micro_batch * self.dp)
+
+
+OVERRIDES = ("kernels", "attention", "grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap")
+
+
+def resolve_stack(run: TrainingRun) -> None:
+    """`run.settings`: the named stack (`tplab.cost.stacks`) with the fields the run sets
+    itself; each of those fields then holds the value priced."""
+    if not isinstance(run.stack, str):
+        raise ValueError(f"stack = {run.stack!r}: expected a cost.STACKS name "
+                         f"({', '.join(STACKS)})")
+    base = get_stack(run.stack)
+    changes = {k: getattr(run, k) for k in OVERRIDES if getattr(run, k) is not None}
+    if "kernels" in changes:
+        check_choice("kernels", changes["kernels"], KERNELS)
+    if "attention" in changes:
+        check_choice("attention", changes["attention"], ATTENTIONS)
+    for k in ("grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap"):
+        if k in changes:
+            check_bool(k, changes[k])
+    settings = replace(base, **changes) if changes else base
+    object.__setattr__(run, "settings", settings)
+    for k in OVERRIDES:
+        object.__setattr__(run, k, getattr(settings, k))
 
 
 def check_rules(run: TrainingRun) -> None:
@@ -187,6 +209,7 @@ class Prediction:
     """What `predict` returns; `breakdown` is seconds per optimizer step by cause."""
 
     run: TrainingRun
+    stack: str
     step_s: float
     tokens_per_s_per_gpu: float
     mfu: float
@@ -212,8 +235,10 @@ def layer_times(run: TrainingRun) -> dict:
     tokens = shape.tokens // cp
     fwd = kernels.linear_time(shape, tokens, tp, hw, run.precision)
     bwd_dgrad, bwd_wgrad = 2 * [fwd]
-    attn_s = kernels.attention_time(shape, cp, tp, hw, run.attention)
-    attn_bwd = kernels.attention_backward(shape, cp, tp, hw, run.attention)
+    scale = run.settings.attention_scale       # the stack's kernel class (stacks module)
+    ahw = hw.with_(attention_efficiency=hw.attention_efficiency * scale) if scale != 1 else hw
+    attn_s = kernels.attention_time(shape, cp, tp, ahw, run.attention)
+    attn_bwd = kernels.attention_backward(shape, cp, tp, ahw, run.attention)
     elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.memory_bandwidth
     cast = (0.0, 0.0)
     if run.precision == "fp8":   # the linears' operands quantised (kernels.fp8_cast_bytes)
@@ -293,7 +318,8 @@ def predict(run: TrainingRun) -> Prediction:
                  "dp_exposed_s": data["exposed_s"], "dp_comm_s": data["comm_s"],
                  "optimizer_s": optimizer}
     memory = pipeline.memory(run)
-    return Prediction(run=run, step_s=step, tokens_per_s_per_gpu=tokens / (step * run.gpus),
+    return Prediction(run=run, stack=run.stack, step_s=step,
+                      tokens_per_s_per_gpu=tokens / (step * run.gpus),
                       mfu=flops / (step * run.gpus * hw.flops),
                       memory_per_gpu=memory["total_bytes"],
                       fits=memory["total_bytes"] <= hw.memory, breakdown=breakdown,
