@@ -7,7 +7,16 @@ import statistics
 import pytest
 
 from tplab import cost
-from tplab.cost import data_parallel, kernels, nccl, pipeline, published, scores, training_run
+from tplab.cost import (
+    data_parallel,
+    kernels,
+    memory,
+    nccl,
+    pipeline,
+    published,
+    scores,
+    training_run,
+)
 
 MiB = 2**20
 H100 = cost.HARDWARE["H100 SXM"]
@@ -448,3 +457,21 @@ def test_k_and_v_are_whole_heads_past_n_kv_heads():
     shape = cost.MODELS["Llama-3 70B"]            # 8 KV heads of 128
     assert kernels.linear_gemms(shape, 4096, 8)[0][1] == 8192 // 8 + 2 * 128
     assert kernels.linear_gemms(shape, 4096, 16)[0][1] == 8192 // 16 + 2 * 128   # not 64
+
+
+def test_op_recompute_keeps_what_torchtitans_op_level_sac_saves():
+    # _save_list keeps mm outputs "except every second mm": of wq, wk, wv, wo, w1, w3, w2
+    # the first, third, fifth and seventh; plus SDPA's output and logsumexp, and the input
+    shape = cost.MODELS["Llama-3 8B"]
+    saved = memory.op_sac_layer(shape)
+    names = [s.module for s in saved if s.what == "mm output"]
+    assert names == ["attention.wq", "attention.wv", "feed_forward.w1", "feed_forward.w2"]
+    h, kv, f = 4096, 1024, 14336
+    assert sum(s.per_token * s.element_bytes for s in saved) == (
+        2 * (h + h + kv + f + h + h) + 4 * 32)
+    # against torchtitan's printed peaks of its op-SAC runs (Tables 1 and 3, 8 and 128 H100s)
+    rows = [r for r in published.RUNS if r["recompute"] == "op" and r["peak_gib"]]
+    assert len(rows) == 6
+    for r in rows:
+        p = cost.predict(published.to_run(r))
+        assert p.fits and p.memory_per_gpu / 2**30 == pytest.approx(r["peak_gib"], rel=0.10)

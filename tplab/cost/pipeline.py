@@ -38,7 +38,7 @@ from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.hardware import GiB
 from tplab.cost.kernels import local_params
-from tplab.cost.memory import layer_saved
+from tplab.cost.memory import layer_saved, op_sac_layer
 
 FRAGMENTATION = 0.10
 NCCL_RESERVE = 1 * GiB
@@ -145,6 +145,9 @@ def layer_bytes(run, local, recompute: str) -> float:
     block for gated shapes, the paper's GPT layer otherwise (`tplab.cost.memory`); under
     fp8 the linears' saved inputs are their 1-byte fp8 copies (Transformer Engine keeps
     the quantised input for the weight gradient)."""
+    if recompute == "op":
+        items = op_sac_layer(local)
+        return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)
     gated = local.gated
     opts = ({"norm": "fused", "swiglu": "fused"} if gated else {})
     items = layer_saved(local, recompute, "tplab" if gated else "gpt", sp_saves="shard", **opts)
@@ -165,9 +168,10 @@ def memory(run) -> dict:
                                      else 1),
               "optimizer_bytes": 12 * n / (1 if run.sharding == "ddp" else shard)}
     local = shape.with_(seq=shape.seq // cp)
-    # flash attention keeps no s x s scores: what "selective" drops is never saved
-    # "op" keeps about what "selective" does; "half_layers" half of "none", half of "full"
-    kept = {"op": "selective"}.get(run.recompute, run.recompute)
+    # flash attention keeps no s x s scores: what "selective" drops is never saved;
+    # "op" keeps what torchtitan's op-level SAC saves (memory.op_sac_layer);
+    # "half_layers" half of "none", half of "full"
+    kept = run.recompute
     if run.attention == "flash" and kept == "none":
         kept = "selective"
     if kept == "half_layers":
@@ -178,14 +182,15 @@ def memory(run) -> dict:
     layers = -(-shape.layers // run.pp)
     acts = layers * layer * in_flight(run.pp, run.vpp, run.micro_batches)
     transient = 0.0
-    if run.recompute in ("full", "half_layers"):   # one layer's, rebuilt for its backward
+    if run.recompute in ("full", "half_layers", "op"):   # one layer's, rebuilt for backward
         transient += layer_bytes(run, local, "selective" if run.attention == "flash"
                                  else "none")
     if run.sharding in ("fsdp", "hsdp"):   # the gathered layer and the prefetched one
         transient += 2 * 2 * n / layers
     # the fp32 logits and their gradient live on the last stage, counted when it is also
     # the first (pp = 1); with pp > 1 the first stage's in-flight activations dominate
-    logits = 2 * 4 * local.tokens * -(-shape.vocab // tp) if shape.vocab and run.pp == 1 else 0.0
+    logits = (run.settings.logits_bytes * local.tokens * -(-shape.vocab // tp)
+              if shape.vocab and run.pp == 1 else 0.0)
     headroom = FRAGMENTATION * (acts + transient + logits) + NCCL_RESERVE + hw.memory_reserve
     out = states | {"activation_bytes": acts, "transient_bytes": transient,
                     "logits_bytes": logits, "headroom_bytes": headroom}

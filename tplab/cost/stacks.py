@@ -51,6 +51,10 @@ class Stack:
     """One software stack (module doc). `attention_scale` multiplies the preset's flash
     attention rate (`Hardware.attention_efficiency`, FlashAttention-2's); `fsdp_exposed`:
     FSDP's per-micro-batch gathers and reduce-scatters wait (not prefetched behind compute);
+    `logits_bytes`: bytes per token and vocabulary entry at the loss's peak (8: the fp32
+    logits and their gradient, Megatron-LM's fused vocab-parallel cross entropy; 10:
+    torchtitan's `loss_fn`, train.py at 9dec370, `cross_entropy(pred.flatten(0, 1).float()
+    ...)`: the bf16 logits, their fp32 copy and log_softmax's fp32 output live together);
     `cites` says where each setting is read."""
 
     name: str
@@ -62,6 +66,7 @@ class Stack:
     p2p_overlap: bool = True
     torch_cp: bool = False
     fsdp_exposed: bool = False
+    logits_bytes: int = 8
     cites: str = ""
 
     def __post_init__(self):
@@ -91,10 +96,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "2021: synchronous TP all-reduce, gradients after the pipeline"),
     Stack("megatron-bridge", cites="NVIDIA-NeMo/Megatron-Bridge recipes and NeMo "
           "containers: Transformer Engine, flash attention, every overlap on"),
-    Stack("torchtitan", kernels="eager", torch_cp=True,
+    Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=10,
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
           "context_parallel"),
-    Stack("torchtitan+compile", torch_cp=True,
+    Stack("torchtitan+compile", torch_cp=True, logits_bytes=10,
           cites="pytorch/torchtitan with torch.compile: element-wise work fused"),
     Stack("llm-foundry-2023", kernels="eager", attention_scale=FA1_OVER_FA2,
           fsdp_exposed=True, cites="mosaicml/llm-foundry attn_impl triton (FA1 class), "
