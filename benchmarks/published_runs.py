@@ -70,6 +70,12 @@ def main() -> None:
     print(f"published runs the model says do not fit: {len(m['not_fitting'])} (goal: 0)")
     for r in m["not_fitting"]:
         print(f"  {r['source'][:40]}: {r['where'][:60]} ({r['memory_gib']:.1f} GiB)")
+    print("rows whose unprinted settings decide the fit (published.fitting: the fastest "
+          "that fits):")
+    for r in out["rows"]:
+        if r["fit_setting"]:
+            print(f"  {r['where'][:55]:55s} {str(r['fit_setting']):36s} error "
+                  f"{r['error']:+.0%} (as assumed, not fitting: {r['error_assumed']:+.0%})")
     print(f"rows over {scores.OVER:.0%}: {len(s['over'])}")
     for r, why in s["over"]:
         print(f"  {r['error']:+5.0%} {r['source'][:30]}: {r['where'][:60]}: {why}")

@@ -9,7 +9,8 @@ recomputation, sharding), the `stack` it ran (`cost.STACKS`), what the source pr
 (`printed`) and the tokens per second per GPU that follows from it (`measured`), the
 `assumed` fields the source does not print, and `peak_gib` where the source prints the
 peak memory. `excluded` is what `exclusion` (the one rule, declared before scoring) says
-of the row. `compare()` predicts each (`cost.predict`) and returns its error; `score()`
+of the row. `compare()` predicts each (`cost.predict`; a setting the source does not
+print is the one that fits, `fitting`) and returns its error; `tplab.cost.scores`
 the figures of the goal, over all rows and over the goal set; docs/VALIDATION.md
 discusses where and why the model and a run disagree.
 
@@ -24,6 +25,7 @@ How `measured` follows from what is printed:
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -201,6 +203,38 @@ def to_run(r: dict, **changes) -> TrainingRun:
     return TrainingRun(**(fields | changes))
 
 
+TRIED = {"recompute": ("none", "selective", "full"), "vpp": (4, 3, 2, 1)}
+"""What `fitting` tries for a field the source does not print, in order."""
+
+
+def unprinted(r: dict) -> list[str]:
+    """The fields of `TRIED` a row's `assumed` list says the source does not print
+    ("recompute none", "vpp 4")."""
+    return [k for k in TRIED if any(a.split(" ")[0] == k for a in r["assumed"])]
+
+
+def fitting(r: dict, **changes) -> tuple[dict, object]:
+    """The unprinted settings the row ran with, and its prediction: the assumed ones if they
+    fit, else, of the combinations of `TRIED` values that fit, the fastest (what a recipe
+    tuned for throughput would pick); ({}, the assumed run's prediction) if none fits: the
+    model then says the run could not have run."""
+    first = predict(to_run(r, **changes))
+    fields = unprinted(r)
+    if first.fits or not fields:
+        return {}, first
+    best: tuple[dict, object] = ({}, first)
+    for vals in itertools.product(*(TRIED[k] for k in fields)):
+        setting = dict(zip(fields, vals, strict=True))
+        try:
+            p = predict(to_run(r, **(changes | setting)))
+        except ValueError:
+            continue
+        if p.fits and (not best[1].fits
+                       or p.tokens_per_s_per_gpu > best[1].tokens_per_s_per_gpu):
+            best = (setting, p)
+    return best
+
+
 def compare(runs: list[dict] | None = None, **changes) -> dict:
     """Each run's prediction and error ((predicted - measured) / measured, tokens/s/GPU),
     with the median and worst |error| over the goal set (the rows `exclusion` leaves in)
@@ -208,8 +242,12 @@ def compare(runs: list[dict] | None = None, **changes) -> dict:
     "worst": ..., "worst_row": ..., ...}. `changes` go to every row's `TrainingRun`."""
     rows = []
     for r in RUNS if runs is None else runs:
-        p = predict(to_run(r, **changes))
-        rows.append(r | {"predicted": p.tokens_per_s_per_gpu, "mfu": p.mfu,
+        setting, p = fitting(r, **changes)
+        assumed = predict(to_run(r, **changes)) if setting else p
+        rows.append(r | setting | {"fit_setting": setting,
+                                   "error_assumed": assumed.tokens_per_s_per_gpu
+                                   / r["measured"] - 1,
+                                   "predicted": p.tokens_per_s_per_gpu, "mfu": p.mfu,
                          "error": p.tokens_per_s_per_gpu / r["measured"] - 1,
                          "fits": p.fits, "memory_gib": p.memory_per_gpu / 2**30,
                          "priced_stack": p.stack})

@@ -101,6 +101,11 @@ CAUSES = (
     (lambda r: r["stack"] == "deepspeed-2021", "DeepSpeed 2021 ZeRO-3 (published.ZERO3_2021)"),
     (lambda r: r["cp"] >= 4 and r["stack"].startswith("torchtitan"),
      "torch context_parallel past CP 2: no derivable term (docs/VALIDATION.md)"),
+    (lambda r: r.get("fit_setting", {}).get("recompute") == "full",
+     "priced at full recomputation, the fastest unprinted setting that fits "
+     "(published.fitting); NVIDIA's recipes offload activations to the CPU instead "
+     "(Megatron-Bridge perf_recipes/llama/gb200/llama3.py at 067f987d: 70B FP8-CS, "
+     "cpu_offloading_num_layers = 40), which TrainingRun cannot express"),
 )
 
 
