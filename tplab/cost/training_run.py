@@ -329,9 +329,11 @@ def predict(run: TrainingRun) -> Prediction:
 def layouts(model, hardware, gpus: int, global_batch: int, seq_len: int | None = None,
             tps=(1, 2, 4, 8, 16), pps=(1, 2, 4, 8, 16), cps=(1, 2), vpps=(1, 2, 4),
             micro_batches=(1, 2), shardings=SHARDINGS, recomputes=("none", "selective", "full"),
-            precision: str = "bf16") -> list[Prediction]:
-    """Every valid layout of `model` on `gpus` GPUs among the degrees given, predicted;
-    the invalid ones (a ValueError naming their rule) are left out."""
+            precision: str = "bf16", stack: str = DEFAULT_STACK) -> list[Prediction]:
+    """Every valid layout of `model` on `gpus` GPUs among the degrees given, predicted for
+    `stack` (a `cost.STACKS` name); the invalid ones (a ValueError naming their rule) are
+    left out."""
+    get_stack(stack)                 # an unknown stack is an error, not an empty list
     out = []
     for tp in tps:
         for pp in pps:
@@ -345,7 +347,8 @@ def layouts(model, hardware, gpus: int, global_batch: int, seq_len: int | None =
                                                       vpp=vpp, cp=cp, micro_batch=mb,
                                                       global_batch=global_batch,
                                                       seq_len=seq_len, precision=precision,
-                                                      recompute=recompute, sharding=sharding)
+                                                      recompute=recompute, sharding=sharding,
+                                                      stack=stack)
                                 except ValueError:
                                     continue
                                 out.append(predict(run))
