@@ -135,9 +135,9 @@ def test_llm_foundrys_triton_attention_runs_at_the_fa1_class_rate():
     a100 = cost.HARDWARE["A100 SXM"]
     run = cost.TrainingRun("MPT 7B", "A100 SXM", 8, seq_len=8192, stack="llm-foundry-2023")
     lt = training_run.layer_times(run)
-    rate = 2 * 8192**2 * 4096 / lt["attention_s"] / a100.flops
+    rate = 2 * 8192**2 * 4096 / lt.attention_s / a100.flops
     assert 0.25 <= rate / a100.sustained <= 0.40
-    assert lt["attention_s"] > kernels.attention_time(shape, 1, 1, a100)
+    assert lt.attention_s > kernels.attention_time(shape, 1, 1, a100)
 
 
 def test_flash_backward_is_five_matmuls_to_the_forwards_two():

@@ -228,9 +228,23 @@ def model_flops_per_token(shape: BlockShape) -> float:
     return 3 * (shape.layers * layer + 2 * shape.hidden * shape.vocab)
 
 
-def layer_times(run: TrainingRun) -> dict:
-    """Seconds of one layer on one micro-batch on one GPU: forward, backward, the TP
-    collectives' exposed time, the CP collectives'."""
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds of one layer on one micro-batch on one GPU: forward and backward compute
+    (recomputation included), the TP and CP collectives' exposed time, and the parts of
+    the forward: its linear GEMMs, attention, element-wise work."""
+
+    forward_s: float
+    backward_s: float
+    tp_exposed_s: float
+    cp_exposed_s: float
+    gemm_fwd_s: float
+    attention_s: float
+    elementwise_s: float
+
+
+def layer_times(run: TrainingRun) -> LayerTimes:
+    """The `LayerTimes` of `run` (module doc)."""
     shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
     tokens = shape.tokens // cp
     fwd = kernels.linear_time(shape, tokens, tp, hw, run.precision)
@@ -262,9 +276,7 @@ def layer_times(run: TrainingRun) -> dict:
         again = {"full": 1.0, "half_layers": 0.5}.get(run.recompute, 0.0)
         exposed += max(0.0, t - hidden_by) * (1 + again * (r["phase"] == "forward"))
     cp_s = cp_exposed(run, attn_s, attn_bwd) if cp > 1 else 0.0
-    return {"forward_s": forward, "backward_s": backward, "tp_exposed_s": exposed,
-            "cp_exposed_s": cp_s, "gemm_fwd_s": fwd, "attention_s": attn_s,
-            "elementwise_s": elem}
+    return LayerTimes(forward, backward, exposed, cp_s, fwd, attn_s, elem)
 
 
 def cp_exposed(run: TrainingRun, attn_s: float, attn_bwd: float) -> float:
@@ -299,23 +311,23 @@ def predict(run: TrainingRun) -> Prediction:
     check_type("run", run, TrainingRun, "a cost.TrainingRun")
     shape, hw = run.shape, run.hw
     lt = layer_times(run)
-    per_layer = lt["forward_s"] + lt["backward_s"] + lt["tp_exposed_s"] + lt["cp_exposed_s"]
+    per_layer = lt.forward_s + lt.backward_s + lt.tp_exposed_s + lt.cp_exposed_s
     head = kernels.head_time(shape, shape.tokens // run.cp, run.tp, hw, run.precision)
     stage = pipeline.stage_time(shape.layers, run.pp, run.vpp, per_layer, head)
     m = run.micro_batches
     p2p = pipeline.p2p_time(shape, run.tp, run.cp, hw)
-    pipe = pipeline.schedule(stage["slowest_s"], run.pp, run.vpp, m, p2p, run.p2p_overlap)
+    pipe = pipeline.schedule(stage.slowest_s, run.pp, run.vpp, m, p2p, run.p2p_overlap)
     data = pipeline.data_parallel(run, stage, lt, m)
     optimizer = kernels.optimizer_time(shape, run.tp, run.pp, run.dp * run.cp,
                                        run.sharding, hw, run.kernels)
-    step = pipe["compute_s"] + pipe["bubble_s"] + pipe["p2p_s"] + data["exposed_s"] + optimizer
+    step = pipe.compute_s + pipe.bubble_s + pipe.p2p_s + data.exposed_s + optimizer
     tokens = run.global_batch * shape.seq
     flops = model_flops_per_token(shape) * tokens
-    compute = m * stage["slowest_s"] - m * pipeline.comm_share(stage, lt)
-    breakdown = {"compute_s": compute, "tp_exposed_s": m * stage["layers"] * lt["tp_exposed_s"],
-                 "cp_exposed_s": m * stage["layers"] * lt["cp_exposed_s"],
-                 "pp_bubble_s": pipe["bubble_s"], "pp_p2p_s": pipe["p2p_s"],
-                 "dp_exposed_s": data["exposed_s"], "dp_comm_s": data["comm_s"],
+    compute = m * stage.slowest_s - m * pipeline.comm_share(stage, lt)
+    breakdown = {"compute_s": compute, "tp_exposed_s": m * stage.layers * lt.tp_exposed_s,
+                 "cp_exposed_s": m * stage.layers * lt.cp_exposed_s,
+                 "pp_bubble_s": pipe.bubble_s, "pp_p2p_s": pipe.p2p_s,
+                 "dp_exposed_s": data.exposed_s, "dp_comm_s": data.comm_s,
                  "optimizer_s": optimizer}
     memory = pipeline.memory(run)
     return Prediction(run=run, stack=run.stack, step_s=step,
