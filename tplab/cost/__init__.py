@@ -11,7 +11,8 @@ bandwidth; NICs striped between nodes), `collectives` and `nccl` (NCCL 2.21.5's 
 model: ring, tree, NVLS, CollNet x LL, LL128, Simple), `transformer` (Megatron-LM,
 Korthikanti et al. 2022, the Ultra-Scale Playbook, the JAX scaling book), `memory`
 (per-GPU memory: Megatron-LM's and ZeRO's bytes per parameter, Korthikanti et al. 2022's
-activations, tplab's own block), `gemm` (per-shape GEMM efficiency), `data_parallel` (DP
+activations, tplab's own block), `kernels` (the one GEMM model, `gemm_efficiency`, and
+the step's other kernels), `data_parallel` (DP
 gradient and ZeRO traffic), `step` (a step's time and the TP degree rows recommend),
 `validate` (one check of every input), `calibrate` (the fit), `training_run` (a whole
 run: `TrainingRun`, `predict`), `stacks` (the software a run runs on: `STACKS`,
@@ -34,8 +35,8 @@ from tplab.cost.collectives import (
     records_time,
 )
 from tplab.cost.data_parallel import dp_collectives, dp_times
-from tplab.cost.gemm import gemm_efficiency
 from tplab.cost.hardware import GPU_MEMORY, HARDWARE, LINKS, Hardware, Link
+from tplab.cost.kernels import gemm_efficiency
 from tplab.cost.memory import (
     BLOCK_SAVES,
     PRECISIONS,

@@ -150,7 +150,7 @@ MFU = 0.40
 BF16 MFU on 8K-16K H100s ("The Llama 3 Herd of Models", 2024, Table 4). It is an
 end-to-end figure (it pays for the communication that was not hidden), so compute at 40%
 of peak plus the communication modelled here errs on the slow side. Smaller per-rank GEMMs
-run below it (`tplab.cost.gemm`); each row carries the `mfu` it ended up with."""
+run below it (`tplab.cost.kernels.gemm_efficiency`); each row carries the `mfu` it ended up with."""
 
 
 def block_collectives(shape: BlockShape, tp: int, sequence_parallel: bool = False,
