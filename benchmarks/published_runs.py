@@ -56,6 +56,13 @@ def main() -> None:
               f"{r['predicted']:9.0f} {r['error']:+7.0%}"
               f"{'  (out of goal)' if r['excluded'] else ''}")
     s = scores.score(out)
+    reasons: dict[str, int] = {}
+    for _, why in published.UNSCORED:
+        key = why.split(":")[1].strip()
+        reasons[key] = reasons.get(key, 0) + 1
+    print(f"\n{len(published.ROWS)} rows read; {len(published.RUNS)} scored; "
+          f"{len(published.UNSCORED)} not expressible by TrainingRun: "
+          + ", ".join(f"{n} {why}" for why, n in reasons.items()))
     figures(s, "all")
     figures(s, "goal")
     k = s["korthikanti"]

@@ -191,8 +191,26 @@ def exclusion(r: dict) -> str:
     return ""
 
 
-RUNS: list[dict] = [r | {"excluded": exclusion(r)}
-                    for path in sorted(DATA.glob("*.json")) for r in load(path)]
+def unexpressible(r: dict) -> str:
+    """Why `TrainingRun` cannot express a row at all ("" if it can): a printed model with
+    no `cost.MODELS` shape (mixture-of-experts), a system with no `cost.HARDWARE` preset
+    (GB300, B300) or a precision the model does not price (MXFP8, NVFP4: block-scaled
+    formats; the model's fp8 is tensorwise). Such rows stay in the data, counted and
+    listed (`UNSCORED`), and are not scored."""
+    if r["model"] is None:
+        return f"model {r.get('printed_model')!r}: no cost.MODELS shape (experts)"
+    if r["hardware"] is None:
+        return f"system {r.get('printed_system')!r}: no cost.HARDWARE preset"
+    if r["precision"] is None:
+        return f"precision {r.get('printed_precision')!r}: not priced"
+    return ""
+
+
+ROWS: list[dict] = [r for path in sorted(DATA.glob("*.json")) for r in load(path)]
+"""Every row of every data file, scored or not."""
+RUNS: list[dict] = [r | {"excluded": exclusion(r)} for r in ROWS if not unexpressible(r)]
+"""The rows `TrainingRun` can express: every one is scored."""
+UNSCORED: list[tuple[dict, str]] = [(r, unexpressible(r)) for r in ROWS if unexpressible(r)]
 
 
 def to_run(r: dict, **changes) -> TrainingRun:
