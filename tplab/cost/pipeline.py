@@ -38,8 +38,19 @@ from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.hardware import GiB
 from tplab.cost.kernels import local_params
-from tplab.cost.memory import layer_saved, op_sac_layer
+from tplab.cost.memory import (
+    GRAD_BYTES,
+    OPTIMIZER_BYTES,
+    PARAM_BYTES,
+    layer_saved,
+    op_sac_layer,
+)
 
+PARAM, GRAD = PARAM_BYTES["mixed"], GRAD_BYTES["mixed"]
+STATES = OPTIMIZER_BYTES["adam"]["mixed"]
+"""Bytes per parameter of a run (Megatron-LM's bf16 recipe, `tplab.cost.memory`'s "mixed"
+with Adam: bf16 parameters, fp32 gradients, fp32 master and moments), the same constants
+`cost.gpu_memory` and `cost.dp_collectives` use."""
 FRAGMENTATION = 0.10
 NCCL_RESERVE = 1 * GiB
 
@@ -136,11 +147,11 @@ def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
     def t(op, nbytes, size=shard):
         return collective_time(op, nbytes, size, view, "auto") if size > 1 else 0.0
 
-    rs, ag = t("reduce_scatter", 4 * n), t("all_gather", 2 * n)
+    rs, ag = t("reduce_scatter", GRAD * n), t("all_gather", PARAM * n)
     if not run.grad_overlap and run.sharding in ("ddp", "zero1"):
         fwd = bwd = 0.0           # reduced after the last backward, gathered after the step
     if run.sharding == "ddp":
-        ar = t("all_reduce", 4 * n)
+        ar = t("all_reduce", GRAD * n)
         return DataParallel(ar, max(0.0, ar - bwd))
     if run.sharding == "zero1":
         return DataParallel(rs + ag, max(0.0, rs - bwd) + max(0.0, ag - fwd))
@@ -154,7 +165,7 @@ def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
         per_mb = gathers * ag + rs
     comm, exposed = m * (gathers * ag + rs), m * per_mb
     if run.sharding == "hsdp" and group > shard:
-        ar = t("all_reduce", 4 * n / shard, group // shard)
+        ar = t("all_reduce", GRAD * n / shard, group // shard)
         comm, exposed = comm + ar, exposed + max(0.0, ar - bwd)
     return DataParallel(comm, exposed)
 
@@ -189,10 +200,10 @@ def memory(run) -> dict:
     group = run.dp * cp
     shard = {"ddp": 1, "hsdp": min(group, max(1, hw.gpus_per_node // (tp * cp)))}.get(
         run.sharding, group)
-    states = {"param_bytes": 2 * n / (shard if run.sharding in ("fsdp", "hsdp") else 1),
-              "grad_bytes": 4 * n / (shard if run.sharding in ("zero2", "fsdp", "hsdp")
+    states = {"param_bytes": PARAM * n / (shard if run.sharding in ("fsdp", "hsdp") else 1),
+              "grad_bytes": GRAD * n / (shard if run.sharding in ("zero2", "fsdp", "hsdp")
                                      else 1),
-              "optimizer_bytes": 12 * n / (1 if run.sharding == "ddp" else shard)}
+              "optimizer_bytes": STATES * n / (1 if run.sharding == "ddp" else shard)}
     local = shape.with_(seq=shape.seq // cp)
     # flash attention keeps no s x s scores: what "selective" drops is never saved;
     # "op" keeps what torchtitan's op-level SAC saves (memory.op_sac_layer);
@@ -212,7 +223,7 @@ def memory(run) -> dict:
         transient += layer_bytes(run, local, "selective" if run.attention == "flash"
                                  else "none")
     if run.sharding in ("fsdp", "hsdp"):   # the gathered layer and the prefetched one
-        transient += 2 * 2 * n / layers
+        transient += 2 * PARAM * n / layers
     # the fp32 logits and their gradient live on the last stage, counted when it is also
     # the first (pp = 1); with pp > 1 the first stage's in-flight activations dominate
     logits = (run.settings.logits_bytes * local.tokens * -(-shape.vocab // tp)
