@@ -481,3 +481,17 @@ def test_op_recompute_keeps_what_torchtitans_op_level_sac_saves():
     for r in rows:
         p = cost.predict(published.to_run(r))
         assert p.fits and p.memory_per_gpu / 2**30 == pytest.approx(r["peak_gib"], rel=0.10)
+
+
+def test_op_recompute_reruns_the_matmuls_op_level_sac_does_not_keep():
+    # the same policy prices time: what is not kept is re-run (wk, wo, w3), plus the
+    # element-wise ops; the kept mm's (wq, wv, w1, w2) and attention are not
+    run = cost.TrainingRun("Llama-3 8B", "H100 SXM", 8, seq_len=8192, recompute="op",
+                           sharding="fsdp", stack="torchtitan")
+    none = dataclasses.replace(run, recompute="none")
+    lt, base = training_run.layer_times(run), training_run.layer_times(none)
+    t = 8192
+    rerun = sum(kernels.gemm_time(m, n, k, run.hw) for m, n, k in (
+        (t, 1024, 4096), (t, 4096, 4096), (t, 14336, 4096)))
+    assert lt.backward_s - base.backward_s == pytest.approx(rerun + lt.elementwise_s)
+    assert rerun < 0.5 * lt.gemm_fwd_s          # under half the layer's linear FLOPs

@@ -157,6 +157,17 @@ def linear_gemms(shape: BlockShape, tokens: int, tp: int) -> list[tuple[int, int
             (tokens, max(1, width // tp), h), (tokens, h, max(1, f // tp))]
 
 
+def op_sac_recomputed_gemms(shape: BlockShape, tokens: int,
+                            tp: int) -> list[tuple[int, int, int]]:
+    """The forward GEMMs torchtitan's op-level SAC recomputes in backward, (m, n, k) on one
+    rank: every second mm of the layer (`tplab.cost.memory.op_sac_layer` keeps the others):
+    wk, wo and w3 (a gated MLP) or fc2 (a plain one)."""
+    h, f = shape.hidden, shape.ffn_size
+    kv = max(shape.kv_dim // tp, h // shape.heads)
+    last = (tokens, max(1, f // tp), h) if shape.gated else (tokens, h, max(1, f // tp))
+    return [(tokens, kv, h), (tokens, h, max(1, h // tp)), last]
+
+
 def linear_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
                 precision: str = "bf16") -> float:
     """Seconds of one layer's forward GEMMs on one rank (each backward GEMM, input and

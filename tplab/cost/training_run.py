@@ -30,9 +30,11 @@ How a step is priced (one set of constants per hardware preset, each cited where
   all exposed.
 - **Recomputation**: "full" re-runs the forward; "selective" re-runs the attention core
   (Korthikanti et al. 2022's selective recomputation). Two more, torchtitan's
-  (torchtitan/models/llama3/infra/parallelize.py, `_apply_ac`): "op", its op-level SAC,
-  saves the outputs of every other matmul and of attention, so it re-runs half the linear
-  GEMMs and every element-wise op of the forward; "half_layers", its layer-level
+  (torchtitan/parallelisms/parallelize_llama.py at 9dec370, `_apply_ac_to_transformer_block`):
+  "op", its op-level SAC, saves the outputs of every other matmul (counted from the first)
+  and of attention (`memory.op_sac_layer`), so it re-runs the other matmuls (wk, wo and w3
+  or fc2: `kernels.op_sac_recomputed_gemms`) and every element-wise op of the forward;
+  "half_layers", its layer-level
   selective AC at frequency 2, re-runs the whole forward of every second layer.
 - The optimizer step: Adam reads 16 and writes 12 bytes per local parameter (fp32 master,
   m, v, grad), and the rest of the step (the gradient norm, Megatron-LM's copy into the
@@ -264,8 +266,9 @@ def layer_times(run: TrainingRun) -> LayerTimes:
         backward += forward
     elif run.recompute == "selective":
         backward += attn_s
-    elif run.recompute == "op":
-        backward += fwd / 2 + elem
+    elif run.recompute == "op":       # every second mm and every element-wise op
+        backward += elem + sum(kernels.gemm_time(m, n, k, hw, run.precision)
+                               for m, n, k in kernels.op_sac_recomputed_gemms(shape, tokens, tp))
     elif run.recompute == "half_layers":
         backward += forward / 2
     local = shape.with_(seq=shape.seq // cp)
