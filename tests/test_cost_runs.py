@@ -97,6 +97,12 @@ def test_a_run_names_its_stack_and_an_unknown_stack_lists_the_names():
     assert cost.predict(cost.TrainingRun(**run)).stack == cost.DEFAULT_STACK == "megatron-lm"
     with pytest.raises(ValueError, match="torchtitan.*llm-foundry-2023"):
         cost.TrainingRun(**run, stack="nemo-2019")
+    with pytest.raises(ValueError, match="stack = 3: expected a cost.STACKS name"):
+        cost.TrainingRun(**run, stack=3)
+    with pytest.raises(ValueError, match="attention_scale"):
+        cost.Stack("mine", attention_scale=2.0)
+    with pytest.raises(ValueError, match="not in cost.STACKS"):
+        cost.layouts("Llama-3 8B", "H100 SXM", 8, 8, stack="nemo-2019")
     assert all(isinstance(s, cost.Stack) for s in cost.STACKS.values())
     with pytest.raises(dataclasses.FrozenInstanceError):
         cost.STACKS["torchtitan"].kernels = "fused"
