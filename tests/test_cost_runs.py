@@ -214,24 +214,32 @@ def test_deepspeed_2021_per_parameter_collectives_do_not_explain_its_zero3_steps
     assert lat[1] > 3.5 * lat[0] and extra[1] - extra[0] > 3 * (lat[1] - lat[0])
 
 
-def goal(ok: bool, figure: str):
-    """A goal of issue 35 not met yet is a strict xfail naming the measured figure."""
-    if not ok:
-        pytest.xfail(f"issue 35 goal not met: {figure}")
+def short(figure: str):
+    """A goal of issue 35 not met yet: a strict xfail naming the figure measured when it
+    was written (benchmarks/published_runs.py prints it now); the assert in the test
+    prints the live one, and the day the goal holds the test fails loudly (XPASS)."""
+    return pytest.mark.xfail(strict=True, reason=f"issue 35 goal not met: {figure}")
 
 
-@pytest.mark.parametrize("way", ["all", "goal"])
+@pytest.mark.parametrize("way", [
+    pytest.param("all", marks=short("all rows: median |error| 11.2% (<= 8%), p90 30.9% "
+                                    "(<= 20%)")),
+    pytest.param("goal", marks=short("goal set: median |error| 11.1% (<= 8%), p90 29.2% "
+                                     "(<= 20%)"))])
 def test_goal_median_and_p90_over_every_scored_row(scored, way):
     e = scored[way]
     assert e["rows"] >= 170
-    goal(e["median"] <= 0.08 and e["p90"] <= 0.20,
-         f"{way} rows: median |error| {e['median']:.1%} (<= 8%), p90 {e['p90']:.1%} (<= 20%)")
+    assert e["median"] <= 0.08 and e["p90"] <= 0.20, (e["median"], e["p90"])
 
 
-@pytest.mark.parametrize("way", ["all", "goal"])
+@pytest.mark.parametrize("way", [
+    pytest.param("all", marks=short("sources past +-8%: dgxc -19.0%, Korthikanti +9.9%, "
+                                    "Llama 3 -19.5%, llm-foundry +9.3%, Megatron-Bridge "
+                                    "-8.9%, Narayanan +11.6%, torchtitan +11.3%, +23.6%")),
+    pytest.param("goal", marks=short("the same sources, goal set"))])
 def test_goal_each_sources_signed_median_within_8_percent(scored, way):
     off = {s[:30]: f"{m:+.1%}" for s, m in scored[way]["signed"].items() if abs(m) > 0.08}
-    goal(not off, f"{way} rows, sources past +-8%: {off}")
+    assert not off, off
 
 
 def test_goal_same_source_pairs_ordered(scored):
@@ -239,35 +247,38 @@ def test_goal_same_source_pairs_ordered(scored):
     assert total > 5000 and good / total >= 0.95
 
 
+@short("held out: dgxc 26.2%, Llama 3 26.7%, Megatron-Bridge 17.3%, torchtitan H100 15.4% "
+       "(<= 12%)")
 def test_goal_leave_one_source_out(scored):
     loso = scored["loso_goal"]
     assert all(0.85 < v["factor"] < 1.0 for v in loso.values())   # one bias, one sign
     off = {s[:30]: f"{v['after']:.1%}" for s, v in loso.items() if v["after"] > 0.12}
-    goal(not off, f"held-out median |error| over 12%: {off}")
+    assert not off, off
 
 
+@short("mean |error| 7.62% (Calculon 3.65%), max 11.17%, no per-run setting")
 def test_goal_korthikantis_eight_runs(scored):
     k = scored["korthikanti"]
     assert k["runs"] == 8
-    goal(k["mean"] <= 0.0365, f"mean |error| {k['mean']:.2%} (Calculon 3.65%), max "
-         f"{k['max']:.2%}, no per-run setting")
+    assert k["mean"] <= 0.0365, k
 
 
+@short("11 of 18 torchtitan peaks within 10%, worst -22%")
 def test_goal_memory_within_10_percent_of_every_printed_peak(scored):
     m = scored["memory"]
     assert len(m["rows"]) == 18
-    goal(m["within_10"] == 18, f"{m['within_10']} of 18 peaks within 10%, worst "
-         f"{m['worst']:+.0%}")
+    assert m["within_10"] == 18, (m["within_10"], m["worst"])
 
 
+@short("32 published runs the model says do not fit (31 llm-foundry, 1 ZeRO-3)")
 def test_goal_every_published_run_fits(scored):
-    n = len(scored["memory"]["not_fitting"])
-    goal(n == 0, f"{n} published runs the model says do not fit")
+    assert not scored["memory"]["not_fitting"], len(scored["memory"]["not_fitting"])
 
 
+@short("28 rows over 25% without a named cause")
 def test_goal_every_row_over_25_percent_has_a_named_cause(scored):
     unexplained = [r["where"] for r, why in scored["over"] if why == "unexplained"]
-    goal(not unexplained, f"{len(unexplained)} rows over 25% without a named cause")
+    assert not unexplained, len(unexplained)
 
 
 def test_llm_foundry_ran_h100_at_an_a100_like_ratio_on_one_stack():
