@@ -191,13 +191,13 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
                 live: bool | None = None, context=None,
                 dp_reduction: str = "mean") -> TrainReport:
     """Train on the ranks of `lab` (a Lab or a Simulation) and on one device from the same
-    weights; compare them step by step against a measured noise band. `context` (entered
-    around each step on the ranks), `dp_reduction`: as grad_check's. See the module doc."""
+    weights, compared step by step against a measured noise band. `context` (entered around
+    each step on the ranks) and `dp_reduction` as grad_check's; see the module doc."""
     check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live)
     check_options(context, dp_reduction, param_map)
+    refuse_plan_in_simulation(plan, lab.in_process)  # FSDP2 under tplab.simulate
     shape = MeshShape.of(lab.world_size, dp, tp, who="train_check")
     dp, tp = shape.dp, shape.tp
-    refuse_plan_in_simulation(plan, lab.in_process)  # FSDP2 under tplab.simulate
     model = build_model()
     _bound_memory(model, steps)
     _refuse_torch_dropout(lab, model)
@@ -235,11 +235,10 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
                        loss_fn, shape, ref, shapes, aliases, param_map, False, context,
                        dp_reduction)
         try:
-            results = _train_ranks(lab, job, ref_losses, band, live)
+            results, view = _train_ranks(lab, job, ref_losses, band, live)
         except BaseException:
             cancel.set()
             raise
-        results, view = results
         band = band.result()
         torch.set_rng_state(end)
     report = _report(results, ref_losses, ref_sums, ref, band, job, lab.world_size, kinds)

@@ -108,7 +108,7 @@ def comm_times(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool
     check_type("hw", hw, Hardware, "a tplab.cost.Hardware")
     check_choice("overlap", overlap, tuple(OVERLAPS))
     check_choice("recompute", recompute, RECOMPUTES)
-    check_number("mfu", mfu, strict=True, maximum=1.0)
+    check_number("mfu", mfu, minimum=1e-6, maximum=1.0)  # below: not an efficiency
     check_choice("gemm", gemm, GEMMS)
     if overlap == "async_tp" and not sequence_parallel:
         raise ValueError("overlap='async_tp' needs sequence_parallel=True: PyTorch's async "
@@ -146,7 +146,7 @@ def check_step(shape, tp, hw, sequence_parallel, algorithm, sublayers, recompute
     check_choice("overlap", overlap, tuple(OVERLAPS))
     if sp_saves is not None:
         check_choice("sp_saves", sp_saves, SP_SAVES)
-    check_number("mfu", mfu, strict=True, maximum=1.0)
+    check_number("mfu", mfu, minimum=1e-6, maximum=1.0)  # below: not an efficiency
     check_int("dp", dp)
     check_int("zero", zero, minimum=0)
     check_choice("gemm", gemm, GEMMS)
@@ -356,7 +356,7 @@ def mlp_comm_ratio(shape: BlockShape, tp: int, hw: Hardware, mfu: float = MFU) -
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_int("tp", tp)
     check_type("hw", hw, Hardware, "a tplab.cost.Hardware")
-    check_number("mfu", mfu, strict=True, maximum=1.0)
+    check_number("mfu", mfu, minimum=1e-6, maximum=1.0)  # below: not an efficiency
     if tp <= 1:
         return 0.0
     bw = hw.link(tp).params("all_reduce")[1]
