@@ -9,6 +9,7 @@ and the trace of the same step eager and compiled.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -111,3 +112,51 @@ def test_inductor_is_refused_with_torchs_reason_where_there_is_no_compiler():
         with pytest.raises(tplab.PlanError, match="cannot build C\\+\\+ here"):
             compiling.compiled(MLP(), None, None)
     assert compiling.why_not_inductor() is None  # this machine has one
+
+
+# --- issue 38 item 21: compositions that fail in torch itself are refused ------------------
+# benchmarks/compile_compositions.py runs them in plain torch (no tplab code): TP, then
+# checkpoint_wrapper, then torch.compile, fails in torch 2.13 on CPU; so does a whole-model
+# compile with fully_shard on its blocks after it. FSDP2 on the root only runs.
+
+LM_CFG = models.Config(vocab_size=32, dim=16, n_layers=2, n_heads=4, hidden_dim=32, seq_len=8,
+                       batch_size=4)
+
+
+def _compose(plan) -> list[str]:
+    """Rank side: `plan` applied on a (dp=1, tp=2) mesh (no forward: nothing compiles); the
+    FSDPModules it made."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from tplab.mesh import make_mesh
+
+    model = plan(models.TinyLM(LM_CFG), make_mesh(dp=1, tp=dist.get_world_size()))
+    return [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def test_compile_over_activation_checkpointing_or_per_block_fsdp2_is_refused(labs):
+    from tplab import checkpointing, fsdp
+
+    lab = labs.get(2)
+    version = re.escape(f"torch {torch.__version__} fails there on CPU, in plain torch too")
+    lm = plans.lm(loss_parallel=False)
+    checkpointed = functools.partial(checkpointing.checkpointed, plan=lm)
+    compiled = functools.partial(compiling.compiled, plan=lm)
+    ac_then_compile = functools.partial(compiling.compiled, plan=checkpointed)
+    for plan in (ac_then_compile, fsdp.fsdp_tp(ac_then_compile, per_module=("Block",))):
+        with pytest.raises(tplab.PlanError, match="activation checkpointing .*then torch.compile"
+                           f": {version}"):
+            lab.run(_compose, plan)
+    with pytest.raises(tplab.PlanError, match=f"fully_shard on its blocks.*: {version}"):
+        lab.run(_compose, fsdp.fsdp_tp(compiled, per_module=("Block",)))
+    # what runs: FSDP2 on the root of a compiled model, and per block uncompiled
+    assert lab.run(_compose, fsdp.fsdp_tp(compiled))[0] == [""]
+    assert lab.run(_compose, fsdp.fsdp_tp(checkpointed, per_module=("Block",)))[0] == \
+        ["", "layers.0._checkpoint_wrapped_module", "layers.1._checkpoint_wrapped_module"]
+
+
+def test_the_docstring_does_not_recommend_what_torch_cannot_run():
+    doc = " ".join(compiling.__doc__.split())
+    assert "torchtitan's order is TP, activation checkpointing, compile, FSDP2" not in doc
+    assert "fails in torch itself on CPU" in doc and "refuses" in doc

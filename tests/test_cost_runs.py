@@ -7,7 +7,16 @@ import statistics
 import pytest
 
 from tplab import cost
-from tplab.cost import data_parallel, kernels, nccl, pipeline, published, training_run
+from tplab.cost import (
+    data_parallel,
+    kernels,
+    memory,
+    nccl,
+    pipeline,
+    published,
+    scores,
+    training_run,
+)
 
 MiB = 2**20
 H100 = cost.HARDWARE["H100 SXM"]
@@ -38,42 +47,109 @@ def test_unknown_names_and_fp8_without_tensor_cores_are_refused():
         cost.TrainingRun("Llama-3 8B", "A100 SXM", 8, precision="fp8")
 
 
-def test_every_published_run_is_expressible_and_its_error_computed():
+@pytest.fixture(scope="module")
+def scored():
+    return scores.score()
+
+
+def test_every_row_of_every_table_is_data_naming_its_source_commit_file_and_stack():
+    rows = published.RUNS
+    assert len(rows) >= 189 and len({r["source"] for r in rows}) == 8
+    # a row TrainingRun cannot express stays in the data, counted, for a rule that reads it
+    assert len(published.ROWS) == len(rows) + len(published.UNSCORED)
+    assert all(why.split(" ")[0] in ("model", "system", "precision")
+               for _, why in published.UNSCORED)
+    bridge = [r for r in published.ROWS if r["source"] == published.BRIDGE]
+    assert len(bridge) == 61 and sum(r["source"] == published.BRIDGE for r in rows) == 12
+    for r in rows:
+        assert r["commit"] and r["file"] and r["printed"] and r["measured"] > 0
+        assert r["stack"] in cost.STACKS
+    # llm-foundry's H100 80GB BF16 and A100 80GB tables whole (52 + 61 rows), each row's
+    # line in the README kept; torchtitan's 405B rows on 128 H100s; every printed peak
+    foundry = [r for r in rows if r["source"] == published.FOUNDRY]
+    assert len(foundry) == 113 and len({r["line"] for r in foundry}) == 113
+    assert sum(r["hardware"] == "H100 SXM" for r in foundry) == 52
+    assert sum(r["source"] == published.TITAN and "405B" in r["where"] for r in rows) == 3
+    assert sum(r["peak_gib"] is not None for r in rows) == 18
+
+
+def test_the_exclusion_rule_reads_the_row_itself():
     out = published.compare()
-    assert len(out["rows"]) == len(published.RUNS) >= 90
-    sources = {r["source"] for r in out["rows"]}
-    assert len(sources) == 8
-    errors = [abs(r["predicted"] / r["measured"] - 1) for r in out["rows"]]
+    left_out = [r for r in out["rows"] if r["excluded"]]
+    assert all(r["stack"] == "deepspeed-2021" or "AsyncTP" in r["where"]
+               or "Async TP" in r["where"] for r in left_out)
+    assert sum(r["stack"] == "deepspeed-2021" for r in left_out) == 6
+    assert out["goal_rows"] == len(out["rows"]) - len(left_out)
+    errors = [abs(r["error"]) for r in out["rows"]]
     assert out["median_all"] == pytest.approx(statistics.median(errors))
-    zero3 = [r for r in out["rows"] if "ZeRO-3" in r["where"]]
-    rest = [r for r in out["rows"] if "ZeRO-3" not in r["where"]]
-    # the goal set is every row but the six ZeRO-3 ones, and only those (ZERO3_2021)
-    assert [r for r in out["rows"] if r["excluded"]] == zero3 and out["goal_rows"] == 87
-    assert out["median"] == pytest.approx(statistics.median(abs(r["error"]) for r in rest))
-    # what this model achieves today (docs/VALIDATION.md); a regression makes it worse
-    assert out["median"] <= 0.11 and abs(out["worst"]) <= 0.75
-    # torchtitan's pipelines at its default micro-batch count (published.PP_MICROBATCHES)
-    titan_pp = [r for r in rest if r["source"] == published.TITAN_H100 and r["pp"] > 1
-                and r["cp"] == 1]
-    assert len(titan_pp) == 3 and all(abs(r["error"]) < 0.10 for r in titan_pp)
-    assert all(abs(r["error"]) < 0.75 for r in rest)
-    # the group that meets the issue's median goal: NVIDIA's FP8 recipes (Megatron-Bridge)
-    bridge = [abs(r["error"]) for r in out["rows"] if r["source"] == published.BRIDGE]
-    assert len(bridge) == 10 and statistics.median(bridge) <= 0.10
-    # and the A100 groups at the sustained rate (four frameworks, 2021 to 2024)
-    a100 = [abs(r["error"]) for r in rest if r["hardware"] == "A100 SXM"]
-    assert len(a100) == 41 and statistics.median(a100) <= 0.15
-    # why the ZeRO-3 rows are out of the goal set, checked on the rows themselves: at a
-    # (near-)fixed global batch, 3.5-4 times the GPUs barely shortens the measured step
-    # (175B: 82, 67, 67 s; 530B: 256, 180, 184 s), where the work per GPU falls four-fold
+    # the six ZeRO-3 rows, checked on the rows themselves: at a (near-)fixed global batch,
+    # 3.5-4 times the GPUs barely shortens the measured step where the work falls four-fold
+    zero3 = [r for r in left_out if r["stack"] == "deepspeed-2021"]
     for rows in (zero3[:3], zero3[3:]):
         steps = [published.step_seconds(r) for r in rows]
         work = [r["global_batch"] / r["gpus"] for r in rows]   # sequences per GPU
         assert work[-1] <= work[0] / 4 and steps[-1] > 0.6 * steps[0]
     assert all(r["error"] > 0.5 for r in zero3)
-    # every run reported with PP > 1, CP > 1 or Blackwell is among them
-    assert any(r["pp"] > 1 for r in out["rows"]) and any(r["cp"] > 1 for r in out["rows"])
-    assert any(r["hardware"] == "GB200 NVL72" for r in out["rows"])
+
+
+def test_a_run_names_its_stack_and_an_unknown_stack_lists_the_names():
+    run = dict(model="Llama-3 8B", hardware="H100 SXM", gpus=8, seq_len=8192)
+    assert cost.predict(cost.TrainingRun(**run)).stack == cost.DEFAULT_STACK == "megatron-lm"
+    with pytest.raises(ValueError, match="torchtitan.*llm-foundry-2023"):
+        cost.TrainingRun(**run, stack="nemo-2019")
+    with pytest.raises(ValueError, match="stack = 3: expected a cost.STACKS name"):
+        cost.TrainingRun(**run, stack=3)
+    with pytest.raises(ValueError, match="attention_scale"):
+        cost.Stack("mine", attention_scale=2.0)
+    with pytest.raises(ValueError, match="not in cost.STACKS"):
+        cost.layouts("Llama-3 8B", "H100 SXM", 8, 8, stack="nemo-2019")
+    assert all(isinstance(s, cost.Stack) for s in cost.STACKS.values())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cost.STACKS["torchtitan"].kernels = "fused"
+    assert not hasattr(published, "FRAMEWORK")
+    titan = cost.predict(cost.TrainingRun(**run, stack="torchtitan"))
+    assert titan.stack == "torchtitan" and titan.run.kernels == "eager" and titan.run.torch_cp
+    # the same layout answered for two stacks differs, and an override is the stack's field
+    assert titan.step_s > cost.predict(cost.TrainingRun(**run, stack="megatron-bridge")).step_s
+    compiled = cost.TrainingRun(**run, stack="torchtitan", kernels="fused").settings
+    assert dataclasses.replace(compiled, name="x", cites="") == dataclasses.replace(
+        cost.STACKS["torchtitan+compile"], name="x", cites="")
+
+
+def test_composer_fsdp_syncs_every_micro_batch_as_its_sibling_sweep_measures():
+    # llm-foundry #543's larger_mb.md (data/siblings, not scored): 7B on 8 A100s at
+    # micro-batch 1, 2, 4, 6. GPU-seconds per token = a + c / (micro-batch tokens): c is
+    # what one micro-batch costs whatever its size; the model's FSDP traffic of one
+    # micro-batch, all of it exposed under the llm-foundry-2023 stack, is that c
+    rows = [r for r in published.load(published.DATA / "siblings" / "llm_foundry_larger_mb.json")
+            if r["model"] == "MPT 7B"]
+    assert sorted(r["micro_batch"] for r in rows) == [1, 2, 4, 6]
+    x = [1 / (r["micro_batch"] * r["seq_len"]) for r in rows]
+    y = [1 / r["measured"] / 8 * 8 for r in rows]                 # GPU-seconds per token
+    c = statistics.linear_regression(x, y).slope
+    assert c == pytest.approx(0.208, rel=0.02)
+    run = cost.TrainingRun("MPT 7B", "A100 SXM", 8, micro_batch=1, global_batch=16,
+                           seq_len=2048, sharding="fsdp", stack="llm-foundry-2023")
+    p = cost.predict(run)
+    per_mb = p.breakdown["dp_comm_s"] / run.micro_batches
+    assert per_mb == pytest.approx(c, rel=0.05)
+    assert p.breakdown["dp_exposed_s"] == pytest.approx(p.breakdown["dp_comm_s"])
+    for r in rows:                                   # and each sibling row within 3%
+        q = cost.predict(cost.TrainingRun("MPT 7B", "A100 SXM", 8, micro_batch=r["micro_batch"],
+                                          global_batch=r["global_batch"], seq_len=2048,
+                                          sharding="fsdp", stack="llm-foundry-2023"))
+        assert q.tokens_per_s_per_gpu == pytest.approx(r["measured"], rel=0.03)
+
+
+def test_llm_foundrys_triton_attention_runs_at_the_fa1_class_rate():
+    # flash_attn_triton.py is FA1's Triton kernel; FA2's abstract: FA1 25-40% of peak
+    shape = cost.MODELS["MPT 7B"].with_(seq=8192, batch=1)
+    a100 = cost.HARDWARE["A100 SXM"]
+    run = cost.TrainingRun("MPT 7B", "A100 SXM", 8, seq_len=8192, stack="llm-foundry-2023")
+    lt = training_run.layer_times(run)
+    rate = 2 * 8192**2 * 4096 / lt.attention_s / a100.flops
+    assert 0.25 <= rate / a100.sustained <= 0.40
+    assert lt.attention_s > kernels.attention_time(shape, 1, 1, a100)
 
 
 def test_flash_backward_is_five_matmuls_to_the_forwards_two():
@@ -118,7 +194,7 @@ def test_fp8_quantises_each_linears_operands_and_hopper_writes_them_transposed_t
 def test_deepspeed_2021_per_parameter_collectives_do_not_explain_its_zero3_steps():
     # DEEPSPEED_ZERO3_2021: one call per parameter (4 weights gathered twice, 12 gradients
     # reduce-scattered a layer), priced by the model's own NCCL latency and bandwidth
-    zero3 = [r for r in published.RUNS if r["excluded"]]
+    zero3 = [r for r in published.RUNS if r["stack"] == "deepspeed-2021"]
     assert len(zero3) == 6
     for r in zero3:
         calls = published.zero3_per_parameter_s(r)
@@ -138,20 +214,80 @@ def test_deepspeed_2021_per_parameter_collectives_do_not_explain_its_zero3_steps
     assert lat[1] > 3.5 * lat[0] and extra[1] - extra[0] > 3 * (lat[1] - lat[0])
 
 
-@pytest.mark.xfail(strict=True, reason="goal of issue 26 not met yet: the model "
-                   "over-predicts (docs/VALIDATION.md says which assumptions)")
-def test_the_published_runs_goal():
-    out = published.compare()
-    assert out["median"] <= 0.10 and abs(out["worst"]) <= 0.25
+def short(figure: str):
+    """A goal of issue 35 not met yet: a strict xfail naming the figure measured when it
+    was written (benchmarks/published_runs.py prints it now); the assert in the test
+    prints the live one, and the day the goal holds the test fails loudly (XPASS)."""
+    return pytest.mark.xfail(strict=True, reason=f"issue 35 goal not met: {figure}")
+
+
+@pytest.mark.parametrize("way", [
+    pytest.param("all", marks=short("all rows: median |error| 11.2% (<= 8%), p90 30.9% "
+                                    "(<= 20%)")),
+    pytest.param("goal", marks=short("goal set: median |error| 11.1% (<= 8%), p90 29.2% "
+                                     "(<= 20%)"))])
+def test_goal_median_and_p90_over_every_scored_row(scored, way):
+    e = scored[way]
+    assert e["rows"] >= 170
+    assert e["median"] <= 0.08 and e["p90"] <= 0.20, (e["median"], e["p90"])
+
+
+@pytest.mark.parametrize("way", [
+    pytest.param("all", marks=short("sources past +-8%: dgxc -19.0%, Korthikanti +9.9%, "
+                                    "Llama 3 -19.5%, llm-foundry +9.3%, Megatron-Bridge "
+                                    "-8.9%, Narayanan +11.6%, torchtitan +11.3%, +23.6%")),
+    pytest.param("goal", marks=short("the same sources, goal set"))])
+def test_goal_each_sources_signed_median_within_8_percent(scored, way):
+    off = {s[:30]: f"{m:+.1%}" for s, m in scored[way]["signed"].items() if abs(m) > 0.08}
+    assert not off, off
+
+
+def test_goal_same_source_pairs_ordered(scored):
+    good, total = scored["pairs_all"]
+    assert total > 5000 and good / total >= 0.95
+
+
+@short("held out: dgxc 26.2%, Llama 3 26.7%, Megatron-Bridge 17.3%, torchtitan H100 15.4% "
+       "(<= 12%)")
+def test_goal_leave_one_source_out(scored):
+    loso = scored["loso_goal"]
+    assert all(0.85 < v["factor"] < 1.0 for v in loso.values())   # one bias, one sign
+    off = {s[:30]: f"{v['after']:.1%}" for s, v in loso.items() if v["after"] > 0.12}
+    assert not off, off
+
+
+@short("mean |error| 7.62% (Calculon 3.65%), max 11.17%, no per-run setting")
+def test_goal_korthikantis_eight_runs(scored):
+    k = scored["korthikanti"]
+    assert k["runs"] == 8
+    assert k["mean"] <= 0.0365, k
+
+
+@short("11 of 18 torchtitan peaks within 10%, worst -22%")
+def test_goal_memory_within_10_percent_of_every_printed_peak(scored):
+    m = scored["memory"]
+    assert len(m["rows"]) == 18
+    assert m["within_10"] == 18, (m["within_10"], m["worst"])
+
+
+@short("32 published runs the model says do not fit (31 llm-foundry, 1 ZeRO-3)")
+def test_goal_every_published_run_fits(scored):
+    assert not scored["memory"]["not_fitting"], len(scored["memory"]["not_fitting"])
+
+
+@short("28 rows over 25% without a named cause")
+def test_goal_every_row_over_25_percent_has_a_named_cause(scored):
+    unexplained = [r["where"] for r, why in scored["over"] if why == "unexplained"]
+    assert not unexplained, len(unexplained)
 
 
 def test_llm_foundry_ran_h100_at_an_a100_like_ratio_on_one_stack():
-    # FOUNDRY_STACK: the same configurations on both GPUs, measured 2.1-2.5 x apart, where
-    # the presets' sustained GEMM rates are 3.1 x apart (the H100 rows' error, not a row's)
+    # FOUNDRY_STACK: the same configurations on both GPUs, measured 1.8-2.9 x apart, where
+    # the presets' sustained GEMM rates are 3.1 x apart
     pairs = published.foundry_pairs(published.RUNS)
-    assert len(pairs) == 6
+    assert len(pairs) == 39
     measured = [h["measured"] / a["measured"] for h, a in pairs]
-    assert all(2.1 <= r <= 2.55 for r in measured)
+    assert all(1.8 <= r <= 2.9 for r in measured)
 
     def gemm(hw):
         return hw.flops * hw.matmul_efficiency * hw.sustained
@@ -258,14 +394,14 @@ def test_without_overlap_the_gradient_collectives_are_all_exposed():
         assert after.breakdown["dp_exposed_s"] == pytest.approx(after.breakdown["dp_comm_s"])
         assert behind.breakdown["dp_exposed_s"] < after.breakdown["dp_exposed_s"]
         assert after.step_s > behind.step_s
-    # Megatron-LM of 2021-2022 (published.FRAMEWORK): reduced after the last backward
-    assert not published.FRAMEWORK[published.NARAYANAN][2]
+    # Megatron-LM of 2021-2022 (cost.STACKS): reduced after the last backward
+    assert not cost.STACKS["megatron-lm-2021"].grad_overlap
     # and, before September 2021, the TP backward all-reduce waited too
     sync = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", tp_overlap=False, **kw))
     overlapped = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", **kw))
     assert sync.breakdown["tp_exposed_s"] > overlapped.breakdown["tp_exposed_s"]
-    assert not published.FRAMEWORK[published.NARAYANAN][3]
-    assert published.FRAMEWORK[published.KORTHIKANTI][3]
+    assert not cost.STACKS["megatron-lm-2021"].tp_overlap
+    assert cost.STACKS["megatron-lm-2022"].tp_overlap
     with pytest.raises(TypeError, match="grad_overlap"):
         cost.TrainingRun("GPT 22B", "A100 SXM", 8, grad_overlap="no")
 
@@ -280,8 +416,8 @@ def test_without_p2p_overlap_the_interleaved_schedule_waits_on_every_exchange():
     assert hides.breakdown["pp_p2p_s"] == pytest.approx(2 * 7 * one)   # fill and drain
     assert waits.breakdown["pp_p2p_s"] >= 64 * 3 * one    # at least one per forward chunk
     assert waits.step_s > hides.step_s
-    assert not published.FRAMEWORK[published.KORTHIKANTI][4]
-    assert published.FRAMEWORK[published.BRIDGE][4]
+    assert not cost.STACKS["megatron-lm-2022"].p2p_overlap
+    assert cost.STACKS["megatron-bridge"].p2p_overlap
 
 
 def test_best_layout_fits_and_beats_every_other_fitting_layout():
@@ -344,3 +480,35 @@ def test_k_and_v_are_whole_heads_past_n_kv_heads():
     shape = cost.MODELS["Llama-3 70B"]            # 8 KV heads of 128
     assert kernels.linear_gemms(shape, 4096, 8)[0][1] == 8192 // 8 + 2 * 128
     assert kernels.linear_gemms(shape, 4096, 16)[0][1] == 8192 // 16 + 2 * 128   # not 64
+
+
+def test_op_recompute_keeps_what_torchtitans_op_level_sac_saves():
+    # _save_list keeps mm outputs "except every second mm": of wq, wk, wv, wo, w1, w3, w2
+    # the first, third, fifth and seventh; plus SDPA's output and logsumexp, and the input
+    shape = cost.MODELS["Llama-3 8B"]
+    saved = memory.op_sac_layer(shape)
+    names = [s.module for s in saved if s.what == "mm output"]
+    assert names == ["attention.wq", "attention.wv", "feed_forward.w1", "feed_forward.w2"]
+    h, kv, f = 4096, 1024, 14336
+    assert sum(s.per_token * s.element_bytes for s in saved) == (
+        2 * (h + h + kv + f + h + h) + 4 * 32)
+    # against torchtitan's printed peaks of its op-SAC runs (Tables 1 and 3, 8 and 128 H100s)
+    rows = [r for r in published.RUNS if r["recompute"] == "op" and r["peak_gib"]]
+    assert len(rows) == 6
+    for r in rows:
+        p = cost.predict(published.to_run(r))
+        assert p.fits and p.memory_per_gpu / 2**30 == pytest.approx(r["peak_gib"], rel=0.10)
+
+
+def test_op_recompute_reruns_the_matmuls_op_level_sac_does_not_keep():
+    # the same policy prices time: what is not kept is re-run (wk, wo, w3), plus the
+    # element-wise ops; the kept mm's (wq, wv, w1, w2) and attention are not
+    run = cost.TrainingRun("Llama-3 8B", "H100 SXM", 8, seq_len=8192, recompute="op",
+                           sharding="fsdp", stack="torchtitan")
+    none = dataclasses.replace(run, recompute="none")
+    lt, base = training_run.layer_times(run), training_run.layer_times(none)
+    t = 8192
+    rerun = sum(kernels.gemm_time(m, n, k, run.hw) for m, n, k in (
+        (t, 1024, 4096), (t, 4096, 4096), (t, 14336, 4096)))
+    assert lt.backward_s - base.backward_s == pytest.approx(rerun + lt.elementwise_s)
+    assert rerun < 0.5 * lt.gemm_fwd_s          # under half the layer's linear FLOPs

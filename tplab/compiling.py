@@ -4,9 +4,18 @@ train_check and tplab.trace.
     plan = functools.partial(tplab.compiling.compiled, plan=tplab.plans.block())
 
 - `compiled(model, mesh, plan, backend="inductor")`: `plan` (a dict or a `(model, mesh) ->
-  model` callable), then `torch.compile(model, backend=...)`: torchtitan's order is TP,
-  activation checkpointing, compile, FSDP2 (per block). The compiled model's parameters are
-  the same objects, named with torch's `_orig_mod.` prefix (tplab.core.pairing reads through it).
+  model` callable), then `torch.compile(model, backend=...)` of the whole model. The compiled
+  model's parameters are the same objects, named with torch's `_orig_mod.` prefix
+  (tplab.core.pairing reads through it).
+- What it does not compose with, here: torchtitan compiles each block and puts activation
+  checkpointing before compile and FSDP2 after it, but the same order with a whole-model
+  compile fails in torch itself on CPU (`COMPOSITIONS`; benchmarks/compile_compositions.py
+  runs it with torch's own calls): fully_shard per block after compile fails for every model
+  tried; checkpoint_wrapper then compile fails for the lesson models (TinyLM) and ran for a
+  norm-free MLP stack. `compiled` refuses a plan that checkpoints
+  (`checkpointing.checkpointed`), and `fsdp.fsdp_tp` refuses `per_module` over a compiled
+  model (`refuse_in_fully_shard`); a model of your own that runs the first composition can
+  still be compiled with torch.compile directly. FSDP2 on the root of a compiled model runs.
 - `why_not_inductor()`: None where inductor can compile here, else torch's reason (inductor's
   CPU backend writes C++ and builds it with the C++ compiler it finds from
   `torch._inductor.config.cpp.cxx`). `compiled` refuses with it before anything runs.
@@ -21,6 +30,7 @@ The first call compiles (tens of seconds per rank on a small CPU); inductor cach
 from __future__ import annotations
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
@@ -29,8 +39,44 @@ from tplab.mesh import make_mesh
 from tplab.plans import parallelizer
 from tplab.tracing import trace
 
-__all__ = ["collectives", "compiled", "eager_and_compiled", "sequence_parallel",
-           "why_not_inductor"]
+__all__ = ["COMPOSITIONS", "collectives", "compiled", "eager_and_compiled", "is_compiled",
+           "refuse_in_fully_shard", "sequence_parallel", "why_not_inductor"]
+
+# What a whole-model torch.compile does not compose with, and what torch itself raised
+# (benchmarks/compile_compositions.py: 2 processes, gloo, CPU, mesh dp=1 x tp=2; TinyLM under
+# plans.lm(loss_parallel=False) by parallelize_module, torch's checkpoint_wrapper on each
+# block, fully_shard on each block and the root; inductor). Refused, not worked around.
+COMPOSITIONS = {
+    "activation checkpointing": (
+        "TP, then activation checkpointing (checkpoint_wrapper), then torch.compile",
+        "AssertionError: expected all tensors_saved_with_vc_check to be Tensors",
+        "check the compiled plan without checkpointing, and checkpointing.checkpointed "
+        "uncompiled (it fails for tplab's lesson models; a model of yours that runs it can "
+        "call torch.compile itself: benchmarks/compile_compositions.py)"),
+    "FSDP2 per module": (
+        "TP, then torch.compile of the whole model, then fully_shard on its blocks "
+        "(fsdp_tp's per_module)",
+        "BackendCompilerFailed: AssertionError: Mixing fake modes NYI",
+        "FSDP2 on the root only (fsdp_tp without per_module) runs over a compiled model; "
+        "per block, check the plan uncompiled"),
+}
+
+
+def _refusal(name: str) -> str:
+    what, raised, instead = COMPOSITIONS[name]
+    return (f"{what}: torch {torch.__version__} fails there on CPU, in plain torch too "
+            f"({raised}), so tplab refuses it; {instead}")
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether `model` is torch.compile's wrapper of a module (its `_orig_mod`)."""
+    return isinstance(getattr(model, "_orig_mod", None), torch.nn.Module)
+
+
+def refuse_in_fully_shard(model: torch.nn.Module, per_module) -> None:
+    """For tplab.fsdp: a PlanError when FSDP2 would shard blocks inside a compiled model."""
+    if per_module and is_compiled(model):
+        raise PlanError(_refusal("FSDP2 per module"))
 
 
 def why_not_inductor() -> str | None:
@@ -82,6 +128,8 @@ def compiled(model: torch.nn.Module, mesh, plan=None, backend: str = "inductor")
             raise PlanError(why)
     if plan is not None:
         model = parallelizer(plan)(model, mesh)
+    if any(isinstance(m, CheckpointWrapper) for m in model.modules()):
+        raise PlanError(_refusal("activation checkpointing"))
     return torch.compile(model, backend=backend)
 
 

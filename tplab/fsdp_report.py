@@ -18,7 +18,7 @@ gradient G then comes from:
 from __future__ import annotations
 
 from tplab.core.pytrees import call_model, map_tensors
-from tplab.rank.grad_step import call_loss, with_grad
+from tplab.losses import call_loss, with_grad
 
 __all__ = ["dims_of", "explain", "name_mesh_dims", "replica_grads"]
 

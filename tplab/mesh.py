@@ -7,6 +7,8 @@ shape, so a cell that runs twice does not create new process groups every time. 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -67,6 +69,39 @@ def make_mesh(tp: int | None = None, dp: int | None = None) -> DeviceMesh:
     for name in names:
         GROUP_NAMES[mesh.get_group(name).group_name] = name
     return mesh
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The (dp, tp) shape of a check's mesh: made once in the notebook (`of`, which checks
+    it against the world size), carried to the ranks in the check's job, made there by
+    `make()`. The one place that turns a shape into a mesh (tp innermost, as make_mesh)."""
+
+    dp: int
+    tp: int
+
+    @classmethod
+    def of(cls, world: int, dp: int | None = None, tp: int | None = None,
+           who: str = "grad_check") -> MeshShape:
+        """(dp, tp) from what was given: neither -> (1, world); one -> the other from world;
+        a LabError naming the argument when one does not divide the world or they do not
+        cover it."""
+        for name, size in (("dp", dp), ("tp", tp)):
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                     or size < 1 or world % size):
+                raise LabError(f"{who}: {name}={size!r} must be a positive int that divides "
+                               f"the world size {world}")
+        if tp is None:
+            tp = world // (dp or 1)
+        dp = world // tp if dp is None else dp
+        if dp * tp != world:
+            raise LabError(f"{who}: dp={dp} x tp={tp} = {dp * tp} ranks, but the lab has "
+                           f"{world}")
+        return cls(dp, tp)
+
+    def make(self) -> DeviceMesh:
+        """This shape's mesh on the ranks: ("tp",) for dp 1, else ("dp", "tp")."""
+        return make_mesh(tp=self.tp) if self.dp == 1 else make_mesh(dp=self.dp, tp=self.tp)
 
 
 def forget_meshes() -> None:

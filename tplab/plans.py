@@ -127,13 +127,17 @@ def lm(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
 # --- applying and checking ---------------------------------------------------------------
 
 
-def apply_plan(model: nn.Module, mesh, plan: dict, example_input=None) -> nn.Module:
+def apply_plan(model: nn.Module, mesh, plan: dict, example_input=None, *,
+               checked: str = "") -> nn.Module:
     """`parallelize_module(model, mesh["tp"], plan)` after `check_plan`; returns the model.
     The layouts are checked with `example_input` if given, else at the model's first call
-    (before the parallel forward runs)."""
+    (before the parallel forward runs). `checked`: what a check already did in the notebook
+    (`parallelizer`): "plan" (check_plan, no example input: the layouts are still checked
+    at the first call) or "layouts" (both), not done again on every rank."""
     mesh = tp_mesh(mesh)
-    check_plan(model, plan, mesh.size(), example_input)
-    if example_input is None:
+    if not checked:
+        check_plan(model, plan, mesh.size(), example_input)
+    if example_input is None and checked != "layouts":
         plan_check.check_at_first_call(model, plan)
     return parallelize_module(model, mesh, plan)
 
@@ -157,7 +161,9 @@ def parallelizer(plan, model: nn.Module | None = None, tp: int | None = None,
         if callable(own):
             own(model, plan_check.check_tp(tp, "the plan's check"))
     if isinstance(plan, dict):
-        return functools.partial(apply_plan, plan=plan)
+        # checked here once: the ranks apply it without checking again
+        done = "" if model is None else "plan" if example_input is None else "layouts"
+        return functools.partial(apply_plan, plan=plan, checked=done)
     return plan
 
 

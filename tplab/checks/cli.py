@@ -53,8 +53,8 @@ from tplab.core.pytrees import call_model
 from tplab.errors import LabError, PlanError, RankError
 from tplab.lab.engines.local import LocalKind
 from tplab.lab.validate import MAX_LOCAL_RANKS, check_launch_args
+from tplab.losses import call_loss
 from tplab.plans import parallelizer
-from tplab.rank.grad_step import call_loss
 
 
 class BadArgument(Exception):

@@ -32,7 +32,23 @@ How the pieces are called (the same in processes and in `tplab.simulate`):
   after backward (DDP's all-reduce; `average_dp=False` when the plan does that itself).
   The reference is the single-device model on the whole batch with the MEAN of the dp
   slices' losses; the ranks' input gradients are divided by dp to match. Gradients that
-  the plan made DTensors on the whole mesh (FSDP2) are taken as they are.
+  the plan made DTensors on the whole mesh (FSDP2) are taken as they are: FSDP2 itself
+  reduces them, so they must be reduced as `dp_reduction` says (FSDP2's default averages).
+- `dp_reduction="sum"`: torchtitan's convention. Gradients are SUMMED over dp (FSDP2's
+  `set_gradient_divide_factor(1.0)`; grad_check's own DDP all-reduce sums too) and
+  `loss_fn` divides by the global token count itself; the reference's loss is the SUM of
+  the dp slices' losses, and the input gradients are not divided. FSDP2's reductions then
+  run as sum-only collectives (gloo lacks the PREMUL_SUM a divide factor of 1 asks for).
+- `context=`: a function of no arguments returning a context manager (a
+  `contextlib.contextmanager`, `functools.partial(...)` of one), entered on every rank
+  around forward, the loss and backward: a framework's training context (torchtitan reads
+  its mesh from one). The one-device reference runs without it.
+- `outputs={path: layout}` for outputs a framework leaves per rank: "rank-local" (each
+  rank's own value, such as a loss its trainer averages: not compared, noted), or the
+  layout on the tp dim of a plain-tensor output (an int dim, "Shard(d)", a Shard, or None
+  for a replica). Without it a plain output whose shape is the reference's with one dim
+  divided by tp is read as sharded there (inferred, and said so in its row's note).
+  Paths are the rows' names ("output", "output.logits", "loss").
 
 Each rank runs `tplab.rank.grad_step.parallel_step`; what it returns is paired and
 assembled here. Pairing (tplab.core.pairing): a parameter on the ranks is compared with the
@@ -46,119 +62,79 @@ nothing is reported as "unpaired" with how to pair it, and the check does not pa
 The report has one row per tensor: every output leaf (and the loss), every input gradient,
 every parameter gradient (assembled from the ranks' pieces), and for every tensor that
 should be the same on every rank, the spread across ranks (kind "replica_spread").
+Each row is judged relative to its own tensor's scale, as torch.testing judges: max |error|
+<= atol + rtol * max|reference|, rtol by the model's dtype and atol a floor for what is near
+zero (tplab/checks/grad_tolerance.py); the row's "tol" says what it used. `atol`/`rtol`
+may be numbers or numeric strings (as a config file gives them), finite and >= 0.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from tplab import rng
-from tplab.checks.grad_report import GradCheckReport, compare, unpaired, unreadable
+from tplab.checks.grad_params import assemble, param_rows
+from tplab.checks.grad_report import GradCheckReport, compare
+from tplab.checks.grad_tolerance import TOLERANCES, check_tolerance, kind_floors, tolerances
 from tplab.core import placements
-from tplab.core.pairing import Pair, gather, gather_indexed, pair
+from tplab.core.fsdp_layout import refuse_plan_in_simulation
 from tplab.core.pytrees import call_model, leaves, map_tensors
 from tplab.core.transfer import LocalShard
 from tplab.errors import LabError
 from tplab.fsdp_report import name_mesh_dims, replica_grads
-from tplab.layouts import ParamLayout
+from tplab.losses import call_loss, with_grad
+from tplab.mesh import MeshShape
 from tplab.plans import parallelizer
-from tplab.rank.grad_step import call_loss, parallel_step, with_grad
+from tplab.rank.grad_step import RANK_LOCAL, GradJob, parallel_step
 
-__all__ = ["TOLERANCES", "GradCheckReport", "assemble", "compare", "grad_check", "mesh_shape",
-           "tensor_rows", "tolerances"]
+__all__ = ["DP_REDUCTIONS", "RANK_LOCAL", "TOLERANCES", "GradCheckReport", "assemble",
+           "check_tolerance", "compare", "grad_check", "mesh_shape", "output_specs",
+           "state_of", "tensor_rows", "tolerances"]
 
-# (atol, rtol) by the dtype the model computes in, as torch.testing.assert_close picks its
-# defaults by dtype. float32's are grad_check's own (a TP run's gradients differ from one
-# device's by about 16 ulps of the largest); the half types' keep about the same ratio to
-# what their rounding makes (measured here: TinyLM, TP and DTensor plans, world 2: bfloat16
-# up to 0.024 of the largest, float16 up to 0.004; every bug of the lessons is O(1)).
-TOLERANCES = {torch.float64: (1e-5, 1e-4), torch.float32: (1e-5, 1e-4),
-              torch.float16: (1e-4, 2e-2), torch.bfloat16: (1e-3, 1e-1)}
-
-
-def assemble(values: list) -> tuple[torch.Tensor | None, float | None]:
-    """The whole tensor from the ranks' values, and the spread across its replicas.
-
-    `values` holds one item per rank: a LocalShard (placed by its offsets; Partial shards
-    summed) or a plain tensor (every rank should hold the same). The spread is the largest
-    difference between copies that should be equal (None when nothing is replicated).
-    """
-    if any(v is None for v in values):
-        return None, None
-    if not isinstance(values[0], LocalShard):
-        spread = max((float((v - values[0]).abs().max()) for v in values[1:]), default=None)
-        return values[0], spread
-    first = values[0]
-    replicate = {i for i, p in enumerate(first.placements) if placements.is_replicate(p)}
-    partial = any(placements.is_partial(p) for p in first.placements)
-    groups: dict[tuple, list[LocalShard]] = {}
-    for s in values:
-        key = tuple(c for i, c in enumerate(s.coordinate) if i not in replicate)
-        groups.setdefault(key, []).append(s)
-    full = torch.zeros(first.global_shape, dtype=first.local.dtype)
-    spread = None
-    for copies in groups.values():
-        s = copies[0]
-        region = tuple(slice(o, o + n) for o, n in zip(s.offsets, s.local.shape, strict=True))
-        if partial:
-            full[region] += s.local
-        else:
-            full[region] = s.local
-        for other in copies[1:]:
-            spread = max(spread or 0.0, float((other.local - s.local).abs().max()))
-    return full, spread
+DP_REDUCTIONS = ("mean", "sum")
 
 
 def tensor_rows(name: str, kind: str, values: list, ref, atol: float, rtol: float,
-                note: str = "") -> list[dict]:
+                note: str = "", sizes: tuple = ()) -> list[dict]:
     """The report's rows for one tensor from the ranks' values (one per rank): the
     assembled tensor against `ref`, and the spread across its replicas when it has any.
-    What `grad_check` and the Explorer (tplab/widgets.py) both report."""
+    What `grad_check` and the Explorer (tplab/widgets.py) both report. `sizes`: the mesh's
+    group sizes, the factors a collective that summed copies could explain."""
     full, spread = assemble(values)
-    if not note and isinstance(values[0], LocalShard) and any(
-            placements.is_partial(p) for p in values[0].placements):
-        note = "Partial on the ranks (not yet reduced); summed here"
-    rows = [compare(name, kind, full, ref, atol, rtol, note)]
+    ops = [placements.parse(p)[1] for p in values[0].placements
+           if placements.is_partial(p)] if isinstance(values[0], LocalShard) else []
+    if not note and ops:
+        how = "summed" if set(ops) == {"sum"} else "averaged" if set(ops) == {"avg"} else \
+            "reduced (" + ", ".join(ops) + ")"
+        note = f"Partial on the ranks (not yet reduced); {how} here"
+    rows = [compare(name, kind, full, ref, atol, rtol, note, sizes=sizes)]
     if spread is not None:
         rows.append(compare(name, "replica_spread", spread, ref, atol, rtol))
     return rows
 
 
 def mesh_shape(world: int, dp: int | None, tp: int | None) -> tuple[int, int]:
-    """(dp, tp) from what was given: neither -> (1, world); one -> the other from world."""
-    for name, size in (("dp", dp), ("tp", tp)):
-        if size is not None and (not isinstance(size, int) or size < 1 or world % size):
-            raise LabError(f"grad_check: {name}={size!r} must be a positive int that divides "
-                           f"the world size {world}")
-    if tp is None:
-        tp = world // (dp or 1)
-    dp = world // tp if dp is None else dp
-    if dp * tp != world:
-        raise LabError(f"grad_check: dp={dp} x tp={tp} = {dp * tp} ranks, but the lab has "
-                       f"{world}")
-    return dp, tp
+    """(dp, tp) from what was given: neither -> (1, world); one -> the other from world
+    (`tplab.mesh.MeshShape.of`, which checks them)."""
+    shape = MeshShape.of(world, dp, tp)
+    return shape.dp, shape.tp
 
 
-def tolerances(tensors, atol: float | None, rtol: float | None):
-    """(atol, rtol, dtype): those given, else TOLERANCES of the least precise floating dtype
-    among `tensors` (the model's parameters and outputs: what it computes in)."""
-    dtypes = {t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()}
-    dtype = max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)
-    default = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
-    return (default[0] if atol is None else atol, default[1] if rtol is None else rtol,
-            dtype)
+def state_of(model) -> dict:
+    """The model's state_dict to load on the ranks, tensors cloned; other entries (a
+    Megatron module's `_extra_state: None`) as they are."""
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in model.state_dict().items()}
 
 
-def _reference(model, x, loss_fn, dp):
+def _reference(model, x, loss_fn, dp, dp_reduction="mean"):
     """The single-device step: (output leaves, loss, input with gradients)."""
     x_ref = with_grad(x)
     if dp == 1:
         out = call_model(model, x_ref)
         loss = call_loss(loss_fn, out, x_ref)
         outs = dict(leaves(out, "output"))
-    else:  # the mean of the dp replicas' losses, each on its slice of the batch
+    else:  # the mean (or sum) of the dp replicas' losses, each on its slice of the batch
         for path, t in leaves(x, "input"):
             if t.ndim == 0 or t.shape[0] % dp:
                 raise LabError(f"grad_check: dim 0 of the {path} (shape {tuple(t.shape)}) must "
@@ -169,185 +145,154 @@ def _reference(model, x, loss_fn, dp):
         out = call_model(model, x_ref)
         outs = dict(leaves(out, "output"))
         loss = sum(call_loss(loss_fn, *map_tensors(lambda t, d=d: t.chunk(dp)[d], (out, x_ref)))
-                   for d in range(dp)) / dp
+                   for d in range(dp)) / (dp if dp_reduction == "mean" else 1)
     loss.backward()
     return outs, loss, x_ref
 
 
-def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | None = None,
-               rtol: float | None = None, *, dp: int | None = None, tp: int | None = None,
-               average_dp: bool = True, param_map: dict | None = None) -> GradCheckReport:
-    """Run the single-device reference here and the parallel model on `lab` (a Lab or a
-    Simulation) with identical weights and input; compare every output, input gradient
-    and parameter gradient. `dp`/`tp` check data x tensor parallelism on a 2-D mesh;
-    `param_map` pairs parameters by hand. See the module docstring."""
-    dp, tp = mesh_shape(lab.world_size, dp, tp)
+def _placement_of(spec) -> str | None:
+    """An `outputs=` value as a placement string on the tp dim, or None when it is none."""
+    if spec is None:
+        return placements.REPLICATE
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        return placements.shard(spec)
+    try:
+        kind, arg = placements.parse(spec if isinstance(spec, str) else placements.name(spec))
+    except ValueError:
+        return None
+    return {placements.SHARD_KIND: placements.shard(arg) if arg is not None else None,
+            placements.REPLICATE_KIND: placements.REPLICATE}.get(kind)
+
+
+def output_specs(outputs, names: list[str]) -> dict[str, str]:
+    """`outputs=` as {output path: "Shard(d)", "Replicate()" or RANK_LOCAL}: a value is
+    "rank-local", a placement (torch's or its string), an int d (Shard(d)) or None (a
+    replica); a path the model's output does not have is a LabError listing its paths."""
+    if outputs is None:
+        return {}
+    if not isinstance(outputs, dict):
+        raise LabError(f"grad_check: outputs is a dict {{output path: layout}} such as "
+                       f"{{'output.logits': 'Shard(-1)', 'loss': {RANK_LOCAL!r}}}, got "
+                       f"{type(outputs).__name__} {outputs!r}")
+    specs = {}
+    for name, spec in outputs.items():
+        if name not in names:
+            raise LabError(f"grad_check: outputs names {name!r}, which the output does not "
+                           f"have; its paths: {', '.join(map(repr, names))}")
+        specs[name] = RANK_LOCAL if spec == RANK_LOCAL else _placement_of(spec)
+        if specs[name] is None:
+            raise LabError(f"grad_check: outputs[{name!r}]={spec!r}: give {RANK_LOCAL!r} "
+                           "(each rank's own value, not compared), a shard dim (an int, "
+                           "'Shard(d)' or Shard(d)) or None / 'Replicate()'")
+    return specs
+
+
+def _check_options(dp_reduction, average_dp, context, param_map) -> None:
+    if dp_reduction not in DP_REDUCTIONS:
+        raise LabError(f"grad_check: dp_reduction={dp_reduction!r}: one of "
+                       f"{', '.join(map(repr, DP_REDUCTIONS))} (how the replicas' gradients "
+                       "are reduced over dp: averaged as DDP, or summed as torchtitan's FSDP)")
+    if not isinstance(average_dp, bool):
+        raise LabError(f"grad_check: average_dp must be True or False, got {average_dp!r}")
+    if context is not None and not callable(context):
+        raise LabError(f"grad_check: context must be a function of no arguments that returns "
+                       f"a context manager (such as functools.partial(my_context, mesh_args))"
+                       f", got {type(context).__name__} {context!r}")
     if param_map is not None and not isinstance(param_map, dict):
         raise LabError("grad_check: param_map is a dict {parallel name: reference name} or "
                        "{parallel name: (reference name, shard dim or None)}")
+
+
+def grad_check(lab, build_model, plan, make_input, loss_fn=None, atol: float | None = None,
+               rtol: float | None = None, *, dp: int | None = None, tp: int | None = None,
+               average_dp: bool = True, param_map: dict | None = None,
+               context=None, outputs: dict | None = None,
+               dp_reduction: str = "mean") -> GradCheckReport:
+    """Run the single-device reference here and the parallel model on `lab` (a Lab or a
+    Simulation) with identical weights and input; compare every output, input gradient
+    and parameter gradient. `dp`/`tp` check data x tensor parallelism on a 2-D mesh;
+    `param_map` pairs parameters by hand; `context`, `outputs` and `dp_reduction` are for
+    frameworks (a context on the ranks, outputs left per rank or sharded, FSDP's sum
+    convention). See the module docstring."""
+    shape = MeshShape.of(lab.world_size, dp, tp)
+    atol, rtol = check_tolerance(atol, "atol"), check_tolerance(rtol, "rtol")
+    _check_options(dp_reduction, average_dp, context, param_map)
+    refuse_plan_in_simulation(plan, lab.in_process)  # FSDP2 under tplab.simulate
     model = build_model()
     x = make_input()
-    parallelizer(plan, model, tp, x)  # a PlanError here, before anything reaches the ranks
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    rng.reference_tracker(model, tp)  # tplab.rng's "tp" masks drawn as the tp ranks draw them
-    out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, dp)
+    # a PlanError here, before anything reaches the ranks
+    step_plan = parallelizer(plan, model, shape.tp, x)
+    state = state_of(model)
+    rng.reference_tracker(model, shape.tp)  # tplab.rng's "tp" masks, as the tp ranks draw them
+    out_ref, loss_ref, x_ref = _reference(model, x, loss_fn, shape.dp, dp_reduction)
+    specs = output_specs(outputs, [*out_ref, "loss"])
     atol, rtol, dtype = tolerances([*model.parameters(), *out_ref.values()], atol, rtol)
-    results = lab.run(parallel_step, build_model, state, plan, x, loss_fn, dp, average_dp)
+    floors = kind_floors({"output": [*out_ref.values(), loss_ref],
+                          "input_grad": [t.grad for _, t in leaves(x_ref, "input")],
+                          "param_grad": [p.grad for p in model.parameters()]}, atol, dtype)
+    job = GradJob(build_model, state, step_plan, x, loss_fn, shape, average_dp, dp_reduction,
+                  context, specs, {k: tuple(v.shape) for k, v in out_ref.items()})
+    results = lab.run(parallel_step, job)
+    rows, notes = _tensor_rows(results, out_ref, loss_ref, x_ref, job, floors, rtol)
+    wholes: dict = {}
+    notes += param_rows(model, results, shape.tp, param_map, rows, floors["param_grad"], rtol,
+                        wholes, _sizes(shape))
+    if shape.dp > 1 and dp_reduction == "mean" and any(
+            r["kind"] == "param_grad" and not r["ok"] for r in rows):
+        # which mesh dim a wrong gradient comes from (tplab/fsdp_report.py)
+        name_mesh_dims(rows, wholes, replica_grads(build_model, state, x, loss_fn, shape.dp),
+                       shape.dp, floors["param_grad"], rtol)
+    _per_rank_loss(rows, results[0].read_as)
+    return GradCheckReport(rows, len(results), atol, rtol, loss_ref.item(),
+                           {"dp": shape.dp, "tp": shape.tp}, notes,
+                           dtype=str(dtype).removeprefix("torch."), floors=floors)
+
+
+def _sizes(shape: MeshShape) -> tuple[int, ...]:
+    """The group sizes of the mesh: how many copies a collective on it can sum."""
+    return tuple(sorted({n for n in (shape.dp, shape.tp, shape.dp * shape.tp) if n > 1}))
+
+
+def _tensor_rows(results, out_ref, loss_ref, x_ref, job: GradJob, floors, rtol):
+    """(rows, notes) of the outputs, the loss and the input gradients."""
     rows: list[dict] = []
+    notes: list[str] = []
+    sizes = _sizes(job.mesh)
+    read_as = results[0].read_as
 
     def add(name, kind, values, ref, note=""):
-        rows.extend(tensor_rows(name, kind, values, ref, atol, rtol, note))
+        if job.outputs.get(name) == RANK_LOCAL:
+            notes.append(f"{name} is rank-local (outputs=): each rank's own value, not "
+                         "compared")
+            return
+        if name in read_as and not note:
+            placement, how = read_as[name]
+            note = f"a plain tensor on the ranks, read as {placement} ({how})"
+        rows.extend(tensor_rows(name, kind, values, ref, floors[kind], rtol, note, sizes))
 
     for name in [*out_ref, *(k for k in results[0].outputs if k not in out_ref)]:
         add(name, "output", [r.outputs.get(name) for r in results], out_ref.get(name))
+    dp = job.mesh.dp
     add("loss", "output", [r.loss for r in results], loss_ref,
-        f"the mean of the {dp} dp replicas' losses" if dp > 1 else "")
+        f"the {job.dp_reduction} of the {dp} dp replicas' losses" if dp > 1 else "")
     for name, t in leaves(x_ref, "input"):
         if t.grad is not None:
             add(name, "input_grad", [r.input_grads.get(name) for r in results], t.grad)
-    wholes: dict = {}
-    notes = _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes)
-    if dp > 1 and any(r["kind"] == "param_grad" and not r["ok"] for r in rows):
-        # which mesh dim a wrong gradient comes from (tplab/fsdp_report.py)
-        name_mesh_dims(rows, wholes, replica_grads(build_model, state, x, loss_fn, dp), dp,
-                       atol, rtol)
-    return GradCheckReport(rows, len(results), atol, rtol, loss_ref.item(),
-                           {"dp": dp, "tp": tp}, notes, dtype=str(dtype).removeprefix("torch."))
+    return rows, notes
 
 
-def _param_rows(model, results, tp, param_map, rows, atol, rtol, wholes=None) -> list[str]:
-    """Pair the ranks' parameters with the reference's; a row per pair (see tplab.core.pairing).
-    `wholes` (a dict) gets each assembled gradient."""
-    ref = dict(model.named_parameters())
-    aliases = {n: ref_name for n, p in model.named_parameters(remove_duplicate=False)
-               for ref_name, q in ref.items() if p is q and n != ref_name}
-    buffers = [n for n, _ in model.named_buffers()]
-    ranks = results[0].params
-    pairs, lone_ranks, lone_ref, problems = pair({n: tuple(p.shape) for n, p in ref.items()},
-                                                 ranks, tp, param_map, aliases)
-    notes = []
-    if buffers:
-        notes.append(f"buffers are not compared (they get no gradient): {', '.join(buffers)}")
-    by_ref: dict[str, list[Pair]] = {}
-    for p in pairs:
-        by_ref.setdefault(p.ref, []).append(p)
-    frozen = []
-    for name, p in ref.items():
-        got = by_ref.get(name)
-        if not got:
-            continue
-        if not p.requires_grad:
-            frozen.append(name)
-            continue
-        new_rows, note = _grad_rows(name, p, got, results, tp, aliases, atol, rtol, wholes)
-        rows.extend(new_rows)
-        notes.extend([note] if note else [])
-    if frozen:
-        notes.append(f"need no gradient (requires_grad=False), not compared: "
-                     f"{', '.join(frozen)}")
-    rows.extend(_unpaired_rows(ref, ranks, lone_ranks, lone_ref, problems, notes))
-    return notes
-
-
-def _grad_rows(name, p, got: list[Pair], results, tp, aliases, atol, rtol, wholes):
-    """(rows, note) for the reference parameter `name` (`p`) and the pairs on the ranks that
-    hold it (more than one: tied in the reference, separate on the ranks). `wholes` (a dict,
-    or None) gets the assembled gradient."""
-    pieces = []
-    for q in got:
-        infos = [r.params[q.ranks] for r in results]
-        why = next((i.unreadable for i in infos if i.unreadable), None)
-        if why:  # never "wrong": tplab cannot read where each rank's elements lie
-            return [unreadable(name, f"the layout on the ranks cannot be read ({why}); "
-                                     "not checked")], None
-        pieces.append(ASSEMBLERS[_placed_by(q, infos)](q, infos, p, tp))
-    got = [q for q, _, _ in pieces]
-    fulls = [full for _, full, _ in pieces]
-    if p.grad is None and all(w is None for w in fulls):
-        return [], f"{name}: no gradient on either side (not used by the loss)"
-    full = None if any(w is None for w in fulls) else sum(fulls[1:], fulls[0])
-    if wholes is not None:
-        wholes[name] = full
-    label, note = _pair_words(name, got, aliases)
-    rows = [compare(name, "param_grad", full, p.grad, atol, rtol, note, label)]
-    spread = max((s for _, _, s in pieces if s is not None), default=None)
-    if spread is not None:
-        rows.append(compare(name, "replica_spread", spread, p.grad, atol, rtol))
-    return rows, None
-
-
-def _placed_by(q: Pair, infos: list[ParamLayout]) -> str:
-    """Which of ASSEMBLERS puts this pair's pieces together."""
-    if q.placement == placements.MESH:
-        return "mesh"
-    if infos[0].index is not None:
-        return "indexed"
-    return "by placement"
-
-
-def _on_whole_mesh(q: Pair, infos, p, tp):
-    """A DTensor on the whole (dp, tp) mesh (FSDP2): placed by its LocalShards' offsets."""
-    return (q, *assemble([i.value for i in infos]))
-
-
-def _by_global_index(q: Pair, infos, p, tp):
-    """A DTensor on the tp dim: placed as DTensor places it (`layouts.global_index`)."""
-    return (q, *gather_indexed([i.value for i in infos], [i.index for i in infos],
-                               tuple(p.shape), placements.is_partial(q.placement), tp))
-
-
-def _by_placement(q: Pair, infos, p, tp):
-    """A plain tensor with a placement declared or read from its shape (tplab.core.pairing)."""
-    values = [i.value for i in infos]
-    dim = placements.shard_dim(q.placement) or 0
-    if placements.is_shard(q.placement) and values[0] is not None:
-        # every rank's piece as long as rank 0's: a padded tensor (a vocabulary padded to a
-        # multiple of tp), cut back to the reference's length
-        length = sum(v.shape[dim] for v in values[:tp])
-        q = dataclasses.replace(q, padded=length if length > p.shape[dim] else 0)
-    return (q, *gather(values, q.placement or placements.REPLICATE, tp, q.padded,
-                       p.shape[dim] if p.ndim else 0))
-
-
-# how a pair's pieces become the whole gradient: (pair, whole, spread) by _placed_by's answer
-ASSEMBLERS = {"mesh": _on_whole_mesh, "indexed": _by_global_index,
-              "by placement": _by_placement}
-
-
-def _pair_words(name: str, got: list[Pair], aliases: dict) -> tuple[str, str]:
-    """(what the row says it was compared with on the ranks, its note)."""
-    tied = [a for a, b in aliases.items() if b == name]
-    label = "; ".join(q.placement if q.ranks == name else
-                      f"{q.ranks} {q.placement} ({q.how})" for q in got)
-    note = f"tied: also {', '.join(tied)}" if tied else ""
-    if len(got) > 1:
-        note = ("tied in the reference, separate on the ranks: their gradients are summed "
-                "here, but an optimizer step would make the copies differ")
-    if any(placements.is_partial(q.placement) for q in got):
-        note = note or "Partial on the ranks (not yet reduced); summed here"
-    if any(q.padded for q in got):
-        note = note or f"padded to {got[0].padded} on the ranks; the padding is not compared"
-    return label, note
-
-
-def _unpaired_rows(ref, ranks, lone_ranks, lone_ref, problems, notes) -> list[dict]:
-    """A row for each parameter that pairs with nothing (a note when it needs no
-    gradient), saying how to pair it."""
-    rows = []
-    for name in lone_ranks:
-        info = ranks[name]
-        if not info.requires_grad:
-            notes.append(f"{name} (only on the ranks) needs no gradient: not compared")
-            continue
-        why = problems.get(name) or (f"only on the ranks, local shape {info.shape}: no "
-                                     "reference parameter left fits it by order and shape")
-        hint = f"{lone_ref[0]!r}" if lone_ref else "'<reference name>'"
-        rows.append(unpaired(name, f"{why}; pair it with param_map={{{name!r}: {hint}}}"))
-    for name in lone_ref:
-        if not ref[name].requires_grad:
-            continue
-        cands = ", ".join(lone_ranks) or "none"
-        rows.append(unpaired(name, f"only in the reference, shape {tuple(ref[name].shape)}; "
-                                   f"unpaired on the ranks: {cands}; pair with "
-                                   f"param_map={{'<name on the ranks>': {name!r}}}"))
-    return rows
+def _per_rank_loss(rows: list[dict], read_as: dict) -> None:
+    """When the loss differs across ranks and an output held a local shard, the loss was
+    computed per shard: say so on the loss row, and drop the "summed copies" notes that
+    would point at a collective instead."""
+    spread = next((r for r in rows if r["name"] == "loss" and r["kind"] == "replica_spread"),
+                  None)
+    if not read_as or spread is None or spread["ok"]:
+        return
+    names = ", ".join(f"{k} ({p})" for k, (p, _) in read_as.items())
+    spread["note"] = (f"the loss differs across ranks: computed on each rank's local shard "
+                      f"of {names}? If the framework's trainer reduces it, declare it with "
+                      f"outputs={{'loss': {RANK_LOCAL!r}}}")
+    for r in rows:
+        if r["note"].startswith("= ") and "collective" in r["note"]:
+            r["note"] = ""

@@ -2,7 +2,12 @@
 
 `compare(name, kind, value, reference)` makes a row (also what the Explorer uses);
 `GradCheckReport` holds the rows, says ok or FAILED, and prints as a table (text and HTML).
-A row: {name, kind, max_abs, max_rel, ok, note, pair}. Kinds: "output", "input_grad",
+A row: {name, kind, max_abs, max_rel, tol, ok, note, pair}: `tol` is the tolerance the row
+was judged by, `atol + rtol * max|reference|` of that tensor (as torch.testing's
+`assert_close` judges an element by `atol + rtol * |expected|`, here with the tensor's
+scale: rounding in a TP run is relative to the largest terms, not to each element), so a
+tensor of gradients about 1e-3 is judged at its own scale, not by a floor set for 1
+(tplab/checks/grad_tolerance.py). Kinds: "output", "input_grad",
 "param_grad", "replica_spread", "unpaired" (a parameter that could not be paired: not
 checked, never "wrong"; the note says how to pair it with `param_map`) and "unreadable" (a
 parameter whose layout on the ranks tplab cannot read: not checked, never "wrong").
@@ -24,21 +29,26 @@ WORDS = {"output": "{name} wrong", "input_grad": "{name} gradient wrong",
          "unreadable": "{name}: layout on the ranks unreadable (not checked)"}
 
 
-def _ratio(value: torch.Tensor, ref: torch.Tensor) -> str:
-    """"= 4.00 x the reference" when the error is a scale: a collective summed copies."""
+def _ratio(value: torch.Tensor, ref: torch.Tensor, sizes: tuple = ()) -> str:
+    """"= 4 x the reference" when the error is a scale that a collective could make: a
+    whole number of copies, one of the mesh's group sizes `sizes` when given."""
     v, r = value.double().flatten(), ref.double().flatten()
     rr = float(r @ r)
     if rr == 0:
         return ""
     k = float(v @ r) / rr
-    if abs(k - 1) < 1e-3 or float((v - k * r).abs().max()) > 1e-3 * float(r.abs().max()):
+    n = round(k)
+    if n < 2 or abs(k - n) > 1e-3 * n or (sizes and n not in sizes):
         return ""
-    return f"= {k:.3g} x the reference (a collective summed {k:.3g} copies?)"
+    if float((v - k * r).abs().max()) > 1e-3 * float(r.abs().max()):
+        return ""
+    return f"= {n} x the reference (a collective summed {n} copies?)"
 
 
 def compare(name: str, kind: str, value, ref, atol: float, rtol: float, note: str = "",
-            pair: str = "") -> dict:
-    """A report row: `value` (a tensor, or a spread already measured) against `ref`."""
+            pair: str = "", sizes: tuple = ()) -> dict:
+    """A report row: `value` (a tensor, or a spread already measured) against `ref`.
+    `sizes`: the mesh's group sizes, the only scales the note may blame on a collective."""
     ref = ref.detach() if isinstance(ref, torch.Tensor) else ref
     scale = float(ref.abs().max()) if ref is not None and ref.numel() else 0.0
     if value is None or ref is None or (isinstance(value, torch.Tensor)
@@ -51,38 +61,41 @@ def compare(name: str, kind: str, value, ref, atol: float, rtol: float, note: st
     elif isinstance(value, torch.Tensor):
         max_abs = float((value.double() - ref.double()).abs().max()) if ref.numel() else 0.0
         if max_abs > atol + rtol * scale and kind != "replica_spread" and not note:
-            note = _ratio(value, ref)
+            note = _ratio(value, ref, sizes)
     else:  # a spread, already a number
         max_abs = float(value)
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    return {"name": name, "kind": kind, "max_abs": max_abs, "max_rel": max_rel,
-            "ok": max_abs <= atol + rtol * scale, "note": note, "pair": pair}
+    tol = atol + rtol * scale
+    return {"name": name, "kind": kind, "max_abs": max_abs, "max_rel": max_rel, "tol": tol,
+            "ok": max_abs <= tol, "note": note, "pair": pair}
 
 
 def unpaired(name: str, note: str) -> dict:
     return {"name": name, "kind": "unpaired", "max_abs": math.nan, "max_rel": math.nan,
-            "ok": False, "note": note, "pair": ""}
+            "tol": math.nan, "ok": False, "note": note, "pair": ""}
 
 
 def unreadable(name: str, note: str) -> dict:
     return {"name": name, "kind": "unreadable", "max_abs": math.nan, "max_rel": math.nan,
-            "ok": False, "note": note, "pair": ""}
+            "tol": math.nan, "ok": False, "note": note, "pair": ""}
 
 
 @dataclass
 class GradCheckReport:
-    """Rows of {name, kind, max_abs, max_rel, ok, note, pair}; `.ok` when every row is
-    within atol + rtol * max|reference| and every parameter was paired. `notes`: what was
+    """Rows of {name, kind, max_abs, max_rel, tol, ok, note, pair}; `.ok` when every row is
+    within its `tol`, atol + rtol * max|that tensor's reference|, and every parameter was
+    paired. `notes`: what was
     not compared, and why (buffers, parameters that need no gradient, tied ones)."""
 
     rows: list[dict]
     world_size: int
-    atol: float
+    atol: float | None  # given (absolute), or None: a floor per kind (`floors`)
     rtol: float
     loss: float = float("nan")
     mesh_shape: dict | None = None  # {"dp": 2, "tp": 2} for a 2-D check
     notes: list[str] = field(default_factory=list)
     dtype: str = ""  # what the model computes in; the tolerances follow it (tplab.checks.grad)
+    floors: dict[str, float] = field(default_factory=dict)  # {row kind: absolute floor}
     failures: list[dict] = field(init=False)
 
     def __post_init__(self):
@@ -111,8 +124,10 @@ class GradCheckReport:
         shape = self.mesh_shape or {}
         on = f" (dp={shape['dp']} x tp={shape['tp']})" if shape.get("dp", 1) > 1 else ""
         dtype = f"{self.dtype}: " if self.dtype else ""
+        floor = (f"atol {self.atol:g}" if self.atol is not None else
+                 "atol near zero: " + ", ".join(f"{k} {v:.1e}" for k, v in self.floors.items()))
         head = (f"grad_check on {self.world_size} ranks{on} "
-                f"({dtype}atol {self.atol:g}, rtol {self.rtol:g})")
+                f"({dtype}{floor}, rtol {self.rtol:g} of each tensor's largest)")
         checked = [r for r in self.rows if r["kind"] not in ("unpaired", "unreadable")]
         if self.ok:
             return f"{head}: ok, {len(checked)} tensors, max abs error {self.max_abs:.2e}"
@@ -130,13 +145,14 @@ class GradCheckReport:
         notes = any(r["note"] for r in self.rows)
         pairs = any(r.get("pair") for r in self.rows)
         headers = (["tensor", "kind"] + (["on the ranks"] if pairs else [])
-                   + ["max abs", "max rel", "verdict"] + (["note"] if notes else []))
+                   + ["max abs", "max rel", "tolerance", "verdict"]
+                   + (["note"] if notes else []))
         cells = []
         for r in self.rows:
             verdict = ("UNPAIRED" if r["kind"] == "unpaired" else "UNREADABLE"
                        if r["kind"] == "unreadable" else "ok" if r["ok"] else "WRONG")
-            nums = (["-", "-"] if r["kind"] in ("unpaired", "unreadable") else
-                    [f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}"])
+            nums = (["-", "-", "-"] if r["kind"] in ("unpaired", "unreadable") else
+                    [f"{r['max_abs']:.2e}", f"{r['max_rel']:.2e}", f"{r.get('tol', 0):.2e}"])
             cells.append([r["name"], r["kind"]] + ([r.get("pair", "")] if pairs else [])
                          + nums + [verdict] + ([r["note"]] if notes else []))
         return tabulate(cells, headers=headers, tablefmt=fmt)

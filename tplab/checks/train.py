@@ -21,6 +21,10 @@
   step sees the whole batch on one device: give it a loss that is a mean over the batch).
 - `make_optimizer(params)` builds the optimizer (default AdamW, lr 1e-3, weight decay 0.01),
   or returns (optimizer, scheduler): the scheduler is stepped after every step, on both.
+- `context=` (a function of no arguments returning a context manager) is entered on every
+  rank around each call of the step; `dp_reduction="sum"` (torchtitan's convention: the
+  replicas' gradients summed, the loss divided by the global token count by loss_fn or the
+  step) makes the reference's loss the sum of the dp slices' losses. As grad_check's.
 - tplab.rng's dropout: the reference draws its "tp"-region masks as the ranks do
   (`rng.reference_tracker`), so a run with dropout is compared exactly too.
 
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import math
 import os
 import threading
@@ -52,18 +57,21 @@ import uuid
 import torch
 
 from tplab import rng
-from tplab.checks.grad import mesh_shape
+from tplab.checks.grad import state_of
+from tplab.checks.train_args import check_args, check_options
 from tplab.checks.train_band import FACTOR, noise_band
 from tplab.checks.train_live import LiveTraining, live_default
 from tplab.checks.train_report import TrainReport, diverged
 from tplab.core import placements
-from tplab.core.fsdp_layout import tp_placement
+from tplab.core.fsdp_layout import refuse_plan_in_simulation, tp_placement
 from tplab.core.pairing import gather
 from tplab.core.pytrees import map_tensors
 from tplab.errors import LabError
 from tplab.lab.contract import Ranks
+from tplab.mesh import MeshShape
 from tplab.plans import parallelizer
 from tplab.rank.train_step import (
+    TrainJob,
     batch_of,
     batch_sum,
     default_step,
@@ -77,7 +85,7 @@ from tplab.training.noise import ReorderedProducts
 
 def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order=None,
                   cancel: threading.Event | None = None, *, dp: int = 1,
-                  batches: list | None = None):
+                  batches: list | None = None, dp_reduction: str = "mean"):
     """One device: `steps` of the user's step on `model`. Returns (losses, {parameter name:
     [steps + 1, *shape] trajectory}, batch checksums). `cancel` (set by another thread)
     stops it between steps with a LabError. `dp`: the default step's loss is the mean of
@@ -89,7 +97,7 @@ def run_reference(model, make_batch, steps, step, make_optimizer, loss_fn, order
     named = list(model.named_parameters())
     traj = {n: [p.detach().clone()] for n, p in named}
     losses, sums = [], []
-    user_step = step or (lambda m, o, b: default_step(m, o, b, loss_fn, dp))
+    user_step = step or (lambda m, o, b: default_step(m, o, b, loss_fn, dp, dp_reduction))
     replay = bool(batches)
     with order or contextlib.nullcontext():
         for i in range(steps):
@@ -124,30 +132,6 @@ def reference_threads(lab: Ranks):
 
 
 MEMORY_LIMIT = 2 * 2**30  # bytes of one-device trajectories train_check keeps (see below)
-
-
-def _check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live):
-    if not isinstance(lab, Ranks):
-        raise TypeError(f"train_check: lab must be a Lab (tplab.launch(2)) or a Simulation "
-                        f"(tplab.simulate(2)), got {lab!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"train_check: steps must be a positive int, got {steps!r}")
-    if isinstance(build_model, torch.nn.Module):
-        raise TypeError(f"train_check: build_model must be a function that builds the model "
-                        f"(every rank builds its own), got a {type(build_model).__name__} "
-                        "instance: pass its class, functools.partial(Class, config), or a "
-                        "function that returns a new model")
-    for name, fn in (("build_model", build_model), ("make_batch", make_batch)):
-        if not callable(fn):
-            raise TypeError(f"train_check: {name} must be callable, got {fn!r}")
-    for name, fn in (("step", step), ("make_optimizer", make_optimizer), ("loss_fn", loss_fn)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"train_check: {name} must be callable or None, got {fn!r}")
-    if step is not None and loss_fn is not None:
-        raise ValueError("train_check: loss_fn is for the default step; your step computes "
-                         "its own loss (drop loss_fn=, or drop step=)")
-    if live not in (None, True, False):
-        raise TypeError(f"train_check: live must be True, False or None, got {live!r}")
 
 
 def _bound_memory(model, steps: int) -> None:
@@ -194,7 +178,7 @@ def _refuse_non_finite(losses: torch.Tensor) -> None:
 
 def _describe(model):
     """(weights, {name: shape}, {tied name: the name it shares}, {name: requires_grad})."""
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = state_of(model)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     aliases = {n: ref for n, p in model.named_parameters(remove_duplicate=False)
                for ref, q in model.named_parameters() if p is q and n != ref}
@@ -204,20 +188,20 @@ def _describe(model):
 def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step=None,
                 make_optimizer=None, loss_fn=None, *, dp: int | None = None,
                 tp: int | None = None, param_map: dict | None = None,
-                live: bool | None = None) -> TrainReport:
+                live: bool | None = None, context=None,
+                dp_reduction: str = "mean") -> TrainReport:
     """Train on the ranks of `lab` (a Lab or a Simulation) and on one device from the same
-    weights, and compare them step by step against a measured noise band. See the module
-    docstring."""
-    _check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live)
-    if lab.closed:
-        raise LabError("train_check: this lab was shut down; start a new one")
-    dp, tp = mesh_shape(lab.world_size, dp, tp)
-    if param_map is not None and not isinstance(param_map, dict):
-        raise TypeError("train_check: param_map is a dict {parallel name: reference name}")
+    weights, compared step by step against a measured noise band. `context` (entered around
+    each step on the ranks) and `dp_reduction` as grad_check's; see the module doc."""
+    check_args(lab, steps, make_batch, step, make_optimizer, loss_fn, build_model, live)
+    check_options(context, dp_reduction, param_map)
+    refuse_plan_in_simulation(plan, lab.in_process)  # FSDP2 under tplab.simulate
+    shape = MeshShape.of(lab.world_size, dp, tp, who="train_check")
+    dp, tp = shape.dp, shape.tp
     model = build_model()
     _bound_memory(model, steps)
     _refuse_torch_dropout(lab, model)
-    parallelizer(plan, model, tp)  # a PlanError here, before anything reaches the ranks
+    step_plan = parallelizer(plan, model, tp)  # a PlanError here, before the ranks run
     state, shapes, aliases, kinds = _describe(model)
     rng.reference_tracker(model, tp)
     twin = build_model()
@@ -230,13 +214,14 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
         torch.set_rng_state(start)
         noise_losses, noise, _ = run_reference(twin, make_batch, steps, step, make_optimizer,
                                                loss_fn, ReorderedProducts(max(tp, 2)), cancel,
-                                               dp=dp, batches=batches)
+                                               dp=dp, batches=batches,
+                                               dp_reduction=dp_reduction)
         return noise_band(ref_losses, noise_losses, ref, noise)
 
     with reference_threads(lab), concurrent.futures.ThreadPoolExecutor(1) as pool:
         ref_losses, ref, ref_sums = run_reference(model, make_batch, steps, step,
                                                   make_optimizer, loss_fn, dp=dp,
-                                                  batches=batches)
+                                                  batches=batches, dp_reduction=dp_reduction)
         end = torch.get_rng_state()
         _refuse_non_finite(ref_losses)
         # The band's run needs nothing from the ranks, nor they from it: with rank
@@ -246,38 +231,35 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
         if lab.in_process:
             band.result()
             torch.set_rng_state(end)  # where the ranks' global RNG goes on from
+        job = TrainJob(build_model, state, step_plan, make_batch, steps, step, make_optimizer,
+                       loss_fn, shape, ref, shapes, aliases, param_map, False, context,
+                       dp_reduction)
         try:
-            results = _train_ranks(lab, build_model, state, plan, make_batch, steps, step,
-                                   make_optimizer, loss_fn, dp, param_map, ref, shapes,
-                                   aliases, ref_losses, band, live)
+            results, view = _train_ranks(lab, job, ref_losses, band, live)
         except BaseException:
             cancel.set()
             raise
-        results, view = results
         band = band.result()
         torch.set_rng_state(end)
-    report = _report(results, ref_losses, ref_sums, ref, band, dp, tp, lab.world_size, kinds)
+    report = _report(results, ref_losses, ref_sums, ref, band, job, lab.world_size, kinds)
     if view is not None:
         view.finish(report)
     return report
 
 
-def _train_ranks(lab: Ranks, build_model, state, plan, make_batch, steps, step, make_optimizer,
-                 loss_fn, dp, param_map, ref, shapes, aliases, ref_losses, band, live):
+def _train_ranks(lab: Ranks, job: TrainJob, ref_losses, band, live):
     """The ranks' run (tplab/rank/train_step.py), live or not; returns (results, view)."""
     live = live_default(lab) if live is None else live
     view = LiveTraining(lab.world_size, ref_losses, band) if live else None
     path = None
-    source = ref
     if lab.shared_dir:
         path = os.path.join(lab.shared_dir, f"train-reference-{uuid.uuid4().hex}.pt")
-        torch.save(ref, path)  # read by every local rank (mmap), not sent to each of them
-        source = path
+        torch.save(job.reference, path)  # read by every local rank (mmap), not sent to each
+        job = dataclasses.replace(job, reference=path)
+    job = dataclasses.replace(job, live=bool(live))
     try:
         with view.listening() if view else contextlib.nullcontext():
-            results = lab.run(train_on_ranks, build_model, state, plan, make_batch, steps,
-                              step, make_optimizer, loss_fn, dp, source, param_map,
-                              {"shapes": shapes, "aliases": aliases}, bool(live))
+            results = lab.run(train_on_ranks, job)
     finally:
         if path:
             with contextlib.suppress(OSError):
@@ -285,8 +267,9 @@ def _train_ranks(lab: Ranks, build_model, state, plan, make_batch, steps, step, 
     return results, view
 
 
-def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_grad):
+def _report(results, ref_losses, ref_sums, ref, band, job: TrainJob, world, requires_grad):
     _check_batches(results, ref_sums)
+    dp, tp = job.mesh.dp, job.mesh.tp
     first = results[0]
     pairs = first.pairs
     names = [p.ranks for p in pairs]
@@ -305,7 +288,10 @@ def _report(results, ref_losses, ref_sums, ref, band, dp, tp, world, requires_gr
         row = _param_row(i, d.amax(0), names, sharded, band, spreads[i])
         if i:
             per_replica = losses[:, i - 1].reshape(dp, tp)
-            mean = float(per_replica[:, 0].double().mean())
+            # the replicas' losses as the one-device run takes them: their mean, or their
+            # sum (dp_reduction="sum": each divided by the global count already)
+            mean = float(per_replica[:, 0].double().mean() if job.dp_reduction == "mean"
+                         else per_replica[:, 0].double().sum())
             within = float((per_replica - per_replica[:, :1]).abs().max())
             row.update(ref_loss=float(ref_losses[i - 1]), losses=losses[:, i - 1].tolist(),
                        loss_diff=max(abs(mean - float(ref_losses[i - 1])), within),

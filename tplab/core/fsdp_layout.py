@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 from tplab.core.placements import MESH
 from tplab.errors import PlanError
 
-__all__ = ["SIMULATE_REASON", "managed", "over_piece", "refuse_in_simulation", "tp_placement",
-           "tp_view"]
+__all__ = ["SIMULATE_REASON", "managed", "over_piece", "refuse_in_simulation",
+           "refuse_plan_in_simulation", "tp_placement", "tp_view"]
 
 SIMULATE_REASON = (
     "FSDP2 (fully_shard) does not run under tplab.simulate: after each forward FSDP2 frees "
@@ -62,4 +62,14 @@ def refuse_in_simulation(model) -> None:
     """Under tplab.simulate, a PlanError with torch's reason if FSDP2 manages any parameter
     of `model` (its first forward would fail on `resize_()`)."""
     if enabled_local_tensor_mode() is not None and managed(model):
+        raise PlanError(SIMULATE_REASON)
+
+
+def refuse_plan_in_simulation(plan, in_process: bool) -> None:
+    """In the notebook, before anything runs: the PlanError of `refuse_in_simulation` for a
+    plan that says it applies FSDP2 (`applies_fsdp2`: tplab.fsdp's plans) on a lab that runs
+    in this process (tplab.simulate). The refusal holds for every rank, so it is raised
+    once, here, as the message alone; a plan of your own that calls fully_shard is refused
+    on the ranks (`refuse_in_simulation`)."""
+    if in_process and getattr(plan, "applies_fsdp2", False) is True:
         raise PlanError(SIMULATE_REASON)

@@ -11,11 +11,14 @@ bandwidth; NICs striped between nodes), `collectives` and `nccl` (NCCL 2.21.5's 
 model: ring, tree, NVLS, CollNet x LL, LL128, Simple), `transformer` (Megatron-LM,
 Korthikanti et al. 2022, the Ultra-Scale Playbook, the JAX scaling book), `memory`
 (per-GPU memory: Megatron-LM's and ZeRO's bytes per parameter, Korthikanti et al. 2022's
-activations, tplab's own block), `gemm` (per-shape GEMM efficiency), `data_parallel` (DP
+activations, tplab's own block), `kernels` (the one GEMM model, `gemm_efficiency`, and
+the step's other kernels), `data_parallel` (DP
 gradient and ZeRO traffic), `step` (a step's time and the TP degree rows recommend),
 `validate` (one check of every input), `calibrate` (the fit), `training_run` (a whole
-run: `TrainingRun`, `predict`), with `kernels` and `pipeline`, and `published` (the published
-runs it is checked against, docs/VALIDATION.md). Also: `lab_models` (the
+run: `TrainingRun`, `predict`), `stacks` (the software a run runs on: `STACKS`,
+`DEFAULT_STACK`), with `kernels` and `pipeline`, `published` (the published runs it is
+checked against, data files in tplab/cost/data/, docs/VALIDATION.md) and `scores` (the
+goal figures). Also: `lab_models` (the
 lab's own MLP and Block under its plans, checked against `tplab.trace` and
 `tplab.memory`), `figures` (plotly) and `explorer` (an ipywidgets explorer); those two
 import plotly and ipywidgets, so they are not imported here.
@@ -32,8 +35,8 @@ from tplab.cost.collectives import (
     records_time,
 )
 from tplab.cost.data_parallel import dp_collectives, dp_times
-from tplab.cost.gemm import gemm_efficiency
 from tplab.cost.hardware import GPU_MEMORY, HARDWARE, LINKS, Hardware, Link
+from tplab.cost.kernels import gemm_efficiency
 from tplab.cost.memory import (
     BLOCK_SAVES,
     PRECISIONS,
@@ -43,6 +46,7 @@ from tplab.cost.memory import (
     param_count,
 )
 from tplab.cost.shapes import MODELS, BlockShape, scaled
+from tplab.cost.stacks import DEFAULT_STACK, STACKS, Stack
 from tplab.cost.step import (
     best_tp,
     comm_bound_tp,
@@ -65,6 +69,7 @@ from tplab.cost.transformer import (
 
 __all__ = [
     "Prediction", "TrainingRun", "best_layout", "layouts", "predict",
+    "DEFAULT_STACK", "STACKS", "Stack",
     "ALGORITHMS", "BLOCK_SAVES", "GPU_MEMORY", "HARDWARE", "LINKS", "MFU", "MODELS", "OPS",
     "OVERLAPS", "PRECISIONS", "PROTOCOLS", "BlockShape", "Calibration", "Hardware", "Link",
     "activation_bytes", "allowed_tps", "best_tp", "block_collectives", "block_flops",

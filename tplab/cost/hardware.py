@@ -65,7 +65,7 @@ Peak dense bf16 Tensor Core FLOP/s (the datasheets quote twice these "with spars
 H100 SXM and H200 SXM 989 TFLOP/s, H100 PCIe 756 TFLOP/s, A100 (SXM and PCIe) 312 TFLOP/s.
 Memory bandwidth (datasheets): H100 SXM 3.35 TB/s, H200 4.8 TB/s, H100 PCIe 2.0 TB/s,
 A100 SXM 80 GB 2.039 TB/s, A100 PCIe 40 GB 1.555 TB/s; streaming multiprocessors: H100 SXM
-and H200 132, H100 PCIe 114, A100 108 (the GEMM model, `tplab.cost.gemm`, uses both).
+and H200 132, H100 PCIe 114, A100 108 (the GEMM model, `tplab.cost.kernels`, uses the first).
 
 Memory per GPU in bytes as nvidia-smi reports it, not the datasheet's GB: H100 80 GB
 81,559 MiB, H200 143,771 MiB, A100 80 GB 81,920 MiB, A100 40 GB 40,960 MiB. Not all of it

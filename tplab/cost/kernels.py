@@ -14,8 +14,9 @@ measurements (openxla/xla, tensorflow/tensorflow third_party/xla/xla/service/gpu
 matmul_interpolator_data.h, key "sm_90", bf16, b = 1: `GEMM_POINTS`), where the model's
 median error is 5% (4% with m, n >= 1024, worst 7%); wave quantisation made it worse
 (cuBLAS picks tiles and split-K to fill the SMs) and is left out. The memory roofline is
-applied once, to the bytes the GEMM reads and writes (unlike `gemm_efficiency`, which
-derates a rate that `step_time` then derates again).
+applied once, to the bytes the GEMM reads and writes. This is tplab's one GEMM model:
+`gemm_efficiency` gives a shape's fraction of the large-GEMM rate in it, which
+`step_time` applies to its `mfu`.
 
 Element-wise bytes per token per layer, forward, 2-byte activations, by `kernels=`:
 
@@ -51,6 +52,7 @@ import math
 from tplab.cost.hardware import Hardware
 from tplab.cost.memory import param_count
 from tplab.cost.shapes import BlockShape
+from tplab.cost.validate import check_int, check_type
 
 TILES = ((128, 256), (128, 128))
 GEMM_OVERHEAD = 6e-6
@@ -120,6 +122,24 @@ def gemm_time(m: int, n: int, k: int, hw: Hardware, precision: str = "bf16",
     return GEMM_OVERHEAD + count * max(compute, traffic)
 
 
+def gemm_efficiency(m: int, n: int, k: int, hw: Hardware, dtype_bytes: int = 2) -> float:
+    """Fraction (0, 1] of a large GEMM's kernel rate (`Hardware.matmul_efficiency` x
+    `sustained` of peak) that an (m x k) @ (k x n) GEMM reaches in `gemm_time`'s model: its
+    FLOPs at that rate over its `gemm_time` (tile quantisation, the pipeline's fill over a
+    short k, the memory roofline and the call's fixed cost). `step_time` prices each GEMM
+    at `mfu` x this, so that at the preset's rate a GEMM costs what `gemm_time` says: one
+    GEMM model for both (`dtype_bytes` 1: fp8's rate; otherwise bf16's)."""
+    for name, value in (("m", m), ("n", n), ("k", k), ("dtype_bytes", dtype_bytes)):
+        check_int(name, value)
+    check_type("hw", hw, Hardware, "a tplab.cost.Hardware")
+    precision = "fp8" if dtype_bytes == 1 else "bf16"
+    rate = (hw.fp8_flops * hw.fp8_matmul_efficiency if precision == "fp8"
+            else hw.flops * hw.matmul_efficiency) * hw.sustained
+    if precision == "fp8" and not hw.fp8_flops:
+        raise ValueError(f"dtype_bytes = 1 (fp8) needs fp8 Tensor Cores; {hw.name} has none")
+    return 2 * m * n * k / rate / gemm_time(m, n, k, hw, precision)
+
+
 def layer_linear_flops(shape: BlockShape) -> float:
     """Forward FLOPs per token of one layer's linears: 2 x their weights."""
     h, f = shape.hidden, shape.ffn_size
@@ -135,6 +155,17 @@ def linear_gemms(shape: BlockShape, tokens: int, tp: int) -> list[tuple[int, int
     kv = max(shape.kv_dim // tp, h // shape.heads)
     return [(tokens, max(1, h // tp) + 2 * kv, h), (tokens, h, max(1, h // tp)),
             (tokens, max(1, width // tp), h), (tokens, h, max(1, f // tp))]
+
+
+def op_sac_recomputed_gemms(shape: BlockShape, tokens: int,
+                            tp: int) -> list[tuple[int, int, int]]:
+    """The forward GEMMs torchtitan's op-level SAC recomputes in backward, (m, n, k) on one
+    rank: every second mm of the layer (`tplab.cost.memory.op_sac_layer` keeps the others):
+    wk, wo and w3 (a gated MLP) or fc2 (a plain one)."""
+    h, f = shape.hidden, shape.ffn_size
+    kv = max(shape.kv_dim // tp, h // shape.heads)
+    last = (tokens, max(1, f // tp), h) if shape.gated else (tokens, h, max(1, f // tp))
+    return [(tokens, kv, h), (tokens, h, max(1, h // tp)), last]
 
 
 def linear_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,

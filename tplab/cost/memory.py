@@ -235,6 +235,27 @@ def layer_saved(shape: BlockShape, recompute: str = "none", layout: str = "tplab
     return [i for i in items if not (recompute == "selective" and i.selective)]
 
 
+def op_sac_layer(shape: BlockShape) -> list[Saved]:
+    """What torchtitan's op-level selective activation checkpointing keeps of one layer
+    (torchtitan/parallelisms/parallelize_llama.py at 9dec370, `_apply_ac_to_transformer_block`
+    with selective_ac_option "op"): torch.utils.checkpoint's selective policy saves the
+    outputs of the ops in `_save_list` (mm, the SDPA flash and efficient kernels,
+    reduce_scatter_tensor, abs, max) "except every second mm", counting the layer's mm calls
+    from one (wq, wk, wv, wo, then w1, w3, w2 or fc1, fc2): the first, third, ... mm's
+    outputs, the attention output and its logsumexp, and the block's input (the checkpoint's
+    own argument); everything else (norms, RoPE, SwiGLU, the other mm's) is recomputed."""
+    h, kv, f, d, a = shape.hidden, shape.kv_dim, shape.ffn_size, shape.dtype_bytes, shape.heads
+    mms = [("attention.wq", h), ("attention.wk", kv), ("attention.wv", kv), ("attention.wo", h)]
+    mms += ([("feed_forward.w1", f), ("feed_forward.w3", f), ("feed_forward.w2", h)]
+            if shape.gated else [("feed_forward.fc1", f), ("feed_forward.fc2", h)])
+    last = len(mms) - 1
+    out = [Saved("", "layer input", h, d, sp=True)]
+    out += [Saved(name, "mm output", n, d, tp=i != last, sp=i == last)
+            for i, (name, n) in enumerate(mms) if i % 2 == 0]
+    return out + [Saved("attention", "output", h, d, tp=True),
+                  Saved("attention", "logsumexp", a, 4, tp=True)]
+
+
 def activation_bytes(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
                      recompute: str = "none", layout: str = "tplab",
                      sublayers=("attention", "mlp"), sp_saves: str | None = None,

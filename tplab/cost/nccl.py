@@ -226,12 +226,6 @@ def algorithm_bandwidth(op: str, algorithm: str, protocol: str, g: Group,
     return bus / 2
 
 
-def estimate(op: str, algorithm: str, protocol: str, g: Group, nbytes: float) -> float:
-    """NCCL's own time estimate (what it chooses by)."""
-    return (latency(op, algorithm, protocol, g, nbytes)
-            + nbytes / algorithm_bandwidth(op, algorithm, protocol, g, nbytes))
-
-
 def terms(op: str, nbytes: float, g: Group, algorithm: str = "auto",
           protocol: str = "auto") -> tuple[float, float, str, str]:
     """(latency s, bytes s, algorithm, protocol) of one reduction collective: NCCL's choice

@@ -32,14 +32,25 @@ buffers (and NVLS's), plus `Hardware.memory_reserve` (CUDA context, cuBLAS works
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.hardware import GiB
 from tplab.cost.kernels import local_params
-from tplab.cost.memory import layer_saved
+from tplab.cost.memory import (
+    GRAD_BYTES,
+    OPTIMIZER_BYTES,
+    PARAM_BYTES,
+    layer_saved,
+    op_sac_layer,
+)
 
+PARAM, GRAD = PARAM_BYTES["mixed"], GRAD_BYTES["mixed"]
+STATES = OPTIMIZER_BYTES["adam"]["mixed"]
+"""Bytes per parameter of a run (Megatron-LM's bf16 recipe, `tplab.cost.memory`'s "mixed"
+with Adam: bf16 parameters, fp32 gradients, fp32 master and moments), the same constants
+`cost.gpu_memory` and `cost.dp_collectives` use."""
 FRAGMENTATION = 0.10
 NCCL_RESERVE = 1 * GiB
 
@@ -53,16 +64,41 @@ def check_stages(layers: int, pp: int, vpp: int) -> None:
                          f"pp x vpp = {slots} stages")
 
 
-def stage_time(layers: int, pp: int, vpp: int, per_layer: float, head: float) -> dict:
+@dataclass(frozen=True)
+class Stage:
+    """The slowest pipeline stage: its seconds on one micro-batch and its layers."""
+
+    slowest_s: float
+    layers: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One step's pipeline terms: compute, bubble and exposed P2P seconds."""
+
+    compute_s: float
+    bubble_s: float
+    p2p_s: float
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """One step's data-parallel traffic (`comm_s`) and what the compute does not hide."""
+
+    comm_s: float
+    exposed_s: float
+
+
+def stage_time(layers: int, pp: int, vpp: int, per_layer: float, head: float) -> Stage:
     """Seconds the slowest pipeline stage spends on one micro-batch, and its layers."""
     if pp == 1:
-        return {"slowest_s": layers * per_layer + head, "layers": layers}
+        return Stage(layers * per_layer + head, layers)
     if layers % (pp * vpp) == 0:
         per_stage = layers // pp
-        return {"slowest_s": per_stage * per_layer + head, "layers": per_stage}
+        return Stage(per_stage * per_layer + head, per_stage)
     slots = (layers + 2) // pp
     middle, last = slots * per_layer, (slots - 1) * per_layer + head
-    return {"slowest_s": max(middle, last), "layers": slots}
+    return Stage(max(middle, last), slots)
 
 
 def p2p_time(shape, tp: int, cp: int, hw) -> float:
@@ -74,35 +110,36 @@ def p2p_time(shape, tp: int, cp: int, hw) -> float:
 
 
 def schedule(slowest: float, pp: int, vpp: int, m: int, p2p: float,
-             overlap: bool = True) -> dict:
+             overlap: bool = True) -> Schedule:
     """Compute, bubble and exposed P2P seconds of one step (module doc); `overlap` False:
     the interleaved schedule waits on every transfer (module doc)."""
     if pp == 1:
-        return {"compute_s": m * slowest, "bubble_s": 0.0, "p2p_s": 0.0}
+        return Schedule(m * slowest, 0.0, 0.0)
     if vpp == 1:
         exposed = 2 * m * p2p
     elif overlap:
         exposed = 2 * (pp - 1) * p2p
     else:   # warm-up, m v steady-state exchanges, cool-down
         exposed = (m * vpp + 2 * (pp - 1) + (vpp - 1) * pp) * p2p
-    return {"compute_s": m * slowest, "bubble_s": (pp - 1) / vpp * slowest, "p2p_s": exposed}
+    return Schedule(m * slowest, (pp - 1) / vpp * slowest, exposed)
 
 
-def comm_share(stage: dict, lt: dict) -> float:
+def comm_share(stage: Stage, lt) -> float:
     """Seconds of a stage's micro-batch that are exposed TP and CP communication."""
-    return stage["layers"] * (lt["tp_exposed_s"] + lt["cp_exposed_s"])
+    return stage.layers * (lt.tp_exposed_s + lt.cp_exposed_s)
 
 
-def data_parallel(run, stage: dict, lt: dict, m: int) -> dict:
-    """{comm_s, exposed_s}: the step's DP traffic and what the compute does not hide."""
+def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
+    """The step's DP traffic and what the compute does not hide (`lt`: the run's
+    `training_run.LayerTimes`)."""
     shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
     group = run.dp * cp
     if group == 1:
-        return {"comm_s": 0.0, "exposed_s": 0.0}
+        return DataParallel(0.0, 0.0)
     n = local_params(shape, tp, run.pp)
     view = dp_group_hardware(hw, tp * cp)
-    fwd = stage["layers"] * lt["forward_s"]
-    bwd = stage["layers"] * lt["backward_s"]
+    fwd = stage.layers * lt.forward_s
+    bwd = stage.layers * lt.backward_s
     shard = group
     if run.sharding == "hsdp":
         shard = min(group, max(1, hw.gpus_per_node // (tp * cp)))
@@ -110,24 +147,27 @@ def data_parallel(run, stage: dict, lt: dict, m: int) -> dict:
     def t(op, nbytes, size=shard):
         return collective_time(op, nbytes, size, view, "auto") if size > 1 else 0.0
 
-    rs, ag = t("reduce_scatter", 4 * n), t("all_gather", 2 * n)
+    rs, ag = t("reduce_scatter", GRAD * n), t("all_gather", PARAM * n)
     if not run.grad_overlap and run.sharding in ("ddp", "zero1"):
         fwd = bwd = 0.0           # reduced after the last backward, gathered after the step
     if run.sharding == "ddp":
-        ar = t("all_reduce", 4 * n)
-        return {"comm_s": ar, "exposed_s": max(0.0, ar - bwd)}
+        ar = t("all_reduce", GRAD * n)
+        return DataParallel(ar, max(0.0, ar - bwd))
     if run.sharding == "zero1":
-        return {"comm_s": rs + ag, "exposed_s": max(0.0, rs - bwd) + max(0.0, ag - fwd)}
+        return DataParallel(rs + ag, max(0.0, rs - bwd) + max(0.0, ag - fwd))
+    waits = run.settings.fsdp_exposed    # the stack syncs every micro-batch in the open
     if run.sharding == "zero2":
-        return {"comm_s": m * rs + ag,
-                "exposed_s": m * max(0.0, rs - bwd) + max(0.0, ag - fwd)}
+        return DataParallel(m * rs + ag,
+                            m * (rs if waits else max(0.0, rs - bwd)) + max(0.0, ag - fwd))
     gathers = 1 if run.pp > 1 else 2      # reshard after forward only without PP
     per_mb = max(0.0, ag - fwd) + max(0.0, (gathers - 1) * ag + rs - bwd)
+    if waits:
+        per_mb = gathers * ag + rs
     comm, exposed = m * (gathers * ag + rs), m * per_mb
     if run.sharding == "hsdp" and group > shard:
-        ar = t("all_reduce", 4 * n / shard, group // shard)
+        ar = t("all_reduce", GRAD * n / shard, group // shard)
         comm, exposed = comm + ar, exposed + max(0.0, ar - bwd)
-    return {"comm_s": comm, "exposed_s": exposed}
+    return DataParallel(comm, exposed)
 
 
 def in_flight(pp: int, vpp: int, m: int) -> float:
@@ -142,6 +182,9 @@ def layer_bytes(run, local, recompute: str) -> float:
     block for gated shapes, the paper's GPT layer otherwise (`tplab.cost.memory`); under
     fp8 the linears' saved inputs are their 1-byte fp8 copies (Transformer Engine keeps
     the quantised input for the weight gradient)."""
+    if recompute == "op":
+        items = op_sac_layer(local)
+        return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)
     gated = local.gated
     opts = ({"norm": "fused", "swiglu": "fused"} if gated else {})
     items = layer_saved(local, recompute, "tplab" if gated else "gpt", sp_saves="shard", **opts)
@@ -157,14 +200,15 @@ def memory(run) -> dict:
     group = run.dp * cp
     shard = {"ddp": 1, "hsdp": min(group, max(1, hw.gpus_per_node // (tp * cp)))}.get(
         run.sharding, group)
-    states = {"param_bytes": 2 * n / (shard if run.sharding in ("fsdp", "hsdp") else 1),
-              "grad_bytes": 4 * n / (shard if run.sharding in ("zero2", "fsdp", "hsdp")
+    states = {"param_bytes": PARAM * n / (shard if run.sharding in ("fsdp", "hsdp") else 1),
+              "grad_bytes": GRAD * n / (shard if run.sharding in ("zero2", "fsdp", "hsdp")
                                      else 1),
-              "optimizer_bytes": 12 * n / (1 if run.sharding == "ddp" else shard)}
+              "optimizer_bytes": STATES * n / (1 if run.sharding == "ddp" else shard)}
     local = shape.with_(seq=shape.seq // cp)
-    # flash attention keeps no s x s scores: what "selective" drops is never saved
-    # "op" keeps about what "selective" does; "half_layers" half of "none", half of "full"
-    kept = {"op": "selective"}.get(run.recompute, run.recompute)
+    # flash attention keeps no s x s scores: what "selective" drops is never saved;
+    # "op" keeps what torchtitan's op-level SAC saves (memory.op_sac_layer);
+    # "half_layers" half of "none", half of "full"
+    kept = run.recompute
     if run.attention == "flash" and kept == "none":
         kept = "selective"
     if kept == "half_layers":
@@ -175,14 +219,15 @@ def memory(run) -> dict:
     layers = -(-shape.layers // run.pp)
     acts = layers * layer * in_flight(run.pp, run.vpp, run.micro_batches)
     transient = 0.0
-    if run.recompute in ("full", "half_layers"):   # one layer's, rebuilt for its backward
+    if run.recompute in ("full", "half_layers", "op"):   # one layer's, rebuilt for backward
         transient += layer_bytes(run, local, "selective" if run.attention == "flash"
                                  else "none")
     if run.sharding in ("fsdp", "hsdp"):   # the gathered layer and the prefetched one
-        transient += 2 * 2 * n / layers
+        transient += 2 * PARAM * n / layers
     # the fp32 logits and their gradient live on the last stage, counted when it is also
     # the first (pp = 1); with pp > 1 the first stage's in-flight activations dominate
-    logits = 2 * 4 * local.tokens * -(-shape.vocab // tp) if shape.vocab and run.pp == 1 else 0.0
+    logits = (run.settings.logits_bytes * local.tokens * -(-shape.vocab // tp)
+              if shape.vocab and run.pp == 1 else 0.0)
     headroom = FRAGMENTATION * (acts + transient + logits) + NCCL_RESERVE + hw.memory_reserve
     out = states | {"activation_bytes": acts, "transient_bytes": transient,
                     "logits_bytes": logits, "headroom_bytes": headroom}

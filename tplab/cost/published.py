@@ -1,11 +1,18 @@
 """Published end-to-end training runs, as printed, and the model's error on each.
 
-`RUNS` holds one dict per run: its `source` (paper and table, or repository and file), the
-configuration as printed (model, hardware, GPUs, TP/PP/VPP/CP, micro and global batch,
-sequence length, precision, recomputation, sharding), what the source prints (`printed`)
-and the tokens per second per GPU that follows from it (`measured`), and the `assumed`
-fields the source does not print. `compare()` predicts each (`cost.predict`) and returns
-its error; docs/VALIDATION.md discusses where and why the model and a run disagree.
+The runs are data: one JSON file per source in tplab/cost/data/ (the source, its
+repository or paper, the commit or version, the file and tables, and every row of each
+table used, read by scripts/read_published_tables.py where the source is a repository).
+`RUNS` holds one dict per row: its `source`, the configuration as printed (model,
+hardware, GPUs, TP/PP/VPP/CP, micro and global batch, sequence length, precision,
+recomputation, sharding), the `stack` it ran (`cost.STACKS`), what the source prints
+(`printed`) and the tokens per second per GPU that follows from it (`measured`), the
+`assumed` fields the source does not print, and `peak_gib` where the source prints the
+peak memory. `excluded` is what `exclusion` (the one rule, declared before scoring) says
+of the row. `compare()` predicts each (`cost.predict`; a setting the source does not
+print is the one that fits, `fitting`) and returns its error; `tplab.cost.scores`
+the figures of the goal, over all rows and over the goal set; docs/VALIDATION.md
+discusses where and why the model and a run disagree.
 
 How `measured` follows from what is printed:
 - an iteration time (Korthikanti 2022 Table 5, dgxc-benchmarking): global batch x sequence
@@ -18,53 +25,44 @@ How `measured` follows from what is printed:
 
 from __future__ import annotations
 
+import itertools
+import json
 import statistics
+from pathlib import Path
 
 from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware
-from tplab.cost.shapes import MODELS, BlockShape
-from tplab.cost.training_run import TrainingRun, model_flops_per_token, predict
+from tplab.cost.shapes import BlockShape
+from tplab.cost.training_run import TrainingRun, predict
 
 LLAMA3 = "Llama 3 Herd of Models (arXiv 2407.21783v3), Table 4"
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198), Tables 3 and 5"
-TITAN = "pytorch/torchtitan docs/performance.md"
+TITAN = ("pytorch/torchtitan docs/performance.md (64 A100 80GB; Llama 3.1 405B on 128 "
+         "H100)")
 FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
 DGXC = "NVIDIA/dgxc-benchmarking llama3.1/README.md"
 BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md"
 NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473), Tables 1 and 2"
 TITAN_H100 = "pytorch/torchtitan docs/performance.md (Llama 3.1, H100 96GB, commit eaea6f6)"
 
+DATA = Path(__file__).with_name("data")
 KEYS = ("model", "hardware", "gpus", "tp", "pp", "vpp", "cp", "micro_batch", "global_batch",
         "seq_len", "recompute", "sharding")
-FRAMEWORK = {LLAMA3: ("fused", "flash", True, True, True),
-             KORTHIKANTI: ("fused", "unfused", False, True, False),
-             TITAN: ("eager", "flash", True, True, True),
-             FOUNDRY: ("eager", "flash", True, True, True),
-             DGXC: ("fused", "flash", True, True, True),
-             BRIDGE: ("fused", "flash", True, True, True),
-             NARAYANAN: ("fused", "unfused", False, False, False),
-             TITAN_H100: ("eager", "flash", True, True, True)}
-"""How each source's framework runs a layer (`TrainingRun.kernels`, `.attention`) and
-whether it overlaps the gradient reduction with the backward pass (`.grad_overlap`) and
-the TP input-gradient collectives with the weight-gradient GEMMs (`.tp_overlap`) and the
-pipeline's transfers with the compute (`.p2p_overlap`: Megatron-LM's `_communicate` of
-2022, f602ac56, waits on `batch_isend_irecv` and synchronises; `--overlap-p2p-comm` came on
-2023-05-31, f9283c5a, after both papers): Meta's
-and NVIDIA's stacks fuse (Transformer Engine); torchtitan's numbers are eager PyTorch;
-llm-foundry's MPT is PyTorch with flash attention (MPT's Triton kernel, `FOUNDRY_STACK`;
-its LayerNorm one kernel: see `tplab.cost.kernels`); Korthikanti et al. 2022 materialise
-the attention scores (their section 4.1 and Figure 3). Megatron-LM (NVIDIA/Megatron-LM)
-as Narayanan 2021 ran it (commit aed2f75, 2021-04-11): `train_step` (megatron/training.py) calls
-`forward_backward_func` and then `allreduce_gradients()`, after the pipeline, and the TP
-backward all-reduce is synchronous (megatron/mpu/mappings.py,
-`_CopyToModelParallelRegion.backward`: `_reduce(grad_output)`); the async TP all-reduce
-behind the weight-gradient GEMM came on 2021-09-02 (16c90445, before Korthikanti 2022),
-`--overlap-grad-reduce` on 2023-08-16 (2d5220a4, after both)."""
 
-TORCH_CP = (TITAN_H100,)
-"""The sources whose context parallelism is torch's `context_parallel` (torchtitan's, with
-its Llama's `repeat_kv` before SDPA, models/llama/model.py at 9dec370):
-`TrainingRun(torch_cp=True)`, priced by `training_run.cp_exposed`."""
+
+def load(path: Path) -> list[dict]:
+    """The rows of one source's data file, each with the file's source, commit and file."""
+    data = json.loads(path.read_text())
+    out = []
+    for r in data["rows"]:
+        row = {"source": data["source"], "commit": data["commit"], "file": data["file"],
+               "peak_gib": None, **r, "assumed": tuple(r.get("assumed", ()))}
+        if isinstance(r["model"], dict):
+            spec = dict(r["model"])
+            row["model"] = spec["name"]
+            row["shape"] = BlockShape(**spec)
+        out.append(row)
+    return out
 
 
 ZERO3_2021 = (
@@ -153,76 +151,10 @@ def foundry_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
             if r["hardware"] == "H100 SXM" and key(r) in a100]
 
 
-def row(source, where, config, printed, measured, assumed=(), precision="bf16"):
-    run = dict(zip(KEYS, config, strict=True))
-    kernels, attention, grad_overlap, tp_overlap, p2p_overlap = FRAMEWORK[source]
-    return {"source": source, "where": where, **run, "precision": precision,
-            "kernels": kernels, "attention": attention, "grad_overlap": grad_overlap,
-            "tp_overlap": tp_overlap, "p2p_overlap": p2p_overlap,
-            "torch_cp": source in TORCH_CP,
-            "printed": printed, "measured": measured, "assumed": tuple(assumed),
-            "excluded": ""}
-
-
 def step_seconds(r: dict) -> float:
     """The measured seconds per optimizer step of a row: global batch x seq over
     (tokens/s/GPU x GPUs)."""
     return r["global_batch"] * r["seq_len"] / (r["measured"] * r["gpus"])
-
-
-def llama3(gpus, cp, dp, seq, batch_per_dp, tflops):
-    tokens = tflops * 1e12 / model_flops_per_token(MODELS["Llama-3.1 405B"].with_(seq=seq))
-    return row(LLAMA3, f"{gpus} GPUs, CP {cp}", ("Llama-3.1 405B", "H100 SXM", gpus, 8, 16, 4,
-               cp, 1, batch_per_dp * dp, seq, "none", "zero2"), f"{tflops} TFLOPs/GPU",
-               tokens, ("micro_batch 1", "vpp 4", "recompute none",
-                        "FLOPs per token 6N + causal attention"))
-
-
-def korthikanti(model, gpus, pp, vpp, mb, gbs, seconds, full):
-    label = "full recompute" if full else "present work (selective + SP)"
-    return row(KORTHIKANTI, f"{model}, {label}", (model, "A100 SXM", gpus, 8, pp, vpp, 1, mb,
-               gbs, 2048, "full" if full else "selective", "zero1"),
-               f"{seconds} s per iteration", gbs * 2048 / (seconds * gpus))
-
-
-def foundry(hw, model, seq, gpus, mb, accum, tps, ac):
-    return row(FOUNDRY, f"{hw} table, {model} at {seq}, {gpus} GPUs",
-               (f"MPT {model}", "H100 SXM" if hw == "H100 80GB BF16" else "A100 SXM", gpus,
-                1, 1, 1, 1, mb, mb * accum * gpus, seq, "full" if ac else "none", "fsdp"),
-               f"{tps} T/s/GPU", tps)
-
-
-def titan(model, batch, ac, wps, seq):
-    return row(TITAN, f"{model}, batch {batch}, {ac}", (model, "A100 SXM", 64, 1, 1, 1, 1,
-               batch, 64 * batch, seq, {"no": "none", "full": "full", "selective op": "op",
-                                        "selective layer": "half_layers"}[ac],
-               "fsdp"), f"{wps} WPS", wps,
-               ("'selective layer' is torchtitan's AC every second layer",))
-
-
-def bridge(release, system, model, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, tps):
-    hw = {"DGX-GB200": "GB200 NVL72", "DGX-B200": "B200", "DGX-H100": "H100 SXM"}[system]
-    return row(BRIDGE, f"{release} container, {system}, {model} FP8-CS", (
-        model, hw, gpus, tp, pp, vp, cp, mbs, gbs, 8192, "none", "fsdp" if fsdp else "zero1"),
-        f"{tps} Tokens / sec / GPU", tps, ("recompute none", "FP8 current scaling as fp8"),
-        precision="fp8")
-
-
-def narayanan(params, heads, hidden, layers, tp, pp, gpus, batch, tflops, mb=1,
-               sharding="ddp", table="Table 1"):
-    """A row of Narayanan 2021: its FLOPs per iteration are its equation (3), F = 96 B s l h^2
-    (1 + s/(6h) + V/(16 l h)) with s = 2048, V = 51200 (full recomputation counted), so
-    tokens/s/GPU = X / (F / (B s))."""
-    shape = BlockShape(hidden=hidden, heads=heads, layers=layers, seq=2048, vocab=51200,
-                       name=f"GPT {params}B (Narayanan 2021)")
-    per_token = 96 * layers * hidden**2 * (1 + 2048 / (6 * hidden)
-                                           + 51200 / (16 * layers * hidden))
-    r = row(NARAYANAN, f"{table}: GPT {params}B, {gpus} GPUs" + (
-        f", ZeRO-3 micro-batch {mb}" if sharding == "fsdp" else ""),
-        (shape.name, "A100 SXM", gpus, tp, pp, 1, 1, mb, batch, 2048, "full", sharding),
-        f"{tflops} teraFLOP/s per GPU", tflops * 1e12 / per_token,
-        ("micro_batch 1" if table == "Table 1" else "", "vpp 1 (not printed)"))
-    return r | {"shape": shape, "excluded": ZERO3_2021 if sharding == "fsdp" else ""}
 
 
 PP_FSDP = ("FSDP under PP runs as ZeRO-1: torch.distributed.pipelining reduces the "
@@ -241,140 +173,102 @@ PP_MICROBATCHES = ("pipeline micro-batches = the PP degree: torchtitan at the co
                    "nor llama3_405b.toml set it")
 
 
-def titan_h100(table, model, gpus, fsdp, tp, pp, vpp, cp, local, seq, ac, tech, tps):
-    """torchtitan's Llama 3.1 tables on Grand Teton H100s: local batch per DP rank (no
-    accumulation: the micro-batch; under PP split into `PP_MICROBATCHES`), "selective" AC
-    is torchtitan's default op-level SAC, torch.compile fuses the element-wise work."""
-    dp = gpus // (tp * pp * cp)
-    mb = local // pp if pp > 1 else local
-    r = row(TITAN_H100, f"Table {table}: {tech}, {gpus} GPUs (FSDP {fsdp}, TP {tp}, PP {pp}"
-            f"{', CP ' + str(cp) if cp > 1 else ''})",
-            (model, "H100 96GB (500 W)", gpus, tp, pp, vpp, cp, mb, local * dp, seq,
-             "op" if ac == "selective" else "full", "zero1" if pp > 1 else "fsdp"),
-            f"{tps} TPS/GPU", tps,
-            ("seq_len 8192 (torchtitan's Llama 3.1 8B default)" if seq == 8192 else "",
-             "Interleaved 1F1B with 2 stages per rank" if vpp > 1 else "",
-             "AsyncTP not modelled" if "AsyncTP" in tech else "",
-             PP_FSDP if pp > 1 else "", PP_MICROBATCHES if pp > 1 else ""),
-            precision="fp8" if "Float8" in tech else "bf16")
-    if "compile" in tech:
-        r["kernels"] = "fused"
-    return r
+UNPRICED = ("AsyncTP", "Async TP")
+"""Printed techniques `TrainingRun` has no field for (torchtitan's async TP: micro-pipelined
+all-gather/reduce-scatter matmuls)."""
 
 
-RUNS: list[dict] = [
-    llama3(8192, 1, 64, 8192, 32, 430),
-    llama3(16384, 1, 128, 8192, 16, 400),
-    llama3(16384, 16, 8, 131072, 16, 380),
-    *[korthikanti(*args, full) for full in (False, True) for args in (
-        ("GPT 22B", 8, 1, 1, 4, 4, 1.42 if full else 1.10),
-        ("GPT 175B", 64, 8, 3, 1, 64, 18.13 if full else 13.75),
-        ("GPT 530B", 280, 35, 3, 1, 280, 49.05 if full else 37.83),
-        ("GPT 1T", 512, 64, 1, 1, 512, 94.42 if full else 71.49))],
-    row(KORTHIKANTI, "GPT 530B, 8-way DP (section 6.3)", ("GPT 530B", "A100 SXM", 2240, 8, 35,
-        3, 1, 1, 2240, 2048, "selective", "zero1"), "39.15 s per iteration",
-        2240 * 2048 / (39.15 * 2240), ("DP gradients not overlapped in the paper",)),
-    titan("Llama-3 8B", 1, "selective layer", 2904, 8192),
-    titan("Llama-3 8B", 1, "selective op", 2973, 8192),
-    titan("Llama-3 70B", 1, "full", 331, 8192),
-    titan("Llama-2 13B", 2, "no", 2162, 4096),
-    titan("Llama-2 13B", 2, "selective layer", 1914, 4096),
-    titan("Llama-2 13B", 2, "selective op", 1904, 4096),
-    titan("Llama-2 70B", 1, "selective op", 355, 4096),
-    titan("Llama-2 70B", 2, "full", 353, 4096),
-    *[foundry("H100 80GB BF16", *args) for args in (
-        ("70B", 2048, 64, 8, 4, 1039, True), ("70B", 2048, 32, 2, 16, 882, True),
-        ("30B", 8192, 8, 1, 21, 1384, True), ("30B", 4096, 8, 1, 21, 1802, True),
-        ("30B", 2048, 8, 3, 21, 2002, True), ("13B", 16384, 8, 3, 3, 2985, True),
-        ("13B", 4096, 8, 10, 3, 4717, True), ("13B", 2048, 8, 2, 1, 4792, False),
-        ("7B", 32768, 8, 2, 2, 3318, True), ("7B", 8192, 8, 8, 2, 6935, True),
-        ("7B", 4096, 8, 16, 2, 8611, True), ("7B", 2048, 8, 6, 1, 10643, False),
-        ("3B", 2048, 64, 6, 3, 22525, False), ("1B", 2048, 64, 20, 1, 44402, False))],
-    *[foundry("A100 80GB", *args) for args in (
-        ("70B", 2048, 64, 8, 4, 410, True), ("30B", 2048, 8, 3, 21, 916, True),
-        ("13B", 4096, 8, 10, 3, 2060, True), ("13B", 2048, 8, 2, 3, 2262, False),
-        ("7B", 8192, 8, 8, 2, 3206, True), ("7B", 2048, 8, 6, 2, 4641, False),
-        ("3B", 2048, 8, 10, 2, 10811, False), ("1B", 2048, 8, 14, 4, 20513, False))],
-    row(DGXC, "GB200 example, 128 GPUs, GBS 64", ("Llama-3.1 405B", "GB200 NVL72", 128, 4, 8,
-        8, 2, 1, 64, 8192, "selective", "zero1"), "9.347 s per step",
-        8192 * 64 / (9.347 * 128), ("recompute selective",)),
-    # 25.11 NeMo container tables (FSDP > 0: FSDP; VP n/a: 1), dense Llama rows, FP8-CS
-    *[bridge("25.11", *args) for args in (
-        ("DGX-GB200", "Llama-3 8B", 8, 128, 2, 0, 1, 1, 1, 1, 31508),
-        ("DGX-GB200", "Llama-3 70B", 64, 256, 2, 64, 1, 1, 1, 1, 4312),
-        ("DGX-GB200", "Llama-3.1 405B", 256, 1536, 1, 0, 4, 16, 1, 4, 813),
-        ("DGX-B200", "Llama-3 8B", 8, 128, 2, 0, 1, 1, 1, 1, 30624),
-        ("DGX-B200", "Llama-3.1 405B", 128, 64, 1, 0, 4, 8, 2, 8, 661),
-        ("DGX-H100", "Llama-3 8B", 8, 128, 1, 8, 1, 1, 1, 1, 14451),
-        ("DGX-H100", "Llama-3 70B", 64, 128, 1, 0, 4, 8, 1, 5, 1602),
-        ("DGX-H100", "Llama-3.1 405B", 1024, 512, 1, 0, 8, 8, 2, 8, 292))],
-    # Narayanan 2021 Table 1 (weak scaling) and Table 2 (PTD-P and ZeRO-3 without MP)
-    narayanan(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    narayanan(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    narayanan(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    narayanan(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    narayanan(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    narayanan(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    narayanan(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    narayanan(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    narayanan(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    narayanan(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-    *[narayanan(174.6, 96, 12288, 96, 8, 12, g, 1536, x, table="Table 2")
-      for g, x in ((384, 153), (768, 149), (1536, 141))],
-    *[narayanan(529.6, 128, 20480, 105, 8, 35, g, 2240, x, table="Table 2")
-      for g, x in ((560, 171), (1120, 167), (2240, 159))],
-    *[narayanan(174.6, 96, 12288, 96, 1, 1, g, 1536, x, mb, "fsdp", "Table 2")
-      for g, mb, x in ((384, 4, 144), (768, 2, 88), (1536, 1, 44))],
-    *[narayanan(529.6, 128, 20480, 105, 1, 1, g, b, x, mb, "fsdp", "Table 2")
-      for g, b, mb, x in ((640, 2560, 4, 138), (1120, 2240, 2, 98), (2240, 2240, 1, 48))],
-    # torchtitan's Llama 3.1 tables on H100 96GB / 500 W (FSDP, CP, TP, PP, Float8, compile)
-    *[titan_h100(t, "Llama-3 8B", g, g, 1, 1, 1, 1, 2, 8192, "selective", tech, x)
-      for t, g in ((1, 8), (3, 128)) for tech, x in (
-          ("FSDP", {1: 5762, 3: 5605}[t]), ("FSDP + torch.compile", {1: 6667, 3: 6514}[t]),
-          ("FSDP + torch.compile + Float8", {1: 8532, 3: 8380}[t]))],
-    *[titan_h100(2, "Llama-3 8B", 8, 8 // cp, 1, 1, 1, cp, 1, seq, "full",
-                 "FSDP + CP + torch.compile + Float8", x)
-      for cp, seq, x in ((1, 32768, 3890), (2, 65536, 2540), (4, 131072, 1071),
-                         (8, 262144, 548))],
-    *[titan_h100(4, "Llama-3 70B", 256, 32, 8, 1, 1, 1, 16, 8192, "full",
-                 f"{tech} + torch.compile + Float8", x)
-      for tech, x in (("2D", 829), ("2D + AsyncTP", 876))],
-    *[titan_h100(5, "Llama-3.1 405B", 512, 8, 8, 8, vpp, 1, 32, 8192, "full",
-                 f"{name}, torch.compile + Float8 + AsyncTP", x)
-      for name, vpp, x in (("1F1B", 1, 100), ("Interleaved 1F1B", 2, 128))],
-    *[titan_h100(6, "Llama-3.1 405B", 512, 8 // cp, 8, 8, 1, cp, 8, seq, "full",
-                 "4D, torch.compile + Float8 + AsyncTP + 1F1B", x)
-      for cp, seq, x in ((1, 32768, 76), (2, 65536, 47), (4, 131072, 31), (8, 262144, 16))],
-    # 26.02 NeMo container tables, FP8 rows of a layout or batch the 25.11 ones do not have
-    *[bridge("26.02", *args) for args in (
-        ("DGX-H100", "Llama-3 70B", 64, 256, 1, 0, 4, 8, 1, 5, 1621),
-        ("DGX-H100", "Llama-3.1 405B", 1024, 1536, 1, 0, 8, 8, 2, 8, 311))],
-]
+def exclusion(r: dict) -> str:
+    """Why a row is left out of the goal set ("" if it is in): the rule reads the row only,
+    and was declared before scoring (docs/VALIDATION.md, "Frozen protocol"). Two reasons:
+    the row ran a stack whose collectives the model does not price (`ZERO3_2021`), or it
+    prints a technique `TrainingRun` has no field for (`UNPRICED`)."""
+    if r["stack"] == "deepspeed-2021":
+        return ZERO3_2021
+    named = [t for t in UNPRICED if t in r["where"]]
+    if named:
+        return f"out of the goal set: prints {named[0]}, which TrainingRun cannot express"
+    return ""
 
 
-def to_run(r: dict) -> TrainingRun:
-    """The `TrainingRun` a published row describes."""
-    return TrainingRun(r.get("shape", r["model"]), r["hardware"], r["gpus"], tp=r["tp"], pp=r["pp"],
-                       vpp=r["vpp"], cp=r["cp"], micro_batch=r["micro_batch"],
-                       global_batch=r["global_batch"], seq_len=r["seq_len"],
-                       precision=r["precision"], recompute=r["recompute"],
-                       sharding=r["sharding"], kernels=r["kernels"],
-                       attention=r["attention"], grad_overlap=r["grad_overlap"],
-                       tp_overlap=r["tp_overlap"], torch_cp=r["torch_cp"],
-                       p2p_overlap=r["p2p_overlap"])
+def unexpressible(r: dict) -> str:
+    """Why `TrainingRun` cannot express a row at all ("" if it can): a printed model with
+    no `cost.MODELS` shape (mixture-of-experts), a system with no `cost.HARDWARE` preset
+    (GB300, B300) or a precision the model does not price (MXFP8, NVFP4: block-scaled
+    formats; the model's fp8 is tensorwise). Such rows stay in the data, counted and
+    listed (`UNSCORED`), and are not scored."""
+    if r["model"] is None:
+        return f"model {r.get('printed_model')!r}: no cost.MODELS shape (experts)"
+    if r["hardware"] is None:
+        return f"system {r.get('printed_system')!r}: no cost.HARDWARE preset"
+    if r["precision"] is None:
+        return f"precision {r.get('printed_precision')!r}: not priced"
+    return ""
 
 
-def compare(runs: list[dict] | None = None) -> dict:
+ROWS: list[dict] = [r for path in sorted(DATA.glob("*.json")) for r in load(path)]
+"""Every row of every data file, scored or not."""
+RUNS: list[dict] = [r | {"excluded": exclusion(r)} for r in ROWS if not unexpressible(r)]
+"""The rows `TrainingRun` can express: every one is scored."""
+UNSCORED: list[tuple[dict, str]] = [(r, unexpressible(r)) for r in ROWS if unexpressible(r)]
+
+
+def to_run(r: dict, **changes) -> TrainingRun:
+    """The `TrainingRun` a published row describes (its stack included); `changes` replace
+    fields, e.g. another stack."""
+    fields = {k: r[k] for k in KEYS} | {"precision": r["precision"], "stack": r["stack"]}
+    fields["model"] = r.get("shape", r["model"])
+    return TrainingRun(**(fields | changes))
+
+
+TRIED = {"recompute": ("none", "selective", "full"), "vpp": (4, 3, 2, 1)}
+"""What `fitting` tries for a field the source does not print, in order."""
+
+
+def unprinted(r: dict) -> list[str]:
+    """The fields of `TRIED` a row's `assumed` list says the source does not print
+    ("recompute none", "vpp 4")."""
+    return [k for k in TRIED if any(a.split(" ")[0] == k for a in r["assumed"])]
+
+
+def fitting(r: dict, **changes) -> tuple[dict, object]:
+    """The unprinted settings the row ran with, and its prediction: the assumed ones if they
+    fit, else, of the combinations of `TRIED` values that fit, the fastest (what a recipe
+    tuned for throughput would pick); ({}, the assumed run's prediction) if none fits: the
+    model then says the run could not have run."""
+    first = predict(to_run(r, **changes))
+    fields = unprinted(r)
+    if first.fits or not fields:
+        return {}, first
+    best: tuple[dict, object] = ({}, first)
+    for vals in itertools.product(*(TRIED[k] for k in fields)):
+        setting = dict(zip(fields, vals, strict=True))
+        try:
+            p = predict(to_run(r, **(changes | setting)))
+        except ValueError:
+            continue
+        if p.fits and (not best[1].fits
+                       or p.tokens_per_s_per_gpu > best[1].tokens_per_s_per_gpu):
+            best = (setting, p)
+    return best
+
+
+def compare(runs: list[dict] | None = None, **changes) -> dict:
     """Each run's prediction and error ((predicted - measured) / measured, tokens/s/GPU),
-    with the median and worst |error| over the goal set (the rows whose `excluded` is
-    empty; `ZERO3_2021` says why six are not) and over every row ("median_all",
-    "worst_all"): {"rows": [...], "median": ..., "worst": ..., "worst_row": ..., ...}."""
+    with the median and worst |error| over the goal set (the rows `exclusion` leaves in)
+    and over every row ("median_all", "worst_all"): {"rows": [...], "median": ...,
+    "worst": ..., "worst_row": ..., ...}. `changes` go to every row's `TrainingRun`."""
     rows = []
     for r in RUNS if runs is None else runs:
-        p = predict(to_run(r))
-        rows.append(r | {"predicted": p.tokens_per_s_per_gpu, "mfu": p.mfu,
+        setting, p = fitting(r, **changes)
+        assumed = predict(to_run(r, **changes)) if setting else p
+        rows.append(r | setting | {"fit_setting": setting,
+                                   "error_assumed": assumed.tokens_per_s_per_gpu
+                                   / r["measured"] - 1,
+                                   "predicted": p.tokens_per_s_per_gpu, "mfu": p.mfu,
                          "error": p.tokens_per_s_per_gpu / r["measured"] - 1,
-                         "fits": p.fits, "memory_gb": p.memory_per_gpu / 1e9})
+                         "fits": p.fits, "memory_gib": p.memory_per_gpu / 2**30,
+                         "priced_stack": p.stack})
     goal = [r for r in rows if not r.get("excluded")] or rows
     worst = max(goal, key=lambda r: abs(r["error"]))
     worst_all = max(rows, key=lambda r: abs(r["error"]))

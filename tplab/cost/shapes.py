@@ -99,6 +99,11 @@ MODELS: dict[str, BlockShape] = {
     # d_model, n_layers; expansion 4, GELU, vocabulary 50368). The heads do not enter the
     # FLOPs or bytes at TP 1; the sizes reproduce the NumParams column of llm-foundry's
     # scripts/train/benchmarking/README.md (12 L h^2 + V h to 0.2%).
+    # the three small ones (mpt-125m/350m/760m.yaml: d_model 768/1024/1536, n_layers
+    # 12/24/24, n_heads 12/16/12)
+    "MPT 125M": BlockShape(hidden=768, heads=12, layers=12, vocab=50368, name="MPT 125M"),
+    "MPT 350M": BlockShape(hidden=1024, heads=16, layers=24, vocab=50368, name="MPT 350M"),
+    "MPT 760M": BlockShape(hidden=1536, heads=12, layers=24, vocab=50368, name="MPT 760M"),
     "MPT 1B": BlockShape(hidden=2048, heads=16, layers=24, vocab=50368, name="MPT 1B"),
     "MPT 3B": BlockShape(hidden=2560, heads=20, layers=32, vocab=50368, name="MPT 3B"),
     "MPT 7B": BlockShape(hidden=4096, heads=32, layers=32, vocab=50368, name="MPT 7B"),

@@ -2,8 +2,9 @@
 memory, and the TP degree the rows recommend.
 
 `step_time` prices one micro-batch through every layer, forward and backward, on one GPU of
-a TP group of `tp`: compute from the per-rank GEMM shapes (`tplab.cost.gemm`: each GEMM at
-`mfu` x its shape's efficiency; `gemm="flat"`: every GEMM at `mfu`), the block's TP
+a TP group of `tp`: compute from the per-rank GEMM shapes (each GEMM at `mfu` x its shape's
+efficiency in the one GEMM model, `tplab.cost.kernels.gemm_efficiency`; `gemm="flat"`:
+every GEMM at `mfu`), the block's TP
 collectives (`tplab.cost.transformer.block_collectives`) priced by NCCL's model
 (`tplab.cost.nccl`), what `overlap` hides of them, the data-parallel traffic
 (`tplab.cost.data_parallel`) and the memory (`tplab.cost.memory.gpu_memory`).
@@ -14,8 +15,8 @@ from __future__ import annotations
 
 from tplab.cost.collectives import ALGORITHMS, PROTOCOLS, collective_time
 from tplab.cost.data_parallel import dp_times
-from tplab.cost.gemm import gemm_efficiency, linear_gemms
 from tplab.cost.hardware import Hardware
+from tplab.cost.kernels import gemm_efficiency
 from tplab.cost.memory import NORMS, PRECISIONS, SWIGLUS, gpu_memory
 from tplab.cost.transformer import (
     MFU,
@@ -48,6 +49,13 @@ RECOMPUTES = ("none", "selective", "full")
 TPS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def linear_pass_gemms(tokens: int, d_in: int, d_out: int) -> list[tuple[int, int, int]]:
+    """The three GEMMs of one linear layer y = x W^T with x (tokens, d_in): forward
+    (tokens, d_out, d_in), input gradient (tokens, d_in, d_out), weight gradient
+    (d_out, d_in, tokens), as (m, n, k)."""
+    return [(tokens, d_out, d_in), (tokens, d_in, d_out), (d_out, d_in, tokens)]
+
+
 def region_linears(shape: BlockShape, tp: int) -> dict[str, dict[str, tuple[int, int]]]:
     """Per rank, (d_in, d_out) of each region's column-parallel linear ("col": the fused
     q, k, v; the fused w1 (and w3)) and row-parallel one ("row": wo; w2)."""
@@ -66,7 +74,8 @@ def gemm_times(shape: BlockShape, tp: int, hw: Hardware, mfu: float = MFU,
         out[region] = {}
         for side, (d_in, d_out) in linears.items():
             for kind, (m, n, k) in zip(("fwd", "dgrad", "wgrad"),
-                                       linear_gemms(shape.tokens, d_in, d_out), strict=True):
+                                       linear_pass_gemms(shape.tokens, d_in, d_out),
+                                       strict=True):
                 eff = gemm_efficiency(m, n, k, hw, shape.dtype_bytes) if gemm == "shape" else 1
                 out[region][f"{side}_{kind}"] = 2 * m * n * k / (hw.flops * mfu * eff)
     return out
@@ -80,7 +89,7 @@ def lm_head_times(shape: BlockShape, tp: int, hw: Hardware, mfu: float = MFU,
     if not shape.vocab:
         return 0.0, 0.0
     times = []
-    for m, n, k in linear_gemms(shape.tokens, shape.hidden, -(-shape.vocab // tp)):
+    for m, n, k in linear_pass_gemms(shape.tokens, shape.hidden, -(-shape.vocab // tp)):
         eff = gemm_efficiency(m, n, k, hw, shape.dtype_bytes) if gemm == "shape" else 1
         times.append(2 * m * n * k / (hw.flops * mfu * eff))
     return times[0], times[1] + times[2]
@@ -99,7 +108,7 @@ def comm_times(shape: BlockShape, tp: int, hw: Hardware, sequence_parallel: bool
     check_type("hw", hw, Hardware, "a tplab.cost.Hardware")
     check_choice("overlap", overlap, tuple(OVERLAPS))
     check_choice("recompute", recompute, RECOMPUTES)
-    check_number("mfu", mfu, strict=True, maximum=1.0)
+    check_number("mfu", mfu, minimum=1e-6, maximum=1.0)  # below: not an efficiency
     check_choice("gemm", gemm, GEMMS)
     if overlap == "async_tp" and not sequence_parallel:
         raise ValueError("overlap='async_tp' needs sequence_parallel=True: PyTorch's async "
@@ -137,7 +146,7 @@ def check_step(shape, tp, hw, sequence_parallel, algorithm, sublayers, recompute
     check_choice("overlap", overlap, tuple(OVERLAPS))
     if sp_saves is not None:
         check_choice("sp_saves", sp_saves, SP_SAVES)
-    check_number("mfu", mfu, strict=True, maximum=1.0)
+    check_number("mfu", mfu, minimum=1e-6, maximum=1.0)  # below: not an efficiency
     check_int("dp", dp)
     check_int("zero", zero, minimum=0)
     check_choice("gemm", gemm, GEMMS)
@@ -347,7 +356,7 @@ def mlp_comm_ratio(shape: BlockShape, tp: int, hw: Hardware, mfu: float = MFU) -
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_int("tp", tp)
     check_type("hw", hw, Hardware, "a tplab.cost.Hardware")
-    check_number("mfu", mfu, strict=True, maximum=1.0)
+    check_number("mfu", mfu, minimum=1e-6, maximum=1.0)  # below: not an efficiency
     if tp <= 1:
         return 0.0
     bw = hw.link(tp).params("all_reduce")[1]

@@ -30,9 +30,11 @@ How a step is priced (one set of constants per hardware preset, each cited where
   all exposed.
 - **Recomputation**: "full" re-runs the forward; "selective" re-runs the attention core
   (Korthikanti et al. 2022's selective recomputation). Two more, torchtitan's
-  (torchtitan/models/llama3/infra/parallelize.py, `_apply_ac`): "op", its op-level SAC,
-  saves the outputs of every other matmul and of attention, so it re-runs half the linear
-  GEMMs and every element-wise op of the forward; "half_layers", its layer-level
+  (torchtitan/parallelisms/parallelize_llama.py at 9dec370, `_apply_ac_to_transformer_block`):
+  "op", its op-level SAC, saves the outputs of every other matmul (counted from the first)
+  and of attention (`memory.op_sac_layer`), so it re-runs the other matmuls (wk, wo and w3
+  or fc2: `kernels.op_sac_recomputed_gemms`) and every element-wise op of the forward;
+  "half_layers", its layer-level
   selective AC at frequency 2, re-runs the whole forward of every second layer.
 - The optimizer step: Adam reads 16 and writes 12 bytes per local parameter (fp32 master,
   m, v, grad), and the rest of the step (the gradient norm, Megatron-LM's copy into the
@@ -46,13 +48,14 @@ attention, no recomputation) over the step time x peak, communication and bubble
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tplab.cost import kernels, pipeline
 from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.hardware import HARDWARE, Hardware
 from tplab.cost.shapes import MODELS, BlockShape
+from tplab.cost.stacks import ATTENTIONS, DEFAULT_STACK, KERNELS, STACKS, Stack, get_stack
 from tplab.cost.transformer import allowed_tps, block_collectives, tp_allowed
 from tplab.cost.validate import (
     check_bool,
@@ -66,8 +69,6 @@ from tplab.cost.validate import (
 PRECISIONS = ("bf16", "fp8")
 RECOMPUTES = ("none", "selective", "full", "op", "half_layers")
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
-KERNELS = ("fused", "eager")
-ATTENTIONS = ("flash", "unfused")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class TrainingRun:
     """One training run: `model` (a `MODELS` name or a `BlockShape`) on `gpus` GPUs of
     `hardware` (a `HARDWARE` name or a `Hardware`), gpus = tp x pp x cp x dp; see the
     module doc. `global_batch` and `micro_batch` are in sequences of `seq_len` tokens.
+    `stack` (a `cost.STACKS` name, default `DEFAULT_STACK`, "megatron-lm") is the software
+    that runs it (`tplab.cost.stacks`): it sets the fields below, which a run may override.
     `kernels` ("fused": Megatron-LM / Transformer Engine; "eager": PyTorch eager) and
     `attention` ("flash"; "unfused": materialised scores) say how the framework runs the
     layer (`tplab.cost.kernels`). `grad_overlap` False ("ddp" and "zero1"): the framework
@@ -102,14 +105,16 @@ class TrainingRun:
     sharding: str = "zero1"
     gpus_per_node: int | None = None
     nics_per_node: int | None = None
-    kernels: str = "fused"
-    attention: str = "flash"
-    grad_overlap: bool = True
-    tp_overlap: bool = True
-    torch_cp: bool = False
-    p2p_overlap: bool = True
+    stack: str = DEFAULT_STACK
+    kernels: str | None = None
+    attention: str | None = None
+    grad_overlap: bool | None = None
+    tp_overlap: bool | None = None
+    torch_cp: bool | None = None
+    p2p_overlap: bool | None = None
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
+    settings: Stack = field(init=False, repr=False)
 
     def __post_init__(self):
         shape = MODELS.get(self.model) if isinstance(self.model, str) else self.model
@@ -138,12 +143,7 @@ class TrainingRun:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("recompute", self.recompute, RECOMPUTES)
         check_choice("sharding", self.sharding, SHARDINGS)
-        check_choice("kernels", self.kernels, KERNELS)
-        check_choice("attention", self.attention, ATTENTIONS)
-        check_bool("grad_overlap", self.grad_overlap)
-        check_bool("tp_overlap", self.tp_overlap)
-        check_bool("torch_cp", self.torch_cp)
-        check_bool("p2p_overlap", self.p2p_overlap)
+        resolve_stack(self)
         check_rules(self)
 
     @property
@@ -154,6 +154,30 @@ class TrainingRun:
     def micro_batches(self) -> int:
         """m: micro-batches per DP replica per optimizer step."""
         return self.global_batch // (self.micro_batch * self.dp)
+
+
+OVERRIDES = ("kernels", "attention", "grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap")
+
+
+def resolve_stack(run: TrainingRun) -> None:
+    """`run.settings`: the named stack (`tplab.cost.stacks`) with the fields the run sets
+    itself; each of those fields then holds the value priced."""
+    if not isinstance(run.stack, str):
+        raise ValueError(f"stack = {run.stack!r}: expected a cost.STACKS name "
+                         f"({', '.join(STACKS)})")
+    base = get_stack(run.stack)
+    changes = {k: getattr(run, k) for k in OVERRIDES if getattr(run, k) is not None}
+    if "kernels" in changes:
+        check_choice("kernels", changes["kernels"], KERNELS)
+    if "attention" in changes:
+        check_choice("attention", changes["attention"], ATTENTIONS)
+    for k in ("grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap"):
+        if k in changes:
+            check_bool(k, changes[k])
+    settings = replace(base, **changes) if changes else base
+    object.__setattr__(run, "settings", settings)
+    for k in OVERRIDES:
+        object.__setattr__(run, k, getattr(settings, k))
 
 
 def check_rules(run: TrainingRun) -> None:
@@ -195,6 +219,7 @@ class Prediction:
     """What `predict` returns; `breakdown` is seconds per optimizer step by cause."""
 
     run: TrainingRun
+    stack: str
     step_s: float
     tokens_per_s_per_gpu: float
     mfu: float
@@ -213,15 +238,31 @@ def model_flops_per_token(shape: BlockShape) -> float:
     return 3 * (shape.layers * layer + 2 * shape.hidden * shape.vocab)
 
 
-def layer_times(run: TrainingRun) -> dict:
-    """Seconds of one layer on one micro-batch on one GPU: forward, backward, the TP
-    collectives' exposed time, the CP collectives'."""
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds of one layer on one micro-batch on one GPU: forward and backward compute
+    (recomputation included), the TP and CP collectives' exposed time, and the parts of
+    the forward: its linear GEMMs, attention, element-wise work."""
+
+    forward_s: float
+    backward_s: float
+    tp_exposed_s: float
+    cp_exposed_s: float
+    gemm_fwd_s: float
+    attention_s: float
+    elementwise_s: float
+
+
+def layer_times(run: TrainingRun) -> LayerTimes:
+    """The `LayerTimes` of `run` (module doc)."""
     shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
     tokens = shape.tokens // cp
     fwd = kernels.linear_time(shape, tokens, tp, hw, run.precision)
     bwd_dgrad, bwd_wgrad = 2 * [fwd]
-    attn_s = kernels.attention_time(shape, cp, tp, hw, run.attention)
-    attn_bwd = kernels.attention_backward(shape, cp, tp, hw, run.attention)
+    scale = run.settings.attention_scale       # the stack's kernel class (stacks module)
+    ahw = hw.with_(attention_efficiency=hw.attention_efficiency * scale) if scale != 1 else hw
+    attn_s = kernels.attention_time(shape, cp, tp, ahw, run.attention)
+    attn_bwd = kernels.attention_backward(shape, cp, tp, ahw, run.attention)
     elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.memory_bandwidth
     cast = (0.0, 0.0)
     if run.precision == "fp8":   # the linears' operands quantised (kernels.fp8_cast_bytes)
@@ -233,8 +274,9 @@ def layer_times(run: TrainingRun) -> dict:
         backward += forward
     elif run.recompute == "selective":
         backward += attn_s
-    elif run.recompute == "op":
-        backward += fwd / 2 + elem
+    elif run.recompute == "op":       # every second mm and every element-wise op
+        backward += elem + sum(kernels.gemm_time(m, n, k, hw, run.precision)
+                               for m, n, k in kernels.op_sac_recomputed_gemms(shape, tokens, tp))
     elif run.recompute == "half_layers":
         backward += forward / 2
     local = shape.with_(seq=shape.seq // cp)
@@ -245,9 +287,7 @@ def layer_times(run: TrainingRun) -> dict:
         again = {"full": 1.0, "half_layers": 0.5}.get(run.recompute, 0.0)
         exposed += max(0.0, t - hidden_by) * (1 + again * (r["phase"] == "forward"))
     cp_s = cp_exposed(run, attn_s, attn_bwd) if cp > 1 else 0.0
-    return {"forward_s": forward, "backward_s": backward, "tp_exposed_s": exposed,
-            "cp_exposed_s": cp_s, "gemm_fwd_s": fwd, "attention_s": attn_s,
-            "elementwise_s": elem}
+    return LayerTimes(forward, backward, exposed, cp_s, fwd, attn_s, elem)
 
 
 def cp_exposed(run: TrainingRun, attn_s: float, attn_bwd: float) -> float:
@@ -282,26 +322,27 @@ def predict(run: TrainingRun) -> Prediction:
     check_type("run", run, TrainingRun, "a cost.TrainingRun")
     shape, hw = run.shape, run.hw
     lt = layer_times(run)
-    per_layer = lt["forward_s"] + lt["backward_s"] + lt["tp_exposed_s"] + lt["cp_exposed_s"]
+    per_layer = lt.forward_s + lt.backward_s + lt.tp_exposed_s + lt.cp_exposed_s
     head = kernels.head_time(shape, shape.tokens // run.cp, run.tp, hw, run.precision)
     stage = pipeline.stage_time(shape.layers, run.pp, run.vpp, per_layer, head)
     m = run.micro_batches
     p2p = pipeline.p2p_time(shape, run.tp, run.cp, hw)
-    pipe = pipeline.schedule(stage["slowest_s"], run.pp, run.vpp, m, p2p, run.p2p_overlap)
+    pipe = pipeline.schedule(stage.slowest_s, run.pp, run.vpp, m, p2p, run.p2p_overlap)
     data = pipeline.data_parallel(run, stage, lt, m)
     optimizer = kernels.optimizer_time(shape, run.tp, run.pp, run.dp * run.cp,
                                        run.sharding, hw, run.kernels)
-    step = pipe["compute_s"] + pipe["bubble_s"] + pipe["p2p_s"] + data["exposed_s"] + optimizer
+    step = pipe.compute_s + pipe.bubble_s + pipe.p2p_s + data.exposed_s + optimizer
     tokens = run.global_batch * shape.seq
     flops = model_flops_per_token(shape) * tokens
-    compute = m * stage["slowest_s"] - m * pipeline.comm_share(stage, lt)
-    breakdown = {"compute_s": compute, "tp_exposed_s": m * stage["layers"] * lt["tp_exposed_s"],
-                 "cp_exposed_s": m * stage["layers"] * lt["cp_exposed_s"],
-                 "pp_bubble_s": pipe["bubble_s"], "pp_p2p_s": pipe["p2p_s"],
-                 "dp_exposed_s": data["exposed_s"], "dp_comm_s": data["comm_s"],
+    compute = m * stage.slowest_s - m * pipeline.comm_share(stage, lt)
+    breakdown = {"compute_s": compute, "tp_exposed_s": m * stage.layers * lt.tp_exposed_s,
+                 "cp_exposed_s": m * stage.layers * lt.cp_exposed_s,
+                 "pp_bubble_s": pipe.bubble_s, "pp_p2p_s": pipe.p2p_s,
+                 "dp_exposed_s": data.exposed_s, "dp_comm_s": data.comm_s,
                  "optimizer_s": optimizer}
     memory = pipeline.memory(run)
-    return Prediction(run=run, step_s=step, tokens_per_s_per_gpu=tokens / (step * run.gpus),
+    return Prediction(run=run, stack=run.stack, step_s=step,
+                      tokens_per_s_per_gpu=tokens / (step * run.gpus),
                       mfu=flops / (step * run.gpus * peak_flops(run)),
                       memory_per_gpu=memory["total_bytes"],
                       fits=memory["total_bytes"] <= hw.memory, breakdown=breakdown,
@@ -364,12 +405,13 @@ def check_grid(model, hardware, gpus, global_batch, seq_len, tps, pps, cps, vpps
 def layouts(model, hardware, gpus: int, global_batch: int, seq_len: int | None = None,
             tps=None, pps=(1, 2, 4, 8, 16), cps=(1, 2), vpps=(1, 2, 4),
             micro_batches=(1, 2), shardings=SHARDINGS, recomputes=("none", "selective", "full"),
-            precision: str = "bf16") -> list[Prediction]:
-    """Every valid layout of `model` on `gpus` GPUs among the degrees given, predicted;
-    the invalid ones (a ValueError naming their rule) are left out. An argument no layout
-    could take (`check_grid`), or a grid with no valid layout at all, is a ValueError or
-    TypeError naming why; `[]` never stands for a typo. `tps=None`: the degrees of 1-16 the
-    model's heads allow."""
+            precision: str = "bf16", stack: str = DEFAULT_STACK) -> list[Prediction]:
+    """Every valid layout of `model` on `gpus` GPUs among the degrees given, predicted for
+    `stack` (a `cost.STACKS` name); the invalid ones (a ValueError naming their rule) are
+    left out. An argument no layout could take (`check_grid`, an unknown stack), or a grid
+    with no valid layout at all, is a ValueError or TypeError naming why; `[]` never stands
+    for a typo. `tps=None`: the degrees of 1-16 the model's heads allow."""
+    get_stack(stack)                 # an unknown stack is an error, not an empty list
     _, tps = check_grid(model, hardware, gpus, global_batch, seq_len, tps, pps, cps, vpps,
                         micro_batches, shardings, recomputes, precision)
     out, refusals = [], []
@@ -385,7 +427,8 @@ def layouts(model, hardware, gpus: int, global_batch: int, seq_len: int | None =
                                                       vpp=vpp, cp=cp, micro_batch=mb,
                                                       global_batch=global_batch,
                                                       seq_len=seq_len, precision=precision,
-                                                      recompute=recompute, sharding=sharding)
+                                                      recompute=recompute, sharding=sharding,
+                                                      stack=stack)
                                 except ValueError as e:
                                     refusals.append(str(e))
                                     continue

@@ -150,7 +150,7 @@ MFU = 0.40
 BF16 MFU on 8K-16K H100s ("The Llama 3 Herd of Models", 2024, Table 4). It is an
 end-to-end figure (it pays for the communication that was not hidden), so compute at 40%
 of peak plus the communication modelled here errs on the slow side. Smaller per-rank GEMMs
-run below it (`tplab.cost.gemm`); each row carries the `mfu` it ended up with."""
+run below it (`tplab.cost.kernels.gemm_efficiency`); each row carries the `mfu` it ended up with."""
 
 
 def block_collectives(shape: BlockShape, tp: int, sequence_parallel: bool = False,
@@ -203,14 +203,3 @@ def block_collectives(shape: BlockShape, tp: int, sequence_parallel: bool = Fals
         else:                   # f: sum the input gradients of the column-parallel linears
             records.append(rec("backward", sub, "all_reduce", "bwd_in"))
     return records
-
-
-def region_gemm_flops(shape: BlockShape) -> dict[str, dict[str, float]]:
-    """Forward FLOPs of each region's column-parallel GEMM ("col": q, k, v or w1 (and w3))
-    and row-parallel one ("row": the output projection or w2), over all TP ranks. Each
-    GEMM's input-gradient ("dgrad") and weight-gradient ("wgrad") GEMMs cost the same."""
-    h, t, f = shape.hidden, shape.tokens, shape.ffn_size
-    return {"attention": {"col": 2 * t * h * (h + 2 * shape.kv_dim), "row": 2 * t * h * h},
-            "mlp": {"col": 2 * t * h * f * (2 if shape.gated else 1), "row": 2 * t * h * f}}
-
-

@@ -12,10 +12,12 @@ every step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,9 +30,9 @@ from tplab.core.fsdp_layout import managed, refuse_in_simulation, tp_view
 from tplab.core.pairing import Pair, pair
 from tplab.core.pytrees import call_model, leaves, map_tensors
 from tplab.layouts import ParamLayout, tp_layout
-from tplab.mesh import make_mesh, split, tp_group
-from tplab.plans import parallelizer
-from tplab.rank.grad_step import call_loss, loss_context, replica_slice
+from tplab.losses import call_loss, loss_context
+from tplab.mesh import MeshShape, split, tp_group
+from tplab.rank.grad_step import replica_slice, sum_convention
 from tplab.rng import rank_free_randomness
 
 LIVE_PREFIX = "\x1b[8m[tplab-train]"  # concealed: an old terminal shows nothing of it
@@ -57,18 +59,20 @@ class TrainResult:
     replicas: dict[str, torch.Tensor]
 
 
-def default_step(model, optimizer, batch, loss_fn=None, dp: int = 1):
+def default_step(model, optimizer, batch, loss_fn=None, dp: int = 1,
+                 dp_reduction: str = "mean"):
     """forward, loss (`loss_fn(output, batch)`, as grad_check's; under `loss_parallel()`
     when the logits are vocab-sharded DTensors), backward, `optimizer.step()`,
     `optimizer.zero_grad()`; returns the loss. `dp` > 1 (one device standing for dp
     replicas): the mean of the loss of each of the dp slices of dim 0, what the replicas'
-    averaged gradients minimise (with a sum loss the whole batch's would be dp times it)."""
+    averaged gradients minimise (with a sum loss the whole batch's would be dp times it);
+    their sum with `dp_reduction="sum"` (the replicas' gradients summed)."""
     out = call_model(model, batch)
     with loss_context(out):
         if dp > 1:
             loss = sum(call_loss(loss_fn, *map_tensors(lambda t, d=d: t.chunk(dp)[d],
                                                        (out, batch)))
-                       for d in range(dp)) / dp
+                       for d in range(dp)) / (dp if dp_reduction == "mean" else 1)
         else:
             loss = call_loss(loss_fn, out, batch)
         loss.backward()
@@ -159,11 +163,13 @@ def batch_sum(batch) -> torch.Tensor:
     return total
 
 
-def average_over_dp(model, mesh) -> None:
+def average_over_dp(model, mesh, dp_reduction: str = "mean") -> None:
     """DDP's gradient all-reduce, as hooks: each gradient averaged over the dp replicas as
-    soon as backward has accumulated it (before the user's clipping and optimizer step).
-    Not the parameters FSDP2 manages: FSDP2 reduce-scatters and averages those itself."""
-    group, dp = mesh.get_group("dp"), mesh["dp"].size()
+    soon as backward has accumulated it (before the user's clipping and optimizer step);
+    summed with `dp_reduction="sum"`. Not the parameters FSDP2 manages: FSDP2
+    reduce-scatters and reduces those itself."""
+    group = mesh.get_group("dp")
+    dp = mesh["dp"].size() if dp_reduction == "mean" else 1
     fsdp = managed(model)
 
     def hook(p):
@@ -243,41 +249,70 @@ def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> Non
     sys.stdout.flush()
 
 
-def train_on_ranks(build_model, state, plan, make_batch, steps, step, make_optimizer, loss_fn,
-                   dp, reference, param_map, ref_info, live) -> TrainResult:
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainJob:
+    """What train_check sends every rank (by pickle), made and checked in the notebook:
+    the model's builder and initial weights, the plan (`plans.parallelizer`'s function),
+    the user's batches and step, the mesh shape, the one-device run (`reference`: its
+    parameters of every step, or the path of a file holding them), what the ranks pair
+    with (`ref_shapes`, `aliases`, `param_map`), and the options: `context` (a factory of
+    a context manager entered around each step), `dp_reduction` ("mean" or "sum"), `live`."""
+
+    build_model: Callable
+    state: dict
+    plan: Callable
+    make_batch: Callable
+    steps: int
+    step: Callable | None
+    make_optimizer: Callable | None
+    loss_fn: Callable | None
+    mesh: MeshShape
+    reference: object
+    ref_shapes: dict[str, tuple]
+    aliases: dict[str, str]
+    param_map: dict | None = None
+    live: bool = False
+    context: Callable | None = None
+    dp_reduction: str = "mean"
+
+
+def train_on_ranks(job: TrainJob) -> TrainResult:
     """Rank side: build, load the notebook's weights, parallelise, then `steps` of the
     user's step; see the module doc. Returns losses, batch checksums, per-step parameter
     differences (by the ranks' parameter names) and the replicated parameters' copies."""
-    world = dist.get_world_size()
-    mesh = make_mesh(tp=world) if dp == 1 else make_mesh(dp=dp, tp=world // dp)
+    mesh, dp = job.mesh.make(), job.mesh.dp
+    reference = job.reference
     if isinstance(reference, str):
         reference = torch.load(reference, mmap=True, weights_only=True)
-    model = build_model()
-    model.load_state_dict(state)
+    model = job.build_model()
+    model.load_state_dict(job.state)
     per_rank_parameters(model)
-    model = parallelizer(plan)(model, mesh)
+    model = job.plan(model, mesh)
     refuse_in_simulation(model)
+    if job.dp_reduction == "sum":
+        sum_convention(model)
     if dp > 1:
-        average_over_dp(model, mesh)
-    optimizer, scheduler = make_training(make_optimizer, model.parameters())
+        average_over_dp(model, mesh, job.dp_reduction)
+    optimizer, scheduler = make_training(job.make_optimizer, model.parameters())
     described = {n: dataclasses.replace(i, value=None)
                  for n, i in tp_layout(model, of="param").items()}
-    pairs, lone_ranks, lone_ref, problems = pair(ref_info["shapes"], described, world // dp,
-                                                 param_map, ref_info["aliases"])
+    pairs, lone_ranks, lone_ref, problems = pair(job.ref_shapes, described, job.mesh.tp,
+                                                 job.param_map, job.aliases)
     drift = Drift(model, pairs, described, reference, mesh, dp)
     losses, sums = [], []
-    user_step = step or (lambda m, o, b: default_step(m, o, b, loss_fn))
-    rank = dist.get_rank() if live else 0
-    for i in range(steps):
+    user_step = job.step or (lambda m, o, b: default_step(m, o, b, job.loss_fn))
+    rank = dist.get_rank() if job.live else 0
+    for i in range(job.steps):
         with rank_free_randomness():  # a seeded torch.Generator draws alike on every rank
-            batch = batch_of(make_batch, i)
+            batch = batch_of(job.make_batch, i)
         sums.append(batch_sum(batch))
         if dp > 1:
             batch = map_tensors(lambda t: replica_slice(t, mesh), batch)
-        losses.append(plain_loss(user_step(model, optimizer, batch)))
+        with job.context() if job.context else contextlib.nullcontext():
+            losses.append(plain_loss(user_step(model, optimizer, batch)))
         step_scheduler(scheduler, losses[-1])
         drift.measure(i + 1)
-        if live:
+        if job.live:
             emit_live(i + 1, losses[-1], drift.diffs[-1], rank)
     names = [p.ranks for p in pairs]
     return TrainResult(

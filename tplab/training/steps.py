@@ -16,8 +16,8 @@ import functools
 
 import torch
 
+from tplab.losses import loss_context
 from tplab.models import lm_loss
-from tplab.rank.grad_step import loss_context
 from tplab.training.clip import clip_grad_norm
 
 

@@ -102,7 +102,8 @@ def grad_error(report, *, atol: float | None = None, floor: float | None = None,
     bad = sum(1 for r in rows if _status(r, atol) == "bad")
     exact = sum(1 for v in values if v == 0)
     sub = (f"{len(rows)} tensors · {exact} exact · "
-           + (f"{bad} over the tolerance" if atol else "no tolerance given")
+           + (f"{bad} over the tolerance" if atol or any("tol" in r for r in rows)
+              else "no tolerance given")
            + f" · zeros drawn at {floor:g}")
     n = len(rows)
     style(fig, title or "How far each tensor is from the truth (max |error|, log scale)", sub,

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from tplab.core.answers import clipping
+from tplab.core.answers import clipping, qk_norm
 from tplab.core.answers import solutions as ok
-from tplab.rank import qk_norm_step
 
 
 class FNoReduce(torch.autograd.Function):
@@ -244,8 +243,8 @@ MISTAKES = {
                                             "backward": {"all_reduce": 2}}, "backward")],
     "cost_prediction": [("the tensor's bytes", {"bytes": 4096 * 8192 * 2, "seconds": 1e-4},
                          "bytes")],
-    "qk_norm_grad": [("the gradient left as it is", qk_norm_step.leave_it, "only its own heads"),
-                     ("the gradient averaged", qk_norm_step.average_it, "an average")],
+    "qk_norm_grad": [("the gradient left as it is", qk_norm.leave_it, "only its own heads"),
+                     ("the gradient averaged", qk_norm.average_it, "an average")],
     "clip_grad": [("torch's clip_grad_norm_", clipping.clip_per_rank, "its own norm"),
                   ("replicas counted per rank", clipping.clip_counts_replicas, "counted once"),
                   ("no clipping", clipping.no_clip, "not with one device"),

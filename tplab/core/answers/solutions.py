@@ -20,8 +20,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from tplab.core.answers import clipping
-from tplab.rank.qk_norm_step import solution as qk_norm_solution
+from tplab.core.answers import clipping, qk_norm
 
 
 class F_(torch.autograd.Function):
@@ -197,7 +196,7 @@ SOLUTIONS = {
     "f": F_, "g": G, "column_parallel": ColumnParallel, "row_parallel": RowParallel,
     "sp_pair": SP_PAIR, "mlp_plan": MLP_PLAN, "block_sp_plan": BLOCK_SP_PLAN,
     "fix_plan": FIXED_PLAN, "block_counts": block_counts, "cost_prediction": cost_prediction,
-    "qk_norm_grad": qk_norm_solution,
+    "qk_norm_grad": qk_norm.solution,
     "clip_grad": clipping.clip_tp,
     "fsdp_placements": FSDP_PLACEMENTS,
 }

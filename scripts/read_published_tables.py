@@ -1,0 +1,150 @@
+"""Read published tables from a source's own git checkout into tplab/cost/data/*.json.
+
+    python scripts/read_published_tables.py llm-foundry /path/to/llm-foundry.git
+    python scripts/read_published_tables.py torchtitan-memory /path/to/torchtitan.git
+    python scripts/read_published_tables.py megatron-bridge /path/to/Megatron-Bridge.git
+
+Each row keeps the table it is read from and its line in the file; nothing is typed by hand.
+The files it writes are what `tplab.cost.published` loads (no download at run time).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parents[1] / "tplab" / "cost" / "data"
+FOUNDRY_COMMIT = "495218376830947dce625efabc4d86be7c47cc45"   # the README's last change
+FOUNDRY_FILE = "scripts/train/benchmarking/README.md"
+FOUNDRY_TABLES = {"## H100 80GB BF16": "H100 SXM",
+                  "## A100 80GB with 1600 Gbps node-node interconnect (RoCE)": "A100 SXM"}
+TITAN_COMMIT = "eaea6f6"
+BRIDGE_COMMIT = "4ab94dfad"        # docs/performance-summary-archive.md's last change read
+BRIDGE_FILE = "docs/performance-summary-archive.md"
+BRIDGE_CONTAINERS = ("## 26.02 NeMo Container", "## 25.11 NeMo Container")
+BRIDGE_SYSTEMS = {"DGX-GB200": "GB200 NVL72", "DGX-B200": "B200", "DGX-H100": "H100 SXM"}
+BRIDGE_MODELS = {"LLAMA3_8B": "Llama-3 8B", "LLAMA3_70B": "Llama-3 70B",
+                 "LLAMA3.1_405B": "Llama-3.1 405B"}
+BRIDGE_PRECISIONS = {"FP8-CS": "fp8", "FP8": "fp8", "BF16": "bf16"}
+
+
+def show(git_dir: str, commit: str, path: str) -> list[str]:
+    return subprocess.run(["git", "-C", git_dir, "show", f"{commit}:{path}"], check=True,
+                          capture_output=True, text=True).stdout.splitlines()
+
+
+def dump(path: Path, meta: dict, rows: list[dict]) -> None:
+    """One row a line, so a diff shows the rows that changed."""
+    head = json.dumps(meta, indent=1)[:-2]
+    body = ",\n  ".join(json.dumps(r) for r in rows)
+    path.write_text(f'{head},\n "rows": [\n  {body}\n ]\n}}\n')
+
+
+def foundry_row(cells: list[str], hardware: str, table: str, line: int) -> dict:
+    model, seq, gpus, _, mfu, _, _, mb, accum, gbs = cells[:10]
+    tps, mode, strategy, ac = cells[12], cells[15], cells[16], cells[17]
+    return {"where": f"{table[3:]}, {model} at {seq}, {gpus} GPUs, mb {mb}", "line": line,
+            "model": f"MPT {model.upper() if model.endswith('b') else model.upper()}",
+            "hardware": hardware, "gpus": int(gpus), "tp": 1, "pp": 1, "vpp": 1, "cp": 1,
+            "micro_batch": int(mb), "global_batch": int(gbs), "grad_accum": int(accum),
+            "seq_len": int(seq), "recompute": "full" if ac == "True" else "none",
+            "sharding": {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "zero2"}[strategy],
+            "precision": "bf16", "stack": "llm-foundry-2023",
+            "printed": f"{tps} T/s/GPU (MFU {mfu}%, {cells[14]} {mode})",
+            "measured": float(tps), "assumed": []}
+
+
+def llm_foundry(git_dir: str) -> None:
+    lines = show(git_dir, FOUNDRY_COMMIT, FOUNDRY_FILE)
+    rows, table = [], None
+    for i, text in enumerate(lines, 1):
+        if text.startswith("## "):
+            table = text.strip() if text.strip() in FOUNDRY_TABLES else None
+        elif table and text.startswith("|  ") and text.split("|")[1].strip()[:1].isdigit():
+            cells = [c.strip() for c in text.strip().strip("|").split("|")]
+            rows.append(foundry_row(cells, FOUNDRY_TABLES[table], table, i))
+    dump(DATA / "llm_foundry.json", {
+        "source": "mosaicml/llm-foundry scripts/train/benchmarking/README.md",
+        "repository": "mosaicml/llm-foundry", "commit": FOUNDRY_COMMIT, "file": FOUNDRY_FILE,
+        "tables": "; ".join(t[3:] for t in FOUNDRY_TABLES) + " (every row of both)"}, rows)
+    print(f"llm-foundry: {len(rows)} rows")
+
+
+def torchtitan_memory(git_dir: str) -> None:
+    """Add each row's printed peak memory (GiB) to torchtitan_h100.json, matched by table
+    and the row's position in it."""
+    lines = show(git_dir, TITAN_COMMIT, "docs/performance.md")
+    peaks, table = {}, None
+    for text in lines:
+        if text.startswith("**Table "):
+            table, k = int(text.split()[1].strip("*")), 0
+        elif text.startswith("#"):
+            table = None
+        elif table and text.startswith("| ") and text.split("|")[-2].strip()[:1].isdigit():
+            peaks[(table, k)] = float(text.split("|")[-2])
+            k += 1
+    path = DATA / "torchtitan_h100.json"
+    data = json.loads(path.read_text())
+    seen: dict[int, int] = {}
+    for r in data["rows"]:
+        t = int(r["where"].split(":")[0].split()[1])
+        r["peak_gib"] = peaks[(t, seen.get(t, 0))]
+        seen[t] = seen.get(t, 0) + 1
+    rows = data.pop("rows")
+    dump(path, data, rows)
+    print(f"torchtitan: {len(rows)} peaks")
+
+
+def bridge_row(container: str, heading: str, cells: dict, line: int) -> dict:
+    """One row of a Megatron-Bridge pre-training table; `model`, `hardware` or
+    `precision` None where the library has no name for what it prints (MoE models,
+    GB300/B300 systems, MXFP8/NVFP4): kept, and left out by `published.exclusion`."""
+    system, model = cells.get("System", heading), cells.get("Model", heading)
+    precision, tps = cells["Precision"], cells["Tokens / sec / GPU"]
+    if "(" in precision:              # "FP8-CS (FP8-MX)": the first figure is FP8-CS's
+        precision, tps = precision.split(" (")[0], tps.split(" (")[0]
+    vp = cells["VP"]
+    return {"where": f"{container} container, {system}, {model} {precision}", "line": line,
+            "model": BRIDGE_MODELS.get(model), "printed_model": model,
+            "hardware": BRIDGE_SYSTEMS.get(system), "printed_system": system,
+            "gpus": int(cells["#-GPUs"]), "tp": int(cells["TP"]), "pp": int(cells["PP"]),
+            "vpp": 1 if vp == "n/a" else int(vp), "cp": int(cells["CP"]),
+            "micro_batch": int(cells["MBS"]), "global_batch": int(cells["GBS"]),
+            "seq_len": int(cells["Sequence Length"]), "recompute": "none",
+            "sharding": "fsdp" if int(cells["FSDP"]) > 0 else "zero1",
+            "precision": BRIDGE_PRECISIONS.get(precision), "printed_precision": precision,
+            "stack": "megatron-bridge", "printed": f"{tps} Tokens / sec / GPU",
+            "measured": float(tps),
+            "assumed": ["recompute none"] + (["FP8 current scaling as fp8"]
+                                             if precision.startswith("FP8") else [])}
+
+
+def megatron_bridge(git_dir: str) -> None:
+    lines = show(git_dir, BRIDGE_COMMIT, BRIDGE_FILE)
+    rows, container, pretraining, heading, header = [], None, False, "", None
+    for i, text in enumerate(lines, 1):
+        if text.startswith("## "):
+            container = text.split()[1] if text.strip() in BRIDGE_CONTAINERS else None
+        elif text.startswith("### "):
+            pretraining = text.strip() == "### Pre-Training Performance"
+        elif text.startswith("#### "):
+            heading, header = text.split(": ", 1)[1].strip(), None
+        elif container and pretraining and text.startswith("|"):
+            cells = [c.strip() for c in text.strip().strip("|").split("|")]
+            if header is None:
+                header = cells
+            elif not cells[0].startswith("-"):
+                rows.append(bridge_row(container, heading, dict(zip(header, cells, strict=True)),
+                                       i))
+    dump(DATA / "megatron_bridge.json", {
+        "source": "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md",
+        "repository": "NVIDIA-NeMo/Megatron-Bridge", "commit": BRIDGE_COMMIT,
+        "file": BRIDGE_FILE, "tables": "26.02 and 25.11 NeMo containers, Pre-Training "
+        "Performance, every row (MoE models, GB300/B300, MXFP8 and NVFP4 kept, not scored)"},
+        rows)
+    print(f"Megatron-Bridge: {len(rows)} rows")
+
+
+if __name__ == "__main__":
+    {"llm-foundry": llm_foundry, "torchtitan-memory": torchtitan_memory,
+     "megatron-bridge": megatron_bridge}[sys.argv[1]](sys.argv[2])

@@ -1,0 +1,121 @@
+"""The software stack a training run runs on, as an input of the cost model.
+
+A `Stack` is a cited bundle: how the layer's element-wise work runs (fused or eager), the
+attention kernel and its rate, what overlaps what (the data-parallel gradient reduction,
+the TP input-gradient collectives, the pipeline's transfers), how FSDP syncs, and whose
+context parallelism runs. `TrainingRun(stack=...)` takes a `STACKS` name; `DEFAULT_STACK`
+is what a run that names none is priced as. Every published row names the stack it ran
+(`tplab.cost.published`, docs/VALIDATION.md).
+
+What each setting mirrors:
+
+- Megatron-LM (NVIDIA/Megatron-LM) as Narayanan et al. 2021 ran it (aed2f75, 2021-04-11):
+  `train_step` (megatron/training.py) reduces the gradients after the pipeline, the TP
+  backward all-reduce is synchronous (megatron/mpu/mappings.py), the attention scores are
+  materialised; the async TP all-reduce behind the weight-gradient GEMM came on 2021-09-02
+  (16c90445, before Korthikanti et al. 2022), `--overlap-p2p-comm` on 2023-05-31
+  (f9283c5a), `--overlap-grad-reduce` on 2023-08-16 (2d5220a4).
+- Megatron-Bridge / NeMo containers: Transformer Engine's fused layers, flash attention,
+  every overlap on (the recipes' defaults).
+- torchtitan (pytorch/torchtitan): eager PyTorch (or `torch.compile`, which fuses the
+  element-wise work), SDPA flash attention, FSDP2 prefetching behind compute, torch's
+  `context_parallel` (`training_run.cp_exposed`).
+- llm-foundry of 2023 (mosaicml/llm-foundry, the README's tables): `attn_impl: triton`
+  (scripts/train/benchmarking/submit_benchmarks.py), MPT's
+  llmfoundry/models/layers/flash_attn_triton.py, whose header says it is HazyResearch's
+  FlashAttention-1 Triton kernel, "only tested on A100" and "slightly slower than" FA1's
+  CUDA kernel. FlashAttention-2's abstract (Dao 2023) puts FA1 at "25-40% of the
+  theoretical maximum FLOPs/s" and FA2 at "50-73%": the FA1 class runs at 32.5 / 50 of the
+  FA2 rate a preset holds (`attention_scale`, the two ranges' lower bounds' ratio 25/50 and
+  upper 40/73 bracket it: 0.50-0.55; their midpoints' ratio 32.5/61.5 = 0.53; this takes
+  FA1's midpoint over the preset's own FA2 figure, 0.5 on A100). Composer (v0.16.3,
+  trainer.py `_train_microbatches`) uses `no_sync` for DDP only, so FSDP reduce-scatters
+  on every micro-batch, and the PR that produced the H100 table (llm-foundry #543, branch
+  file scripts/train/benchmarking/larger_mb.md, commit beb8dee6) measures 7B on 8 A100s at
+  micro-batch 1, 2, 4, 6: GPU-seconds per token fall as a + c / micro-batch tokens, c the
+  FSDP traffic of one micro-batch, none of it hidden (`fsdp_exposed`).
+- DeepSpeed of 2021 (Narayanan 2021's ZeRO-3 rows): the stack whose per-parameter
+  collectives the model does not price (`published.ZERO3_2021`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KERNELS = ("fused", "eager")
+ATTENTIONS = ("flash", "unfused")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One software stack (module doc). `attention_scale` multiplies the preset's flash
+    attention rate (`Hardware.attention_efficiency`, FlashAttention-2's); `fsdp_exposed`:
+    FSDP's per-micro-batch gathers and reduce-scatters wait (not prefetched behind compute);
+    `logits_bytes`: bytes per token and vocabulary entry at the loss's peak (8: the fp32
+    logits and their gradient, Megatron-LM's fused vocab-parallel cross entropy; 10:
+    torchtitan's `loss_fn`, train.py at 9dec370, `cross_entropy(pred.flatten(0, 1).float()
+    ...)`: the bf16 logits, their fp32 copy and log_softmax's fp32 output live together);
+    `cites` says where each setting is read."""
+
+    name: str
+    kernels: str = "fused"
+    attention: str = "flash"
+    attention_scale: float = 1.0
+    grad_overlap: bool = True
+    tp_overlap: bool = True
+    p2p_overlap: bool = True
+    torch_cp: bool = False
+    fsdp_exposed: bool = False
+    logits_bytes: int = 8
+    cites: str = ""
+
+    def __post_init__(self):
+        if self.kernels not in KERNELS:
+            raise ValueError(f"Stack.kernels = {self.kernels!r}: expected one of {KERNELS}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"Stack.attention = {self.attention!r}: expected one of "
+                             f"{ATTENTIONS}")
+        if not 0 < self.attention_scale <= 1:
+            raise ValueError(f"Stack.attention_scale = {self.attention_scale!r}: expected a "
+                             "fraction in (0, 1]")
+
+
+FA1_OVER_FA2 = 32.5 / 50
+"""FlashAttention-1's rate over FlashAttention-2's on A100 (Dao 2023, abstract: FA1 25-40%,
+FA2's A100 rate as the presets take it, 0.5 of peak): the midpoint of FA1's range over it."""
+
+STACKS: dict[str, Stack] = {s.name: s for s in (
+    Stack("megatron-lm", cites="Megatron-LM since 2023 (overlap_grad_reduce, "
+          "overlap_p2p_comm, Transformer Engine, flash attention)"),
+    Stack("megatron-lm-2022", attention="unfused", grad_overlap=False, p2p_overlap=False,
+          cites="Megatron-LM f602ac56 (2022-04-11): async TP all-reduce (16c90445), "
+          "gradients reduced after the pipeline, synchronous P2P, materialised scores "
+          "(Korthikanti et al. 2022, section 4.1)"),
+    Stack("megatron-lm-2021", attention="unfused", grad_overlap=False, tp_overlap=False,
+          p2p_overlap=False, cites="Megatron-LM aed2f75 (2021-04-11), Narayanan et al. "
+          "2021: synchronous TP all-reduce, gradients after the pipeline"),
+    Stack("megatron-bridge", cites="NVIDIA-NeMo/Megatron-Bridge recipes and NeMo "
+          "containers: Transformer Engine, flash attention, every overlap on"),
+    Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=10,
+          cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
+          "context_parallel"),
+    Stack("torchtitan+compile", torch_cp=True, logits_bytes=10,
+          cites="pytorch/torchtitan with torch.compile: element-wise work fused"),
+    Stack("llm-foundry-2023", kernels="eager", attention_scale=FA1_OVER_FA2,
+          fsdp_exposed=True, cites="mosaicml/llm-foundry attn_impl triton (FA1 class), "
+          "Composer v0.16.3 FSDP syncs every micro-batch (larger_mb.md, llm-foundry #543)"),
+    Stack("deepspeed-2021", attention="unfused", grad_overlap=False, tp_overlap=False,
+          p2p_overlap=False, cites="DeepSpeed ZeRO-3 of 2021 with Megatron-LM's layer "
+          "(Narayanan et al. 2021, Table 2): its per-parameter collectives are not priced"),
+)}
+
+DEFAULT_STACK = "megatron-lm"
+
+
+def get_stack(name: str) -> Stack:
+    """The `STACKS` entry `name`; an unknown name is a ValueError that lists them."""
+    if isinstance(name, Stack):
+        return name
+    if name not in STACKS:
+        raise ValueError(f"stack = {name!r} is not in cost.STACKS ({', '.join(STACKS)})")
+    return STACKS[name]
