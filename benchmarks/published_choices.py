@@ -2,6 +2,12 @@
 alternative gives (docs/VALIDATION.md, "Frozen protocol"):
 
     scripts/env.sh python benchmarks/published_choices.py
+    scripts/env.sh python benchmarks/published_choices.py --before   # issue 26's model
+
+`--before` prices the same rows with every term issue 35 added switched off at once
+(llm-foundry at FA2's rate with its FSDP traffic hidden, `recompute="op"` as Korthikanti's
+selective in memory and half the GEMMs in time, 8 bytes per logit, rows priced as assumed
+whether they fit or not) and prints the goal figures: the "before" of docs/VALIDATION.md.
 
 For each: the median |error| over all rows, the source(s) the choice was read from, and
 every source held out (`tplab.cost.scores.leave_one_source_out`, "after"), as chosen and
@@ -10,8 +16,9 @@ as the alternative. No GPU is needed.
 
 import contextlib
 import dataclasses
+import sys
 
-from tplab.cost import published, scores, stacks
+from tplab.cost import kernels, pipeline, predict, published, scores, stacks
 from tplab.cost.hardware import HARDWARE
 
 
@@ -64,7 +71,48 @@ def show(name: str, chosen: dict, other: dict, sources: tuple[str, ...]) -> None
               f"{f['memory']}/18, runs not fitting {f['not_fit']}")
 
 
+@contextlib.contextmanager
+def issue_26_model():
+    """Every term issue 35 added, switched off (module doc)."""
+    layer_bytes, recomputed = pipeline.layer_bytes, kernels.op_sac_recomputed_gemms
+    fitting = published.fitting
+    pipeline.layer_bytes = lambda run, local, rc: layer_bytes(
+        run, local, "selective" if rc == "op" else rc)
+    kernels.op_sac_recomputed_gemms = lambda shape, tokens, tp: kernels.linear_gemms(
+        shape, tokens // 2, tp)
+    published.fitting = lambda r, **changes: ({}, predict(published.to_run(r, **changes)))
+    try:
+        with stack_as("llm-foundry-2023", attention_scale=1.0, fsdp_exposed=False), \
+                stack_as("torchtitan", logits_bytes=8), \
+                stack_as("torchtitan+compile", logits_bytes=8):
+            yield
+    finally:
+        pipeline.layer_bytes, kernels.op_sac_recomputed_gemms = layer_bytes, recomputed
+        published.fitting = fitting
+
+
+def before() -> None:
+    with issue_26_model():
+        s = scores.score()
+    for way in ("all", "goal"):
+        e, (good, total) = s[way], s[f"pairs_{way}"]
+        print(f"{way} ({e['rows']} rows): median |error| {e['median']:.1%}, p90 "
+              f"{e['p90']:.1%}, pairs ordered {good / total:.1%}")
+        for src, m in e["signed"].items():
+            lo = s[f"loso_{way}"][src]
+            print(f"  {src[:50]:50s} signed {m:+.1%}, held out {lo['before']:.1%} -> "
+                  f"{lo['after']:.1%}")
+    k, m = s["korthikanti"], s["memory"]
+    print(f"Korthikanti's 8 runs: mean {k['mean']:.2%}, max {k['max']:.2%}; peaks within 10%: "
+          f"{m['within_10']}/18 (worst {m['worst']:+.0%}); runs not fitting "
+          f"{len(m['not_fitting'])}; over 25% {len(s['over'])}, unexplained "
+          f"{sum(why == 'unexplained' for _, why in s['over'])}")
+
+
 def main() -> None:
+    if "--before" in sys.argv[1:]:
+        before()
+        return
     base = figures()
     a100, titan_h100 = published.FOUNDRY, published.TITAN_H100   # noqa: F841
     with stack_as("llm-foundry-2023", attention_scale=1.0):
