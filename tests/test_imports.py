@@ -139,7 +139,7 @@ def test_the_cycle_finder_finds_a_loop():
 def test_the_graph_reads_tplabs_imports():
     graph = import_graph()
     assert "tplab.mesh" in graph["tplab.megatron"]
-    assert "tplab.rng" in graph["tplab.models"]
+    assert "tplab.core.rng_streams" in graph["tplab.models"]
     assert "tplab.cost.shapes" in graph["tplab.cost.memory"]
     assert "tplab.plan_check.fit" in graph["tplab.plan_check"]
 
@@ -185,12 +185,13 @@ def test_the_chain_finder_finds_the_longest_chain():
     assert longest_chain({"a": set()}) == ["a"]
 
 
-# Measured on 151d749 (issue 36 item 6): 19 files, tplab.exercises -> exercises.catalog ->
-# exercises.checks -> core.answers.solutions -> rank.qk_norm_step -> tracing -> explain ->
-# megatron -> megatron.layers -> models -> rng -> plans -> hf -> plan_check -> plan_check.fit
-# -> plan_check.handovers -> plan_check.tags -> errors -> core.output. The goal is 10; until
-# the tower is taken down this holds the line so that it grows no taller.
-TALLEST_CHAIN = 19
+# Measured on 151d749 (issue 36 item 6): 19 files, through models -> rng -> plans -> hf ->
+# plan_check -> fit -> handovers -> tags -> errors. rng's streams (core/rng_streams.py) as a
+# leaf under models took it to 14: exercises -> exercises.catalog -> exercises.checks ->
+# core.answers.solutions -> rank.qk_norm_step -> tracing -> explain -> megatron ->
+# megatron.layers -> models -> core.rng_streams -> mesh -> errors -> core.output. The goal is
+# 10; until then this holds the line so that the tower grows no taller.
+TALLEST_CHAIN = 14
 
 
 def test_the_import_tower_grows_no_taller():
