@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # rank_free_randomness: re-exported, tplab.models.rank_free_randomness is where lessons find it
-from tplab.rng import Dropout, RNGTracker, rank_free_randomness  # noqa: F401
+from tplab.core.rng_streams import Dropout, RNGTracker, rank_free_randomness  # noqa: F401
 
 
 @dataclass
