@@ -12,9 +12,12 @@ import sys
 
 import psutil
 
-import tplab
 from tplab.errors import LabError
 from tplab.lab.addresses import EVERY_INTERFACE
+
+# this package's folder and its __init__.py (not `import tplab`: tplab imports this module)
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_INIT = os.path.join(PACKAGE_DIR, "__init__.py")
 
 BACKENDS = ("auto", "gloo", "nccl")
 # Memory a local rank holds (PSS: a shared page counts 1/k to each of its k sharers), from
@@ -175,13 +178,13 @@ def shadowing_folder(directory: str) -> str | None:
     Asked of such a Python itself (only when there is such a folder), as its sys.path is not
     this process's. Else None."""
     folder = os.path.join(os.path.abspath(directory), "tplab")
-    if not os.path.isdir(folder) or os.path.samefile(folder, os.path.dirname(tplab.__file__)):
+    if not os.path.isdir(folder) or os.path.samefile(folder, PACKAGE_DIR):
         return None
     found = subprocess.run(
         [sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec("
                                "'tplab').origin)"],
         cwd=directory, capture_output=True, text=True, timeout=120).stdout.strip()
-    same = os.path.isfile(found) and os.path.samefile(found, tplab.__file__)
+    same = os.path.isfile(found) and os.path.samefile(found, PACKAGE_INIT)
     return None if same else folder
 
 
