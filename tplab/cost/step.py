@@ -35,11 +35,11 @@ from tplab.cost.transformer import (
 from tplab.cost.validate import (
     check_bool,
     check_choice,
+    check_degrees,
     check_int,
     check_number,
     check_rows,
     check_sublayers,
-    check_tps,
     check_type,
 )
 
@@ -290,7 +290,7 @@ def sweep(shape: BlockShape, hw: Hardware, tps=None, **kw) -> list[dict]:
     refused (ValueError naming it), as no framework can run it."""
     check_type("shape", shape, BlockShape, "a tplab.cost.BlockShape")
     check_type("hw", hw, Hardware, "a tplab.cost.Hardware")
-    tps = allowed_tps(shape, TPS) if tps is None else check_tps("tps", tps)
+    tps = allowed_tps(shape, TPS) if tps is None else check_degrees("tps", tps)
     refused = [t for t in tps if t not in allowed_tps(shape, (t,))]
     if refused:
         raise ValueError(f"tps = {tps}: tp = {refused[0]} is not a TP degree "

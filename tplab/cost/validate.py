@@ -71,18 +71,6 @@ def check_sublayers(name: str, value, allowed=("attention", "mlp")) -> tuple[str
     return tuple(value)
 
 
-def check_tps(name: str, value) -> tuple[int, ...]:
-    """A non-empty sequence of TP degrees (ints >= 1)."""
-    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of TP degrees (ints), got {_kind(value)}")
-    out = tuple(value)
-    if not out:
-        raise ValueError(f"{name} must name at least one TP degree")
-    for v in out:
-        check_int(f"{name} entry", v)
-    return out
-
-
 def check_rows(name: str, rows, keys) -> list[dict]:
     """Rows from `sweep`/`step_time`: a non-empty list of dicts with `keys`."""
     if isinstance(rows, dict) or not isinstance(rows, list | tuple):
