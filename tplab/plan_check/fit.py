@@ -31,14 +31,10 @@ called through its own class, so that no mode (LocalTensorMode, CommDebugMode,
 `tplab.trace`) and no module hook of the caller sees it.
 
 What each style splits, expects and produces is its `tplab.style_specs.StyleSpec`, declared
-once: torch's styles in `style_specs.TORCH_SPECS` (read from torch's own definitions,
-torch/distributed/tensor/parallel/style.py: ColwiseParallel / RowwiseParallel /
-SequenceParallel read a plain input as `input_layouts` (`sequence_sharding`) and hand on
-`output_layouts`, as a plain tensor when `use_local_output`; a DTensor input is
-redistributed, so it always fits; PrepareModuleInput / PrepareModuleOutput /
-PrepareModuleInputOutput do the same per argument), tplab's own in their `spec` method.
-A style that declares none (a subclass of one's own), or whose spec says its layouts
-cannot be followed, is skipped: nothing in or below it is checked.
+once (torch's styles in `style_specs.TORCH_SPECS`, tplab's in their `spec` method): a plain
+input is read as the spec says (a DTensor input is redistributed, so it always fits). A
+style that declares none, or whose spec says its layouts cannot be followed, is skipped:
+nothing in or below it is checked.
 
 Mistakes found: a local shard read as another layout (Colwise into Colwise: Shard(-1) read
 as Replicate(); a whole tensor into a Rowwise: Replicate() read as Shard(-1); a sequence
