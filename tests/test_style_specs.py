@@ -110,6 +110,20 @@ def test_a_new_style_in_its_own_file_is_described_checked_and_explained(tmp_path
         assert ("backward", "w1", "all_reduce", "Partial(sum) -> Replicate()") in records
 
 
+class Strict(ParallelStyle):
+    def spec(self, module, tp=None):
+        return style_specs.StyleSpec(divides=(("in_features", module.in_features),))
+
+    def _apply(self, module, device_mesh):
+        return module
+
+
+def test_a_spec_that_cannot_read_its_module_is_a_plan_error_naming_both():
+    with pytest.raises(PlanError, match="Strict.spec cannot describe a RMSNorm: "
+                                        "AttributeError"):
+        plans.check_plan(models.Block(models.Config()), {"attention_norm": Strict()}, 2)
+
+
 def test_a_wrong_module_for_a_declared_style_is_named():
     with pytest.raises(PlanError, match="attention_norm is a RMSNorm; PackedColwise only "
                                         "splits nn.Linear"):
@@ -196,3 +210,30 @@ def test_torchs_six_styles_are_in_one_table_and_a_subclass_keeps_its_sizes():
     assert plan_check.check_layouts(mlp, {"w1": MyColwise(), "w2": ColwiseParallel()},
                                     models.make_input(models.Config())) == [
         plan_check.Edge(None, "w2", "unknown", None)]
+
+
+def _ops(kind, sequence_parallel):
+    from tplab.mesh import make_mesh
+
+    cfg = models.Config()
+    model = models.Block(cfg) if kind == "block" else models.MLP(cfg)
+    plan = plans.block(sequence_parallel) if kind == "block" else plans.mlp(sequence_parallel)
+    model = tplab.apply_plan(model, make_mesh(), plan)
+    with tplab.trace() as t:
+        model(models.make_input(cfg).requires_grad_()).pow(2).sum().backward()
+    return [(r["phase"], r["module"], r["op"]) for r in t.records]
+
+
+@pytest.mark.parametrize("kind, sp", [("mlp", False), ("block", True)])
+def test_the_collectives_a_trace_sees_are_the_ones_the_specs_declare(kind, sp):
+    cfg = models.Config()
+    model = models.Block(cfg) if kind == "block" else models.MLP(cfg)
+    plan = plans.block(sp) if kind == "block" else plans.mlp(sp)
+    styles = plan_check.styles_by_module(model, plan)
+    records = tplab.simulate(2).run(_ops, kind, sp)[0]
+    assert records
+    for phase, path, op in records:
+        (style,) = styles[path]
+        spec = style_specs.spec_of(style, model.get_submodule(path))
+        declared = {c.op for c in (spec.forward if phase == "forward" else spec.backward)}
+        assert op in declared, (phase, path, op, declared)

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from tplab.core import placements
+from tplab.errors import PlanError
 
 __all__ = ["NO_SPEC", "TORCH_SPECS", "Collective", "Handover", "StyleSpec",
            "no_spec", "spec_of"]
@@ -178,8 +179,20 @@ def _prepare_outputs(style: PrepareModuleOutput) -> tuple[Handover, ...]:
                                strict=False)))
 
 
-_REDISTRIBUTE = Collective("redistribute", "each argument moved from the layout it is read "
-                           "as to the one the module computes on (DTensor's redistribution)")
+def _prepared(handovers, backward: bool, what: str) -> tuple[Collective, ...]:
+    """The collectives of a Prepare style's redistributions: forward, each A -> B; backward,
+    their conjugates (a split's gradient is gathered; an input gathered whole for a sharded
+    module gets partial gradients: reduce-scattered; an output gathered for whole use: split)."""
+    found = []
+    for h in handovers or ():
+        name = f"{what} {h.index}"
+        if not backward:
+            found.append(_moved(h.read, h.after, name))
+        elif isinstance(h.read, Shard) and isinstance(h.after, Replicate) and what == "input":
+            found.append(_moved(Partial(), h.read, f"{name}'s gradient"))
+        elif isinstance(h.read, (Replicate, Partial)) and isinstance(h.after, Shard):
+            found.append(_moved(h.after, Replicate(), f"{name}'s gradient"))
+    return tuple(c for c in found if c)
 
 
 def _prepare_spec(style, module: nn.Module) -> StyleSpec:
@@ -187,9 +200,13 @@ def _prepare_spec(style, module: nn.Module) -> StyleSpec:
         style, "prepare_module_input", None)
     p_out = style if isinstance(style, PrepareModuleOutput) else getattr(
         style, "prepare_module_output", None)
-    return StyleSpec(inputs=_prepare_inputs(p_in) if p_in is not None else (),
-                     outputs=_prepare_outputs(p_out) if p_out is not None else None,
-                     forward=(_REDISTRIBUTE,), backward=(_REDISTRIBUTE,))
+    inputs = _prepare_inputs(p_in) if p_in is not None else ()
+    outputs = _prepare_outputs(p_out) if p_out is not None else None
+    return StyleSpec(inputs=inputs, outputs=outputs,
+                     forward=_prepared(inputs, False, "input") + _prepared(outputs, False,
+                                                                           "output"),
+                     backward=_prepared(inputs, True, "input") + _prepared(outputs, True,
+                                                                           "output"))
 
 
 # torch's styles: their contract, read from torch/distributed/tensor/parallel/style.py
@@ -222,7 +239,11 @@ def spec_of(style, module: nn.Module, tp: int | None = None) -> StyleSpec | None
     declares none."""
     own = getattr(style, "spec", None)
     if callable(own):
-        return own(module, tp)
+        try:
+            return own(module, tp)
+        except (AttributeError, TypeError, ValueError) as exc:  # a module it was not made for
+            raise PlanError(f"{type(style).__name__}.spec cannot describe a "
+                            f"{type(module).__name__}: {type(exc).__name__}: {exc}") from exc
     if callable(getattr(style, "layout_contract", None)):
         return _from_layout_contract(style, module)
     for cls in type(style).__mro__:
