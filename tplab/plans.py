@@ -4,7 +4,8 @@ A plan is a plain dict {module path: ParallelStyle} for `parallelize_module`; ke
 fnmatch wildcards per path token ("layers.*.attention.wq"). `apply_plan` checks the plan
 against the model and the mesh first, because `parallelize_module` only warns on a key that
 matches nothing and skips it, and shards an indivisible dimension unevenly without a word.
-`describe_plan` turns a plan into rows for a table.
+`describe_plan` turns a plan into rows for a table, from each style's declared contract
+(`tplab.style_specs`).
 """
 
 from __future__ import annotations
@@ -221,7 +222,9 @@ class PlanTable(list):
 def describe_plan(model: nn.Module, plan: dict) -> PlanTable:
     """One row per (plan key, matched module): module, style, parameter placements, and the
     input and output layouts ("A -> B" where the style redistributes; "(local)" where the
-    module hands on a plain tensor). Works on the unparallelised model, on either side."""
+    module hands on a plain tensor), read from each style's `tplab.style_specs.StyleSpec`;
+    a style that declares none says so in its row. Works on the unparallelised model, on
+    either side."""
     rows = PlanTable()
     for key, style in plan.items():
         for path, module in match(model, key) or [(key, None)]:
