@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.tensor import Replicate, Shard
 
 from tplab.errors import PlanError
@@ -72,7 +73,7 @@ except ImportError as e:  # torchtitan is optional: tplab runs without it
                       "loggers; torch stays the one you have)") from e
 
 __all__ = ["Loss", "build", "context", "debug_config", "grad_check_args", "make_tokens",
-           "plan", "tp_layouts", "train_check_args"]
+           "Plan", "plan", "tp_layouts", "train_check_args"]
 
 _LOCAL = threading.local()  # the ParallelDims `plan` brought up on this rank
 
@@ -168,26 +169,50 @@ def _parallel_dims(mesh, backend: str) -> titan_dims.ParallelDims:
     return dims
 
 
-def plan(fsdp: bool = False) -> Callable[[nn.Module, object], nn.Module]:
-    """The plan `(model, mesh) -> model`: torchtitan's own TP (`Module.parallelize`), or
-    FSDP2 + TP as its trainer applies them (`parallelize_llama`) with `fsdp=True`."""
-    return functools.partial(_parallelize, fsdp)
+SIMULATE_REASON = (
+    "torchtitan's model does not run under tplab.simulate: its vocab-parallel Embedding "
+    "computes its vocab offset from `dist.get_rank(tp_group)` as a Python int, which torch's "
+    "LocalTensor (one tensor holding every simulated rank's value) makes a LocalIntNode, and "
+    f"torch {torch.__version__} fails on it (\"AttributeError: 'LocalIntNode' object has no "
+    "attribute 'guard_int'\"). Run it on rank processes: tplab.launch(2)")
 
 
-def _parallelize(fsdp: bool, model: nn.Module, mesh) -> nn.Module:
-    backend = "partial_dtensor" if fsdp else "spmd_types"
-    titan_utils.set_spmd_backend(backend)
-    dims = _LOCAL.dims = _parallel_dims(mesh, backend)
-    if fsdp:
-        model = parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(
-            mixed_precision_param="float32", mixed_precision_reduce="float32"),
-            parallelism=ParallelismConfig(spmd_backend=backend), compile_config=CompileConfig(),
-            ac_config=None, dump_folder="")
-        disable_fsdp_gradient_division(model)  # as its trainer: the loss divides
-    elif dims.tp > 1:
-        model.parallelize(dims)
-    declare_tp_placements(model)
-    return model
+class Plan:
+    """The plan `(model, mesh) -> model`: torchtitan's own TP (`Module.parallelize`, its
+    default spmd_types backend), or FSDP2 + TP as its trainer applies them
+    (`parallelize_llama`, on the partial_dtensor backend: torch 2.13's fully_shard takes
+    DTensor parameters only) with `fsdp=True`. `applies_fsdp2` and `simulation_refusal`
+    say, before anything runs, why it cannot run under tplab.simulate."""
+
+    simulation_refusal = SIMULATE_REASON
+
+    def __init__(self, fsdp: bool = False):
+        if not isinstance(fsdp, bool):
+            raise PlanError(f"tplab.frameworks.torchtitan.plan: fsdp must be True or False, "
+                            f"got {fsdp!r}")
+        self.fsdp = self.applies_fsdp2 = fsdp
+
+    def __call__(self, model: nn.Module, mesh) -> nn.Module:
+        if enabled_local_tensor_mode() is not None:
+            raise PlanError(SIMULATE_REASON)
+        backend = "partial_dtensor" if self.fsdp else "spmd_types"
+        titan_utils.set_spmd_backend(backend)
+        dims = _LOCAL.dims = _parallel_dims(mesh, backend)
+        if self.fsdp:
+            model = parallelize_llama(model, parallel_dims=dims, training=TrainingConfig(
+                mixed_precision_param="float32", mixed_precision_reduce="float32"),
+                parallelism=ParallelismConfig(spmd_backend=backend),
+                compile_config=CompileConfig(), ac_config=None, dump_folder="")
+            disable_fsdp_gradient_division(model)  # as its trainer: the loss divides
+        elif dims.tp > 1:
+            model.parallelize(dims)
+        declare_tp_placements(model)
+        return model
+
+
+def plan(fsdp: bool = False) -> Plan:
+    """torchtitan's TP (or FSDP2 + TP with `fsdp=True`) as a grad_check plan."""
+    return Plan(fsdp)
 
 
 def tp_layouts(model: nn.Module) -> dict[str, object]:
