@@ -265,3 +265,25 @@ def test_without_torchtitan_the_import_error_names_the_package_and_the_pip_lines
     text = str(err.value)
     assert "torchtitan 0.3.0" in text and "--no-deps" in text and "torchtitan==0.3.0" in text
     assert "spmd_types==0.2.3" in text
+
+
+def traced_step(config):
+    """One step of torchtitan's TP under tplab.trace: (phase, op, module) of each
+    collective (what notebook 14 shows)."""
+    model = titan.plan()(titan.build(config)(), tplab.make_mesh(tp=2))
+    tokens = titan.make_tokens(config)()
+    with tplab.trace() as t, titan.context():
+        titan.Loss(config.vocab_size, tokens.numel())(model(tokens), tokens).backward()
+    return [(r["phase"], r["op"], r["module"]) for r in t.records]
+
+
+@pytest.mark.slow
+def test_the_trace_shows_the_ffn_inputs_missing_backward_all_reduce(labs):
+    """Left I, the FFN input's I -> R (identity forward, all-reduce backward: Megatron's f)
+    is gone: one backward all-reduce fewer, the one at layers.0.feed_forward."""
+    lab = labs.get(2)
+    good = lab.run(traced_step, titan.debug_config())[0]
+    bad = lab.run(traced_step, ffn_left_invariant())[0]
+    missing = [r for r in good if r not in bad]
+    assert missing == [("backward", "all_reduce", "layers.0.feed_forward")]
+    assert len(bad) == len(good) - 1
