@@ -12,21 +12,27 @@ What it does, in torchtitan's own terms (torchtitan/trainer.py is the model):
   backward), and declares its sharding with `set_llama3_sharding_config` (the
   `ShardingConfig` of every module: state shardings, input and output layouts). Plant a
   bug by editing that declaration before the check.
-- `plan(model, mesh)` brings up `ParallelDims` (dp_shard = the check's dp, tp = its tp) on
-  the lab's ranks, checks that its tp coordinates are the lab mesh's, and parallelises the
-  model with `Module.parallelize` (TP only) or `parallelize_llama` (FSDP2 + TP). Every
-  parameter's TP layout is read from its module's `state_shardings` and declared as
-  `tp_placements` (what tplab's checks read), so the spmd_types backend's plain local
+- `plan()` is a plan `(model, mesh) -> model` that brings up `ParallelDims` (dp_shard =
+  the check's dp, tp = its tp) on the lab's ranks, checks that its tp coordinates are the
+  lab mesh's, and parallelises the model with `Module.parallelize` on torchtitan's default
+  spmd_types backend (TP), or with `parallelize_llama` as its trainer does (`plan(fsdp=
+  True)`: FSDP2 + TP, gradients summed over dp). FSDP2 runs on torchtitan's
+  partial_dtensor backend: on spmd_types its `fully_shard(..., dp_mesh_dims=...)` needs a
+  torch whose FSDP2 reads spmd_types annotations, and torch 2.13.0 refuses ("When
+  dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh").
+  Every parameter's TP layout is read from its module's `state_shardings` and declared
+  as `tp_placements` (what tplab's checks read), so the spmd_types backend's plain local
   shards are assembled by torchtitan's own declaration.
 - `context()` is torchtitan's training context (`get_spmd_context`): its default SPMD
   backend reads the current mesh from it, and without it every redistribution is skipped.
-- `loss` is torchtitan's `cross_entropy_loss` (vocab-parallel on the ranks) summed and
+- `Loss` is torchtitan's `cross_entropy_loss` (vocab-parallel on the ranks) summed and
   divided by the global token count, its convention; hence `dp_reduction="sum"`.
 - The one-device reference is the same config built at tp = 1 from the same weights.
 
 CPU: torchtitan picks its device type at import ("cuda" when no accelerator is found);
 `plan` points ParallelDims at "cpu" when torch has no CUDA (torchtitan's own meshes, not
-the lab's). Everything else runs as torchtitan runs it.
+the lab's). Everything else runs as torchtitan runs it. Under tplab.simulate it cannot
+run (`SIMULATE_REASON`): the plan says so before the model runs.
 """
 
 from __future__ import annotations
@@ -181,10 +187,10 @@ class Plan:
     """The plan `(model, mesh) -> model`: torchtitan's own TP (`Module.parallelize`, its
     default spmd_types backend), or FSDP2 + TP as its trainer applies them
     (`parallelize_llama`, on the partial_dtensor backend: torch 2.13's fully_shard takes
-    DTensor parameters only) with `fsdp=True`. `applies_fsdp2` and `simulation_refusal`
+    DTensor parameters only) with `fsdp=True`. `applies_fsdp2` and `refuses_simulation`
     say, before anything runs, why it cannot run under tplab.simulate."""
 
-    simulation_refusal = SIMULATE_REASON
+    refuses_simulation = SIMULATE_REASON
 
     def __init__(self, fsdp: bool = False):
         if not isinstance(fsdp, bool):
