@@ -50,8 +50,9 @@ from torch.distributed.tensor import Replicate, Shard
 
 from tplab.errors import PlanError
 
-INSTALL = ("pip install -c scripts/constraints.txt 'spmd_types==0.2.3' 'tyro' 'einops' "
-           "'triton'\n    pip install --no-deps -c scripts/constraints.txt 'torchtitan==0.3.0'")
+INSTALL = ("pip install -c scripts/constraints.txt spmd_types==0.2.3 tyro==1.0.17 "
+           "triton==3.9.0\n    pip install --no-deps -c scripts/constraints.txt "
+           "torchtitan==0.3.0")
 try:
     import spmd_types as spmd
     from torchtitan.components.loss import cross_entropy_loss
