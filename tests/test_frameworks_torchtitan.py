@@ -25,7 +25,7 @@ titan = pytest.importorskip(
     reason="torchtitan is not installed (pip lines: tplab/frameworks/torchtitan.py INSTALL)")
 
 import tplab  # noqa: E402 (after the skip)
-from tplab.errors import PlanError  # noqa: E402
+from tplab.errors import LabError, PlanError  # noqa: E402
 
 REL = 1e-3  # the truth's line: correct code is within 1e-6 of each tensor's largest value
 
@@ -287,3 +287,13 @@ def test_the_trace_shows_the_ffn_inputs_missing_backward_all_reduce(labs):
     missing = [r for r in good if r not in bad]
     assert missing == [("backward", "all_reduce", "layers.0.feed_forward")]
     assert len(bad) == len(good) - 1
+
+
+@pytest.mark.slow
+def test_without_torchtitans_context_nothing_is_redistributed(labs):
+    """The context is what makes torchtitan redistribute: without it the logits stay each
+    rank's vocab shard and the loss fails on them, named as such."""
+    args = titan.grad_check_args(titan.debug_config())
+    del args["context"]
+    with pytest.raises(LabError, match="a plain tensor holding a local shard"):
+        tplab.grad_check(labs.get(2), **args)

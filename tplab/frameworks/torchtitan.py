@@ -80,7 +80,7 @@ except ImportError as e:  # torchtitan is optional: tplab runs without it
                       "loggers; torch stays the one you have)") from e
 
 __all__ = ["Loss", "build", "context", "debug_config", "grad_check_args", "make_tokens",
-           "Plan", "plan", "tp_layouts", "train_check_args"]
+           "Plan", "plan", "tp_layouts", "tp_type", "train_check_args"]
 
 _LOCAL = threading.local()  # the ParallelDims `plan` brought up on this rank
 
@@ -235,6 +235,13 @@ def tp_layouts(model: nn.Module) -> dict[str, object]:
             if layout is not None:
                 out[f"{path}.{name}" if path else name] = _tp_placement(layout)
     return out
+
+
+def tp_type(layout) -> str:
+    """The spmd type a torchtitan `SpmdLayout` gives the tp axis: "I" (invariant: the same
+    value, its gradient too), "R" (replicated: its gradient a partial sum), "P" (partial
+    sums), "S(d)" (sharded on dim d)."""
+    return repr(layout.per_axis_spmd_types().get(titan_dims.MeshAxisName.TP, spmd.R))
 
 
 def _tp_placement(layout):
