@@ -214,12 +214,13 @@ def test_fsdp2_and_tp_through_parallelize_llama_as_the_truth_says(labs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.extended)])
 @pytest.mark.parametrize("planted", [None, ffn_left_invariant], ids=["correct", "ffn_I"])
-def test_train_check_verdicts_as_the_truth_says(labs, planted):
+def test_train_check_verdicts_as_the_truth_says(labs, planted, world):
     """train_check passes torchtitan's TP and fails the planted bug, as the truth says: a
     gradient off at the first step (the truth above) is a run off one device's."""
     assert len(inspect.getsource(user_train).splitlines()) < 20
-    lab = labs.get(2)
+    lab = labs.get(world)
     config = planted() if planted else titan.debug_config()
     report = user_train(lab, config)
     assert report.ok == (not truth(lab, config)), str(report)
