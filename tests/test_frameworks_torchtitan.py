@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-titan = pytest.importorskip(
-    "tplab.frameworks.torchtitan", exc_type=ImportError,
-    reason="torchtitan is not installed (pip lines: tplab/frameworks/torchtitan.py INSTALL)")
+for _package in ("torchtitan", "spmd_types"):  # skipped without them; failing with them
+    pytest.importorskip(_package, reason=f"{_package} is not installed (the pip lines: "
+                        "INSTALL in tplab/frameworks/torchtitan.py)")
 
 import tplab  # noqa: E402 (after the skip)
 from tplab.errors import LabError, PlanError  # noqa: E402
+from tplab.frameworks import torchtitan as titan  # noqa: E402
 
 REL = 1e-3  # the truth's line: correct code is within 1e-6 of each tensor's largest value
 
