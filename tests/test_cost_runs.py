@@ -263,14 +263,16 @@ def test_goal_korthikantis_eight_runs(scored):
     assert k["mean"] <= 0.0365, k
 
 
-@short("11 of 18 torchtitan peaks within 10%, worst -22%")
+@short("11 of 18 torchtitan peaks within 10% (allocator-reserved bytes), worst -25%: "
+       "Table 4's TP rows, Table 5's 1F1B and Table 6's 4D rows under-counted")
 def test_goal_memory_within_10_percent_of_every_printed_peak(scored):
     m = scored["memory"]
     assert len(m["rows"]) == 18
     assert m["within_10"] == 18, (m["within_10"], m["worst"])
 
 
-@short("32 published runs the model says do not fit (31 llm-foundry, 1 ZeRO-3)")
+@short("1 published run the model says does not fit: llm-foundry's 3B at 8192 on H100 "
+       "(79.7 GiB of 79.6, decided by the headroom assumption)")
 def test_goal_every_published_run_fits(scored):
     assert not scored["memory"]["not_fitting"], len(scored["memory"]["not_fitting"])
 
@@ -497,7 +499,8 @@ def test_op_recompute_keeps_what_torchtitans_op_level_sac_saves():
     assert len(rows) == 6
     for r in rows:
         p = cost.predict(published.to_run(r))
-        assert p.fits and p.memory_per_gpu / 2**30 == pytest.approx(r["peak_gib"], rel=0.10)
+        assert p.fits and published.allocator_reserved(p) / 2**30 == pytest.approx(
+            r["peak_gib"], rel=0.10)
 
 
 def test_op_recompute_reruns_the_matmuls_op_level_sac_does_not_keep():
@@ -512,3 +515,61 @@ def test_op_recompute_reruns_the_matmuls_op_level_sac_does_not_keep():
         (t, 1024, 4096), (t, 4096, 4096), (t, 14336, 4096)))
     assert lt.backward_s - base.backward_s == pytest.approx(rerun + lt.elementwise_s)
     assert rerun < 0.5 * lt.gemm_fwd_s          # under half the layer's linear FLOPs
+
+
+def test_mpts_block_saves_what_llm_foundrys_code_keeps_and_its_runs_fit():
+    # memory.mpt_layer, read from llm-foundry v0.3.0: per token 32h + 4a + 16 bytes (no
+    # dropout masks at p = 0, q, k, v views of one qkv tensor, flash's fp32 logsumexp)
+    shape = cost.MODELS["MPT 760M"]
+    h, a = shape.hidden, shape.heads
+    assert sum(s.per_token * s.element_bytes for s in memory.mpt_layer(shape)) == (
+        32 * h + 4 * a + 16)
+    assert cost.STACKS["llm-foundry-2023"].block == "mpt"
+    # flash-attn 1.0.9's fused cross entropy: bf16 logits and their bf16 gradient
+    assert cost.STACKS["llm-foundry-2023"].logits_bytes == 4
+    # the 760M rows at 24 x 2048 tokens without recomputation ran on 80 GB (the model of
+    # the last round said 88 GiB: the GPT layer's dropout masks, 8 bytes per logit)
+    rows = [r for r in published.RUNS if r["source"] == published.FOUNDRY
+            and r["model"] == "MPT 760M" and r["recompute"] == "none"]
+    assert len(rows) >= 10
+    for r in rows:
+        p = cost.predict(published.to_run(r))
+        assert p.fits, (r["where"], p.memory_per_gpu / 2**30)
+
+
+def test_a_fully_sharded_rank_keeps_the_fp32_shard_as_its_master():
+    # FSDP's sharded parameter is the fp32 one the optimizer steps: 4 + 4 + 8 bytes per
+    # parameter over the shard, where ZeRO-1 keeps bf16 parameters, fp32 gradients and
+    # 12 bytes of optimizer state (6 + 12/d)
+    kw = dict(model="Llama-3 8B", hardware="H100 SXM", gpus=8, global_batch=8, seq_len=4096)
+    fsdp = cost.predict(cost.TrainingRun(**kw, sharding="fsdp")).memory
+    zero1 = cost.predict(cost.TrainingRun(**kw, sharding="zero1")).memory
+    n = zero1["param_bytes"] / 2
+    assert fsdp["param_bytes"] + fsdp["grad_bytes"] + fsdp["optimizer_bytes"] == \
+        pytest.approx(16 * n / 8)
+    assert zero1["grad_bytes"] + zero1["optimizer_bytes"] == pytest.approx(4 * n + 12 * n / 8)
+
+
+def test_deepspeed_2021_gathers_one_parameter_at_a_time_so_its_zero3_rows_fit():
+    # DEEPSPEED_ZERO3_2021: one all_gather per parameter, the next prefetched within
+    # prefetch_bucket_size (5e7 elements): not two whole layers of 529.6B (5e9 elements)
+    zero3 = [r for r in published.RUNS if r["stack"] == "deepspeed-2021"]
+    for r in zero3:
+        p = cost.predict(published.to_run(r))
+        assert p.fits, (r["where"], p.memory_per_gpu / 2**30)
+    run = published.to_run(max(zero3, key=lambda r: r["shape"].hidden))
+    h = run.shape.hidden
+    per_layer = 12 * h * h                              # GPT: qkv 3h^2, wo h^2, fc 8h^2
+    held = pipeline.gathered_elements(run, per_layer)
+    assert held == 4 * h * h + 5e7                      # fc1, the largest, and the bucket
+    assert held < 2 * per_layer / 5
+
+
+def test_printed_peaks_are_the_allocators_reserved_bytes():
+    # torchtitan logs max_reserved_gib (torch.cuda.memory_stats' reserved_bytes.all.peak):
+    # the model's bytes less what lives outside the allocator (NCCL's, the CUDA context)
+    r = next(r for r in published.RUNS if r["peak_gib"])
+    p = cost.predict(published.to_run(r))
+    assert published.allocator_reserved(p) == pytest.approx(
+        p.memory_per_gpu - pipeline.NCCL_RESERVE - p.run.hw.memory_reserve)
+    assert cost.STACKS["torchtitan"].logits_bytes == 12

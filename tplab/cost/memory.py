@@ -207,6 +207,35 @@ def gpt_layer(shape: BlockShape) -> list[Saved]:
     ]
 
 
+def mpt_layer(shape: BlockShape) -> list[Saved]:
+    """What MPT's block saves for backward as llm-foundry v0.3.0 benchmarked it (every
+    dropout at p = 0, so no masks: configuration_mpt.py; ATen's dropout returns its input at
+    p = 0), read from its code: `MPTBlock.forward` (blocks.py) runs norm_1, attention,
+    norm_2, the MLP; `LPLayerNorm` (norm.py, low_precision_layernorm) runs F.layer_norm on
+    the bf16 input (saved, with fp32 mean and rstd); Wqkv keeps its input; the split q, k,
+    v are views of one qkv tensor that `FlashAttnFunc` (flash_attn_triton.py) saves with
+    its output o (out_proj's input, the same tensor) and an fp32 logsumexp per head;
+    `MPTMLP` (ffn.py) keeps up_proj's input, GELU's input and down_proj's input. Per token
+    at d = 2: 32h + 4a + 16 bytes (the paper's GPT layer, without dropout masks and with
+    flash attention's logsumexp for its scores)."""
+    h, d, a, f = shape.hidden, shape.dtype_bytes, shape.heads, shape.ffn_size
+    kv = shape.kv_dim
+
+    def norm(module):
+        return [Saved(module, "input", h, d, sp=True),
+                Saved(module, "mean, rstd (fp32)", 2, 4, sp=True)]
+
+    return [*norm("norm_1"),
+            Saved("attn.Wqkv", "input", h, d, linear_input=True),
+            Saved("attn", "qkv (q, k, v views)", h + 2 * kv, d, tp=True),
+            Saved("attn", "o (out_proj input)", h, d, tp=True),
+            Saved("attn", "logsumexp (fp32)", a, 4, tp=True),
+            *norm("norm_2"),
+            Saved("ffn.up_proj", "input", h, d, linear_input=True),
+            Saved("ffn", "GELU input", f, d, tp=True),
+            Saved("ffn.down_proj", "GELU output", f, d, tp=True)]
+
+
 def layer_saved(shape: BlockShape, recompute: str = "none", layout: str = "tplab",
                 sublayers=("attention", "mlp"), sp_saves: str | None = None,
                 norm: str = "composite", swiglu: str = "composite") -> list[Saved]:

@@ -43,14 +43,25 @@ from tplab.cost.memory import (
     OPTIMIZER_BYTES,
     PARAM_BYTES,
     layer_saved,
+    mpt_layer,
     op_sac_layer,
 )
+from tplab.cost.stacks import ZERO3_PREFETCH_ELEMENTS
 
 PARAM, GRAD = PARAM_BYTES["mixed"], GRAD_BYTES["mixed"]
 STATES = OPTIMIZER_BYTES["adam"]["mixed"]
 """Bytes per parameter of a run (Megatron-LM's bf16 recipe, `tplab.cost.memory`'s "mixed"
 with Adam: bf16 parameters, fp32 gradients, fp32 master and moments), the same constants
 `cost.gpu_memory` and `cost.dp_collectives` use."""
+FSDP_PARAM, FSDP_STATES = 4, 8
+"""Bytes per parameter of a fully sharded run: the shard FSDP keeps is the fp32 parameter,
+which the optimizer steps (no separate master copy), and Adam's two fp32 moments; the bf16
+copy exists only for the layer gathered (`transient_bytes`). torch's FSDP1
+`MixedPrecision.param_dtype` and FSDP2 `MixedPrecisionPolicy.param_dtype` set the dtype
+of the unsharded parameter used in forward and backward; the sharded one keeps the
+module's dtype. So 4 + 4 + 8 = 16 bytes per parameter over the shard, not 18 (Composer's
+FSDP "DEFAULT": bf16 parameters, fp32 reduction; torchtitan: bf16 parameters, fp32
+reduction)."""
 FRAGMENTATION = 0.10
 NCCL_RESERVE = 1 * GiB
 
@@ -185,12 +196,25 @@ def layer_bytes(run, local, recompute: str) -> float:
     if recompute == "op":
         items = op_sac_layer(local)
         return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)
+    if run.settings.block == "mpt" and recompute != "full":   # flash: nothing to drop
+        return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in mpt_layer(local))
     gated = local.gated
     opts = ({"norm": "fused", "swiglu": "fused"} if gated else {})
     items = layer_saved(local, recompute, "tplab" if gated else "gpt", sp_saves="shard", **opts)
     if run.precision == "fp8":
         items = [replace(i, element_bytes=1) if i.linear_input else i for i in items]
     return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)
+
+
+def gathered_elements(run, per_layer: float) -> float:
+    """Parameter elements a fully sharded rank holds gathered at once (`Stack.gathers`):
+    the layer in use and the prefetched one, or (DeepSpeed 2021's ZeRO-3) the largest
+    weight matrix of a layer and the prefetch bucket."""
+    if run.settings.gathers == "layer":
+        return 2 * per_layer
+    h, f, kv = run.shape.hidden, run.shape.ffn_size, run.shape.kv_dim
+    largest = max(h * (h + 2 * kv), (2 if run.shape.gated else 1) * h * f) / run.tp
+    return largest + ZERO3_PREFETCH_ELEMENTS
 
 
 def memory(run) -> dict:
@@ -200,10 +224,13 @@ def memory(run) -> dict:
     group = run.dp * cp
     shard = {"ddp": 1, "hsdp": min(group, max(1, hw.gpus_per_node // (tp * cp)))}.get(
         run.sharding, group)
-    states = {"param_bytes": PARAM * n / (shard if run.sharding in ("fsdp", "hsdp") else 1),
-              "grad_bytes": GRAD * n / (shard if run.sharding in ("zero2", "fsdp", "hsdp")
-                                     else 1),
-              "optimizer_bytes": STATES * n / (1 if run.sharding == "ddp" else shard)}
+    if run.sharding in ("fsdp", "hsdp"):   # the fp32 shard is the master (FSDP_STATES)
+        states = {"param_bytes": FSDP_PARAM * n / shard, "grad_bytes": GRAD * n / shard,
+                  "optimizer_bytes": FSDP_STATES * n / shard}
+    else:
+        states = {"param_bytes": PARAM * n,
+                  "grad_bytes": GRAD * n / (shard if run.sharding == "zero2" else 1),
+                  "optimizer_bytes": STATES * n / (1 if run.sharding == "ddp" else shard)}
     local = shape.with_(seq=shape.seq // cp)
     # flash attention keeps no s x s scores: what "selective" drops is never saved;
     # "op" keeps what torchtitan's op-level SAC saves (memory.op_sac_layer);
@@ -222,8 +249,8 @@ def memory(run) -> dict:
     if run.recompute in ("full", "half_layers", "op"):   # one layer's, rebuilt for backward
         transient += layer_bytes(run, local, "selective" if run.attention == "flash"
                                  else "none")
-    if run.sharding in ("fsdp", "hsdp"):   # the gathered layer and the prefetched one
-        transient += 2 * PARAM * n / layers
+    if run.sharding in ("fsdp", "hsdp"):
+        transient += PARAM * gathered_elements(run, n / layers)
     # the fp32 logits and their gradient live on the last stage, counted when it is also
     # the first (pp = 1); with pp > 1 the first stage's in-flight activations dominate
     logits = (run.settings.logits_bytes * local.tokens * -(-shape.vocab // tp)

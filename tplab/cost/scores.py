@@ -88,10 +88,11 @@ def korthikanti(rows: list[dict]) -> dict:
 
 
 def memory(rows: list[dict]) -> dict:
-    """Rows with a printed peak: the model's GiB per GPU over it, minus 1; and the rows
+    """Rows with a printed peak: the model's allocator-reserved GiB per GPU
+    (`published.allocator_reserved`, what the peaks print) over it, minus 1; and the rows
     the model says do not fit (every published run ran)."""
     peaks = [r for r in rows if r.get("peak_gib")]
-    err = [r["memory_gib"] / r["peak_gib"] - 1 for r in peaks]
+    err = [r["reserved_gib"] / r["peak_gib"] - 1 for r in peaks]
     return {"rows": peaks, "errors": err, "worst": max(err, key=abs) if err else 0.0,
             "within_10": sum(abs(e) <= 0.10 for e in err),
             "not_fitting": [r for r in rows if not r["fits"]]}
