@@ -200,7 +200,8 @@ def layer_bytes(run, local, recompute: str) -> float:
         return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in mpt_layer(local))
     gated = local.gated
     opts = ({"norm": "fused", "swiglu": "fused"} if gated else {})
-    items = layer_saved(local, recompute, "tplab" if gated else "gpt", sp_saves="shard", **opts)
+    items = layer_saved(local, recompute, "tplab" if gated else "gpt",
+                        sp_saves=run.settings.sp_saves, **opts)
     if run.precision == "fp8":
         items = [replace(i, element_bytes=1) if i.linear_input else i for i in items]
     return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)

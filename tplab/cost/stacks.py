@@ -65,7 +65,12 @@ class Stack:
     while every activation is still held);
     `block`: whose layer's saved tensors the memory counts ("megatron": Megatron-LM's fused
     block, or Korthikanti's GPT layer for ungated shapes; "mpt": llm-foundry's MPT block,
-    `memory.mpt_layer`); 4 bytes per logit is flash-attn 1.0.9's fused cross entropy
+    `memory.mpt_layer`); `sp_saves`: how a TP region keeps its input under sequence
+    parallelism ("shard": Megatron-LM saves its 1/t shard and all-gathers it again in
+    backward; "gathered": torchtitan's `apply_tp` turns the Shard(1) norm output into a
+    Replicate DTensor (`PrepareModuleInput`) before wq/wk/wv and w1/w3, and each linear
+    keeps that whole input, as tplab's own block does, `memory.BLOCK_SAVES`); 4 bytes per
+    logit is flash-attn 1.0.9's fused cross entropy
     (losses/cross_entropy.py, MPT's default `loss_fn: fused_crossentropy` in llm-foundry
     v0.3.0's modeling_mpt.py): it saves the bf16 logits and its backward writes a new bf16
     gradient (`inplace_backward=False`, xentropy_kernel.cu `at::empty_like(logits_)`).
@@ -86,6 +91,7 @@ class Stack:
     fsdp_exposed: bool = False
     logits_bytes: int = 8
     block: str = "megatron"
+    sp_saves: str = "shard"
     gathers: str = "layer"
     cites: str = ""
 
@@ -97,6 +103,9 @@ class Stack:
                              f"{ATTENTIONS}")
         if self.block not in BLOCKS:
             raise ValueError(f"Stack.block = {self.block!r}: expected one of {BLOCKS}")
+        if self.sp_saves not in ("shard", "gathered"):
+            raise ValueError(f"Stack.sp_saves = {self.sp_saves!r}: expected 'shard' or "
+                             "'gathered'")
         if self.gathers not in GATHERS:
             raise ValueError(f"Stack.gathers = {self.gathers!r}: expected one of {GATHERS}")
         if not 0 < self.attention_scale <= 1:
@@ -120,10 +129,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "2021: synchronous TP all-reduce, gradients after the pipeline"),
     Stack("megatron-bridge", cites="NVIDIA-NeMo/Megatron-Bridge recipes and NeMo "
           "containers: Transformer Engine, flash attention, every overlap on"),
-    Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12,
+    Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, sp_saves="gathered",
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
           "context_parallel"),
-    Stack("torchtitan+compile", torch_cp=True, logits_bytes=12,
+    Stack("torchtitan+compile", torch_cp=True, logits_bytes=12, sp_saves="gathered",
           cites="pytorch/torchtitan with torch.compile: element-wise work fused"),
     Stack("llm-foundry-2023", kernels="eager", attention_scale=FA1_OVER_FA2,
           fsdp_exposed=True, logits_bytes=4, block="mpt",
