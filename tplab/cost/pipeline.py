@@ -190,18 +190,20 @@ def in_flight(pp: int, vpp: int, m: int) -> float:
 
 def layer_bytes(run, local, recompute: str) -> float:
     """Activation bytes one layer keeps per micro-batch on one rank: Megatron-LM's fused
-    block for gated shapes, the paper's GPT layer otherwise (`tplab.cost.memory`); under
+    block for gated shapes, the paper's GPT layer otherwise, MPT's block where the stack
+    runs it (`Stack.block`), each TP region's input as the stack keeps it under SP
+    (`Stack.sp_saves`; `tplab.cost.memory`); under
     fp8 the linears' saved inputs are their 1-byte fp8 copies (Transformer Engine keeps
     the quantised input for the weight gradient)."""
     if recompute == "op":
         items = op_sac_layer(local)
         return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)
     if run.settings.block == "mpt" and recompute != "full":   # flash: nothing to drop
-        return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in mpt_layer(local))
-    gated = local.gated
-    opts = ({"norm": "fused", "swiglu": "fused"} if gated else {})
-    items = layer_saved(local, recompute, "tplab" if gated else "gpt",
-                        sp_saves=run.settings.sp_saves, **opts)
+        items = mpt_layer(local)
+    else:
+        opts = ({"norm": "fused", "swiglu": "fused"} if local.gated else {})
+        items = layer_saved(local, recompute, "tplab" if local.gated else "gpt",
+                            sp_saves=run.settings.sp_saves, **opts)
     if run.precision == "fp8":
         items = [replace(i, element_bytes=1) if i.linear_input else i for i in items]
     return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)

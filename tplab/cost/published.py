@@ -145,7 +145,8 @@ def foundry_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
     """(H100 row, A100 row) of llm-foundry's tables with the same model, GPUs, sequence,
     micro-batch and recomputation (`FOUNDRY_STACK`)."""
     def key(r):
-        return r["model"], r["gpus"], r["seq_len"], r["micro_batch"], r["recompute"]
+        return (r["model"], r["gpus"], r["seq_len"], r["micro_batch"], r["recompute"],
+                r["precision"])
     mine = [r for r in rows if r["source"] == FOUNDRY]
     a100 = {key(r): r for r in mine if r["hardware"] == "A100 SXM"}
     return [(r, a100[key(r)]) for r in mine
