@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import sys
 
-from tplab.cost import kernels, pipeline, predict, published, scores, stacks
+from tplab.cost import kernels, memory, pipeline, predict, published, scores, stacks
 from tplab.cost.hardware import HARDWARE
 
 
@@ -96,14 +96,17 @@ def issue_26_model():
 
 @contextlib.contextmanager
 def fsdp_states_as(param: int, states: int):
-    """FSDP's bytes per parameter (`pipeline.FSDP_PARAM`, `FSDP_STATES`): 2 and 12 are
-    ZeRO's bf16 parameter and fp32 master, m, v (issue 26's count)."""
-    old = pipeline.FSDP_PARAM, pipeline.FSDP_STATES
-    pipeline.FSDP_PARAM, pipeline.FSDP_STATES = param, states
+    """FSDP's bytes per parameter: 4 and 8 (`memory.MASTER_IS_SHARD`, the fp32 shard is
+    the master) or 2 and 12, ZeRO's bf16 parameter and fp32 master, m, v (issue 26's
+    count)."""
+    if (param, states) not in ((4, 8), (2, 12)):
+        raise ValueError(f"fsdp_states_as({param}, {states}): expected (4, 8) or (2, 12)")
+    old = memory.MASTER_IS_SHARD
+    memory.MASTER_IS_SHARD = param == 4
     try:
         yield
     finally:
-        pipeline.FSDP_PARAM, pipeline.FSDP_STATES = old
+        memory.MASTER_IS_SHARD = old
 
 
 @contextlib.contextmanager

@@ -602,3 +602,29 @@ def test_llm_foundrys_h100_rows_over_25_percent_are_named_by_the_stacks_h100_rat
             if r["source"] == published.FOUNDRY and r["hardware"] == "H100 SXM"]
     assert len(h100) >= 15
     assert all("FOUNDRY_STACK" in why for _, why in h100)
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "zero1", "zero2", "fsdp"])
+def test_step_time_and_training_run_share_one_dp_and_memory_model(sharding):
+    # issue 36 item 3: dp_times / gpu_memory (step_time's terms) and TrainingRun's are the
+    # same functions (data_parallel.sync_seconds, memory.state_bytes): the same run, asked
+    # both ways, costs the same DP seconds and holds the same model-state bytes
+    zero = memory.ZERO_STAGES[sharding]
+    run = cost.TrainingRun("Llama-3 8B", "H100 SXM", 64, tp=2, global_batch=128,
+                           seq_len=4096, sharding=sharding)
+    p, m = cost.predict(run), run.micro_batches
+    assert m == 4
+    lt = training_run.layer_times(run)
+    layers = run.shape.layers
+    dp = cost.dp_times(run.shape, run.tp, run.hw, dp=run.dp, zero=zero, micro_batches=m,
+                       forward_s=layers * lt.forward_s, backward_s=layers * lt.backward_s)
+    assert m * dp["dp_comm_s"] == pytest.approx(p.breakdown["dp_comm_s"])
+    assert m * dp["dp_exposed_s"] == pytest.approx(p.breakdown["dp_exposed_s"])
+    states = cost.gpu_memory(run.shape, run.tp, dp=run.dp, zero=zero)
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert states[key] == pytest.approx(p.memory[key]), key
+    # a gradient reduce-scatter overlaps the backward only, not the forward before it
+    if sharding == "zero2":
+        rs = next(r["time_s"] for r in dp["dp_records"] if r["op"] == "reduce_scatter")
+        behind = layers * lt.backward_s
+        assert m * dp["dp_exposed_s"] >= m * max(0.0, rs - behind)

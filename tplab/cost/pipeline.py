@@ -35,16 +35,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tplab.cost.collectives import collective_time
-from tplab.cost.data_parallel import dp_group_hardware
+from tplab.cost.data_parallel import dp_group_hardware, sync_seconds
 from tplab.cost.hardware import GiB
 from tplab.cost.kernels import local_params
 from tplab.cost.memory import (
     GRAD_BYTES,
     OPTIMIZER_BYTES,
     PARAM_BYTES,
+    ZERO_STAGES,
     layer_saved,
     mpt_layer,
     op_sac_layer,
+    state_bytes,
 )
 from tplab.cost.stacks import ZERO3_PREFETCH_ELEMENTS
 
@@ -52,16 +54,8 @@ PARAM, GRAD = PARAM_BYTES["mixed"], GRAD_BYTES["mixed"]
 STATES = OPTIMIZER_BYTES["adam"]["mixed"]
 """Bytes per parameter of a run (Megatron-LM's bf16 recipe, `tplab.cost.memory`'s "mixed"
 with Adam: bf16 parameters, fp32 gradients, fp32 master and moments), the same constants
-`cost.gpu_memory` and `cost.dp_collectives` use."""
-FSDP_PARAM, FSDP_STATES = 4, 8
-"""Bytes per parameter of a fully sharded run: the shard FSDP keeps is the fp32 parameter,
-which the optimizer steps (no separate master copy), and Adam's two fp32 moments; the bf16
-copy exists only for the layer gathered (`transient_bytes`). torch's FSDP1
-`MixedPrecision.param_dtype` and FSDP2 `MixedPrecisionPolicy.param_dtype` set the dtype
-of the unsharded parameter used in forward and backward; the sharded one keeps the
-module's dtype. So 4 + 4 + 8 = 16 bytes per parameter over the shard, not 18 (Composer's
-FSDP "DEFAULT": bf16 parameters, fp32 reduction; torchtitan: bf16 parameters, fp32
-reduction)."""
+`cost.gpu_memory` and `cost.dp_collectives` use; a fully sharded run's states are
+`memory.state_bytes`'s (its fp32 shard is the master, `memory.MASTER_IS_SHARD`)."""
 FRAGMENTATION = 0.10
 NCCL_RESERVE = 1 * GiB
 
@@ -159,22 +153,14 @@ def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
         return collective_time(op, nbytes, size, view, "auto") if size > 1 else 0.0
 
     rs, ag = t("reduce_scatter", GRAD * n), t("all_gather", PARAM * n)
-    if not run.grad_overlap and run.sharding in ("ddp", "zero1"):
-        fwd = bwd = 0.0           # reduced after the last backward, gathered after the step
-    if run.sharding == "ddp":
-        ar = t("all_reduce", GRAD * n)
-        return DataParallel(ar, max(0.0, ar - bwd))
-    if run.sharding == "zero1":
-        return DataParallel(rs + ag, max(0.0, rs - bwd) + max(0.0, ag - fwd))
-    waits = run.settings.fsdp_exposed    # the stack syncs every micro-batch in the open
-    if run.sharding == "zero2":
-        return DataParallel(m * rs + ag,
-                            m * (rs if waits else max(0.0, rs - bwd)) + max(0.0, ag - fwd))
-    gathers = 1 if run.pp > 1 else 2      # reshard after forward only without PP
-    per_mb = max(0.0, ag - fwd) + max(0.0, (gathers - 1) * ag + rs - bwd)
-    if waits:
-        per_mb = gathers * ag + rs
-    comm, exposed = m * (gathers * ag + rs), m * per_mb
+    ar = t("all_reduce", GRAD * n) if run.sharding == "ddp" else 0.0
+    # the rule dp_times uses (data_parallel.sync_seconds); grad_overlap=False: reduced
+    # after the last backward, gathered after the step; FSDP without PP reshards after
+    # forward and gathers again for backward; fsdp_exposed: every micro-batch in the open
+    comm, exposed = sync_seconds(
+        ZERO_STAGES[run.sharding], ar, rs, ag, fwd, bwd, m,
+        overlap=run.grad_overlap or run.sharding not in ("ddp", "zero1"),
+        waits=run.settings.fsdp_exposed, gathers=1 if run.pp > 1 else 2)
     if run.sharding == "hsdp" and group > shard:
         ar = t("all_reduce", GRAD * n / shard, group // shard)
         comm, exposed = comm + ar, exposed + max(0.0, ar - bwd)
@@ -227,13 +213,7 @@ def memory(run) -> dict:
     group = run.dp * cp
     shard = {"ddp": 1, "hsdp": min(group, max(1, hw.gpus_per_node // (tp * cp)))}.get(
         run.sharding, group)
-    if run.sharding in ("fsdp", "hsdp"):   # the fp32 shard is the master (FSDP_STATES)
-        states = {"param_bytes": FSDP_PARAM * n / shard, "grad_bytes": GRAD * n / shard,
-                  "optimizer_bytes": FSDP_STATES * n / shard}
-    else:
-        states = {"param_bytes": PARAM * n,
-                  "grad_bytes": GRAD * n / (shard if run.sharding == "zero2" else 1),
-                  "optimizer_bytes": STATES * n / (1 if run.sharding == "ddp" else shard)}
+    states = state_bytes(n, ZERO_STAGES[run.sharding], shard)   # gpu_memory's count
     local = shape.with_(seq=shape.seq // cp)
     # flash attention keeps no s x s scores: what "selective" drops is never saved;
     # "op" keeps what torchtitan's op-level SAC saves (memory.op_sac_layer);
