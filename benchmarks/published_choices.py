@@ -165,6 +165,9 @@ def main() -> None:
     with stack_as("llm-foundry-2023", logits_bytes=8):
         show("llm-foundry-2023: flash-attn's fused loss, 4 bytes per logit vs 8", base,
              figures(), (a100,))
+    with stack_as("megatron-lm-2022", tp_overlap=True):
+        show("megatron-lm-2022: TP backward collectives not hidden (a no-op kernel, not the "
+             "scheduler, ordered them) vs hidden", base, figures(), (published.KORTHIKANTI,))
     with fsdp_states_as(2, 12):
         show("FSDP: the fp32 shard as master (16 bytes a parameter) vs 18", base, figures(),
              (a100, titan_h100))

@@ -236,7 +236,7 @@ def test_goal_median_and_p90_over_every_scored_row(scored, way):
 
 
 @pytest.mark.parametrize("way", [
-    pytest.param("all", marks=short("sources past +-8%: dgxc -19.0%, Korthikanti +9.9%, "
+    pytest.param("all", marks=short("sources past +-8%: dgxc -19.0%, "
                                     "Llama 3 -19.5%, llm-foundry +13.0%, Megatron-Bridge "
                                     "-8.9%, Narayanan +11.6%, torchtitan +11.3%, +23.6%")),
     pytest.param("goal", marks=short("the same sources, goal set"))])
@@ -255,7 +255,7 @@ def test_goal_same_source_pairs_ordered(scored):
     assert total > 5000 and good / total >= 0.95
 
 
-@short("held out: dgxc 27.0%, Llama 3 27.5%, Megatron-Bridge 18.1%, torchtitan H100 13.5% "
+@short("held out: dgxc 26.9%, Llama 3 27.4%, Megatron-Bridge 18.1%, torchtitan H100 14.0% "
        "(<= 12%)")
 def test_goal_leave_one_source_out(scored):
     loso = scored["loso_goal"]
@@ -264,7 +264,7 @@ def test_goal_leave_one_source_out(scored):
     assert not off, off
 
 
-@short("mean |error| 7.62% (Calculon 3.65%), max 11.17%, no per-run setting")
+@short("mean |error| 5.31% (Calculon 3.65%), max 8.79%, no per-run setting")
 def test_goal_korthikantis_eight_runs(scored):
     k = scored["korthikanti"]
     assert k["runs"] == 8
@@ -412,7 +412,12 @@ def test_without_overlap_the_gradient_collectives_are_all_exposed():
     overlapped = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", **kw))
     assert sync.breakdown["tp_exposed_s"] > overlapped.breakdown["tp_exposed_s"]
     assert not cost.STACKS["megatron-lm-2021"].tp_overlap
-    assert cost.STACKS["megatron-lm-2022"].tp_overlap
+    # and in 2022 the async collectives were ordered before their GEMM by a no-op kernel
+    # only ("Remove noop used to try to force scheduling", bdd97312, 2022-10-14: "ordering
+    # isn't imposed by the scheduler"): not assured, so not counted hidden
+    assert not cost.STACKS["megatron-lm-2022"].tp_overlap
+    assert "bdd97312" in cost.STACKS["megatron-lm-2022"].cites
+    assert cost.STACKS["megatron-lm"].tp_overlap
     with pytest.raises(TypeError, match="grad_overlap"):
         cost.TrainingRun("GPT 22B", "A100 SXM", 8, grad_overlap="no")
 

@@ -13,7 +13,10 @@ What each setting mirrors:
   `train_step` (megatron/training.py) reduces the gradients after the pipeline, the TP
   backward all-reduce is synchronous (megatron/mpu/mappings.py), the attention scores are
   materialised; the async TP all-reduce behind the weight-gradient GEMM came on 2021-09-02
-  (16c90445, before Korthikanti et al. 2022), `--overlap-p2p-comm` on 2023-05-31
+  (16c90445, before Korthikanti et al. 2022), ordered before its GEMM by a no-op kernel
+  until 2022-10-14 (bdd97312: "Remove noop used to try to force scheduling", after which
+  Megatron-LM requires CUDA_DEVICE_MAX_CONNECTIONS=1, since "ordering isn't imposed by the
+  scheduler"), so the 2022 stack does not count it hidden; `--overlap-p2p-comm` on 2023-05-31
   (f9283c5a), `--overlap-grad-reduce` on 2023-08-16 (2d5220a4).
 - Megatron-Bridge / NeMo containers: Transformer Engine's fused layers, flash attention,
   every overlap on (the recipes' defaults).
@@ -120,10 +123,15 @@ FA2's A100 rate as the presets take it, 0.5 of peak): the midpoint of FA1's rang
 STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack("megatron-lm", cites="Megatron-LM since 2023 (overlap_grad_reduce, "
           "overlap_p2p_comm, Transformer Engine, flash attention)"),
-    Stack("megatron-lm-2022", attention="unfused", grad_overlap=False, p2p_overlap=False,
-          cites="Megatron-LM f602ac56 (2022-04-11): async TP all-reduce (16c90445), "
-          "gradients reduced after the pipeline, synchronous P2P, materialised scores "
-          "(Korthikanti et al. 2022, section 4.1)"),
+    Stack("megatron-lm-2022", attention="unfused", grad_overlap=False, tp_overlap=False,
+          p2p_overlap=False,
+          cites="Megatron-LM f602ac56 (2022-04-11) and the sequence-parallel branch "
+          "(739cb43d, 2022-05-24): gradients reduced after the pipeline, synchronous P2P, "
+          "materialised scores (Korthikanti et al. 2022, section 4.1); the async TP "
+          "backward collectives (16c90445) ordered before the GEMMs only by a no-op "
+          "kernel, which bdd97312 (2022-10-14, 'Remove noop used to try to force "
+          "scheduling') replaced by CUDA_DEVICE_MAX_CONNECTIONS=1 because 'ordering isn't "
+          "imposed by the scheduler': not assured, so priced as not hidden"),
     Stack("megatron-lm-2021", attention="unfused", grad_overlap=False, tp_overlap=False,
           p2p_overlap=False, cites="Megatron-LM aed2f75 (2021-04-11), Narayanan et al. "
           "2021: synchronous TP all-reduce, gradients after the pipeline"),
