@@ -616,7 +616,7 @@ def test_step_time_and_training_run_share_one_dp_and_memory_model(sharding):
     # both ways, costs the same DP seconds and holds the same model-state bytes
     zero = memory.ZERO_STAGES[sharding]
     run = cost.TrainingRun("Llama-3 8B", "H100 SXM", 64, tp=2, global_batch=128,
-                           seq_len=4096, sharding=sharding)
+                           seq_len=4096, sharding=sharding, recompute="selective")
     p, m = cost.predict(run), run.micro_batches
     assert m == 4
     lt = training_run.layer_times(run)
@@ -625,8 +625,9 @@ def test_step_time_and_training_run_share_one_dp_and_memory_model(sharding):
                        forward_s=layers * lt.forward_s, backward_s=layers * lt.backward_s)
     assert m * dp["dp_comm_s"] == pytest.approx(p.breakdown["dp_comm_s"])
     assert m * dp["dp_exposed_s"] == pytest.approx(p.breakdown["dp_exposed_s"])
-    states = cost.gpu_memory(run.shape, run.tp, dp=run.dp, zero=zero)
-    for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+    states = cost.gpu_memory(run.shape, run.tp, True, run.recompute, dp=run.dp, zero=zero,
+                             **cost.BLOCK_SAVES["megatron"])
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"):
         assert states[key] == pytest.approx(p.memory[key]), key
     # a gradient reduce-scatter overlaps the backward only, not the forward before it
     if sharding == "zero2":
