@@ -273,6 +273,24 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
                              env={**os.environ, **self.env}, timeout=10)
         return [x for x in out.stdout.splitlines() if x.strip()]
 
+    def left_running(self) -> list[int]:
+        """This cluster's processes that are not its daemons: slurmstepd daemonizes (its
+        parent is init, not slurmd), so ending slurmd leaves a step daemon still cleaning up
+        running. Each holds slurmd's log, a file in this cluster's folder: that, not a process
+        name, says it is ours."""
+        import psutil
+
+        found = []
+        for proc in psutil.process_iter():
+            if proc.pid in self.pids or proc.pid == os.getpid():
+                continue
+            try:
+                if any(f.path.startswith(self.tmp + os.sep) for f in proc.open_files()):
+                    found.append(proc.pid)
+            except psutil.Error:  # gone meanwhile, or not ours to read
+                continue
+        return found
+
     def stop(self) -> None:
         for pid in reversed(self.pids):  # slurmd, slurmctld, then munged
             try:
@@ -283,6 +301,15 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
             for pid in self.pids:
                 _kill(pid)
         wait_gone(self.pids, 5)
+        steps = self.left_running()  # slurmd is gone: no new step daemon can start
+        for pid in steps:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+        for pid in wait_gone(steps, 10):
+            _kill(pid)
+        wait_gone(steps, 5)
         shutil.rmtree(self.tmp, ignore_errors=True)
         shutil.rmtree(self.munge_dir, ignore_errors=True)
 

@@ -239,6 +239,7 @@ def slurm():
         yield cluster
     finally:
         cluster.stop()
+    assert cluster.left_running() == [], "a Slurm process outlived the cluster (slurmstepd?)"
 
 
 def test_slurm_runs_four_ranks_and_cancels_its_job(slurm, monkeypatch):
