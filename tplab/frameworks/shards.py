@@ -64,7 +64,7 @@ def shard_dim(param: torch.Tensor, ref_shape: tuple, name: str = "") -> int | No
     if len(param.shape) != len(ref_shape):
         raise PlanError(f"from_shards: {name} is {tuple(param.shape)} on the ranks and "
                         f"{tuple(ref_shape)} in the reference: not a shard of it")
-    shorter = [d for d, (a, b) in enumerate(zip(param.shape, ref_shape)) if a < b]
+    shorter = [d for d, (a, b) in enumerate(zip(param.shape, ref_shape, strict=True)) if a < b]
     if len(shorter) > 1:
         raise PlanError(f"from_shards: {name} is {tuple(param.shape)} on the ranks and "
                         f"{tuple(ref_shape)} in the reference, shorter in dims {shorter}; "
