@@ -103,6 +103,7 @@ def test_generic_from_shards_runs_under_simulate_on_dtensor_placements():
     parallel model's own initial weights differ from the reference's, so a pass means
     they were loaded."""
     from tp_fixtures import CFG
+
     from tplab import models
     build = functools.partial(models.MLP, CFG)
 
