@@ -9,6 +9,8 @@ from the same weights); train_check's verdict follows. World 2 here; world 4 is 
 from __future__ import annotations
 
 import functools
+import json
+import pathlib
 
 import framework_models as fm
 import framework_truth
@@ -145,3 +147,29 @@ def test_from_shards_names_bad_input():
         mf.reference(3)
     with pytest.raises(ValueError, match="tp must be an int"):
         mf.init(0)
+
+
+NOTEBOOK = pathlib.Path(__file__).parent.parent / "notebooks" / "14_frameworks.ipynb"
+
+
+def user_lines(source: str) -> int:
+    """Lines of code a user writes: not blank, not a comment."""
+    return sum(1 for line in source.splitlines()
+               if line.strip() and not line.strip().startswith("#"))
+
+
+def test_each_check_in_notebook_14_is_under_20_lines_of_user_code():
+    """Issue 37's goal: a check of the correct code and of a planted bug in under 20 lines,
+    the model under test not counted. The notebook's cells tagged "check" are those checks
+    (the lab, its imports and the models are other cells); each checks both the correct
+    model and the bug, with the adapter of its framework."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    checks = ["".join(c["source"]) for c in cells
+              if "check" in c.get("metadata", {}).get("tags", [])]
+    assert len(checks) == 3
+    for source, adapter in zip(checks, ("mf.", "mf.", "ff."), strict=True):
+        assert 0 < user_lines(source) < 20, source
+        assert source.count("tplab.grad_check(") == 2 and f"{adapter}from_shards(" in source
+        assert "bug=True" in source
+    setup = next("".join(c["source"]) for c in cells if "tplab.launch(" in "".join(c["source"]))
+    assert user_lines(setup) < 20  # the imports and the lab, shared by the three
