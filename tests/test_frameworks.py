@@ -173,3 +173,24 @@ def test_each_check_in_notebook_14_is_under_20_lines_of_user_code():
         assert "bug=True" in source
     setup = next("".join(c["source"]) for c in cells if "tplab.launch(" in "".join(c["source"]))
     assert user_lines(setup) < 20  # the imports and the lab, shared by the three
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("kind", ["megatron-layers", "fairscale"])
+def test_dp_by_tp_at_world_4_flags_what_tp_2_flags(labs, kind):
+    """On a (dp=2, tp=2) mesh the adapters' tp groups are the mesh's (checked by init) and
+    the bug is the judge's at tp = 2: the dp replicas average correct or wrong gradients
+    alike."""
+    _, build, _, loss, _ = framework_truth.CASES[kind]
+    adapter = ADAPTERS[kind]
+
+    def batch():  # 4 rows: 2 per dp replica
+        return torch.randint(0, fm.VOCAB, (4, fm.SEQ), generator=torch.Generator().manual_seed(0))
+
+    for bug in (False, True):
+        truth = framework_truth.judge(labs.get(2), kind, bug)
+        b = functools.partial(build, bug)
+        report = tplab.grad_check(labs.get(4), adapter.reference(b), adapter.from_shards(b),
+                                  batch, loss, dp=2)
+        assert report.ok == (not truth) and flagged(report) == truth, str(report)
