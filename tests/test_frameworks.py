@@ -194,3 +194,18 @@ def test_dp_by_tp_at_world_4_flags_what_tp_2_flags(labs, kind):
         report = tplab.grad_check(labs.get(4), adapter.reference(b), adapter.from_shards(b),
                                   batch, loss, dp=2)
         assert report.ok == (not truth) and flagged(report) == truth, str(report)
+
+
+def _bring_up(init):
+    init(tplab.make_mesh())
+
+
+@pytest.mark.parametrize(("adapter", "failure"), [
+    (mf, "tensor model parallel group is not initialized"), (ff, "LocalIntNode")])
+def test_the_refusal_is_what_a_simulation_would_meet(adapter, failure):
+    """Without the refusal, the framework's own initialize_model_parallel fails in a
+    simulation on the rank it reads as a plain int (Megatron keeps no tp group: `if rank in
+    ranks` is never true; fairscale's torch.where(groups == rank) cannot take the per-rank
+    value). If torch or the framework learns to, this fails: drop the refusal then."""
+    with pytest.raises(tplab.RankError, match=failure):
+        tplab.simulate(2).run(_bring_up, adapter.init)

@@ -29,6 +29,7 @@ from tplab.frameworks.shards import (
     FromShards,
     framework_state_is,
     one_rank_group,
+    remember_state,
     tp_coordinate,
 )
 
@@ -45,11 +46,10 @@ LAYERS: dict[type, dict[str, int | None]] = {
 }
 
 SIMULATION = (
-    "fairscale does not run under tplab.simulate: its layers pick their slice of the "
-    "weight in Python with the rank as a plain int (get_model_parallel_rank(), "
-    "weight_list[rank::world_size] in _initialize_affine_weight), and a simulation runs "
-    "every rank at once, so that number cannot be one rank's. Use ranks in processes: "
-    "tplab.launch(world_size)")
+    "fairscale does not run under tplab.simulate: it uses the rank as a plain int in "
+    "Python (initialize_model_parallel finds it with torch.where(groups == rank), its "
+    "layers take weight_list[rank::world_size]), and a simulation runs every rank at once, "
+    "where the rank is one value per rank. Use ranks in processes: tplab.launch(world_size)")
 
 
 _STATE: dict = {}  # the default group and tp size its parallel state was made under
@@ -65,7 +65,8 @@ def init(tp: int | DeviceMesh) -> None:
         _, tp = tp_coordinate(mesh)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"fairscale.init: tp must be an int >= 1 or a DeviceMesh, got {tp!r}")
-    one_rank_group()
+    if mesh is None:  # the reference's build, in the notebook: a 1-rank group
+        one_rank_group()
     if dist.get_world_size() % tp:
         raise ValueError(f"fairscale.init: tp={tp} does not divide the world size "
                          f"{dist.get_world_size()}")
@@ -74,6 +75,7 @@ def init(tp: int | DeviceMesh) -> None:
         init_.destroy_model_parallel()
         with contextlib.redirect_stdout(io.StringIO()):  # "> initializing model parallel"
             init_.initialize_model_parallel(tp)
+        remember_state(_STATE, tp)
     if mesh is not None:
         names = mesh.mesh_dim_names or ()
         ours = dist.get_process_group_ranks(mesh.get_group("tp" if "tp" in names else 0))

@@ -48,6 +48,7 @@ from tplab.frameworks.shards import (
     FromShards,
     framework_state_is,
     one_rank_group,
+    remember_state,
     tp_coordinate,
 )
 
@@ -59,11 +60,11 @@ mp_utils = require("megatron.core.utils", "megatron-core", "0.16.1")
 __all__ = ["SIMULATION", "config", "from_shards", "init", "reference"]
 
 SIMULATION = (
-    "Megatron-core does not run under tplab.simulate: it picks each rank's slice of a weight "
-    "in Python with the rank as a plain int (get_tensor_model_parallel_rank(), "
-    "weight_list[rank::world_size] in tensor_parallel.layers), and a simulation runs every "
-    "rank at once, so that number cannot be one rank's. Use ranks in processes: "
-    "tplab.launch(world_size)")
+    "Megatron-core does not run under tplab.simulate: it uses the rank as a plain int in "
+    "Python (initialize_model_parallel keeps the groups `if rank in ranks`, its layers take "
+    "weight_list[rank::world_size]), and a simulation runs every rank at once, where the "
+    "rank is one value per rank: no tensor-parallel group is ever kept. Use ranks in "
+    "processes: tplab.launch(world_size)")
 
 
 class CpuRNGTracker(mp_random.CudaRNGStatesTracker):
@@ -141,7 +142,8 @@ def init(tp: int | DeviceMesh) -> None:
         _, tp = tp_coordinate(mesh)
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"megatron.init: tp must be an int >= 1 or a DeviceMesh, got {tp!r}")
-    one_rank_group()
+    if mesh is None:  # the reference's build, in the notebook: a 1-rank group
+        one_rank_group()
     if dist.get_world_size() % tp:
         raise ValueError(f"megatron.init: tp={tp} does not divide the world size "
                          f"{dist.get_world_size()}")
@@ -150,6 +152,7 @@ def init(tp: int | DeviceMesh) -> None:
         # Megatron's extra gloo groups are for its distributed optimizer's CPU copies
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  create_gloo_process_groups=False)
+        remember_state(_STATE, tp)
     if mesh is not None:
         _same_groups(mesh)
     _on_cpu()

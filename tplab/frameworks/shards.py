@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
@@ -38,7 +39,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "
 from tplab.errors import PlanError
 
 __all__ = ["BuiltAt", "FromShards", "framework_state_is", "from_shards", "load_shards",
-           "one_rank_group", "rank_piece", "shard_dim", "tp_coordinate"]
+           "one_rank_group", "rank_piece", "remember_state", "shard_dim", "tp_coordinate"]
 
 Dims = dict[str, "int | None"]
 
@@ -52,20 +53,23 @@ def one_rank_group() -> None:
     group (the ranks', or your own) is kept; so is a simulation's, replaced here by the
     1-rank one (the simulation makes its own again when it next runs)."""
     if dist.is_initialized():
-        if dist.get_backend() != "fake" or dist.get_world_size() == 1:
+        if (dist.get_backend() != "fake" or dist.get_world_size() == 1
+                or enabled_local_tensor_mode()):  # inside a simulation's run: its group
             return
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
 
 
 def framework_state_is(state: dict, tp: int) -> bool:
-    """True when a framework's parallel state (`state`, the adapter's record) was brought up
-    with `tp` under the current default group; else records that it is about to be."""
-    world = dist.group.WORLD
-    if state.get("world") is world and state.get("tp") == tp:
-        return True
-    state.update(world=world, tp=tp)
-    return False
+    """True when a framework's parallel state (`state`, the adapter's record, which
+    `remember_state` writes once it is up) was brought up with `tp` under the current
+    default group."""
+    return state.get("world") is dist.group.WORLD and state.get("tp") == tp
+
+
+def remember_state(state: dict, tp: int) -> None:
+    """Record that a framework's parallel state is up with `tp` under the default group."""
+    state.update(world=dist.group.WORLD, tp=tp)
 
 
 def tp_coordinate(mesh: DeviceMesh) -> tuple[int, int]:
