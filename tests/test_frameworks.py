@@ -9,8 +9,10 @@ from the same weights); train_check's verdict follows. World 2 here; world 4 is 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import pathlib
+import sys
 
 import framework_models as fm
 import framework_truth
@@ -56,7 +58,7 @@ def test_verdicts_and_flagged_tensors_equal_plain_torch(labs, kind, world):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("kind", ["megatron-layers", "fairscale"])
+@pytest.mark.parametrize("kind", list(framework_truth.CASES))
 def test_train_check_verdicts(labs, kind, world):
     """The gradient judge's verdict is the training run's: a wrong gradient moves the
     weights off the one-device run's."""
@@ -80,6 +82,17 @@ def test_a_framework_not_installed_is_an_import_error_naming_package_and_pip():
     with pytest.raises(AttributeError, match="nothing"):
         frameworks.nothing  # noqa: B018 (only the adapters are lazy attributes)
     assert frameworks.megatron is mf
+    for module, package in (("megatron", "megatron-core"), ("fairscale", "fairscale")):
+        with pytest.MonkeyPatch.context() as mp:  # as if the framework were not installed
+            for name in [n for n in sys.modules
+                         if n.split(".")[0] == module or n == f"tplab.frameworks.{module}"]:
+                mp.delitem(sys.modules, name)
+            mp.setitem(sys.modules, module, None)
+            with pytest.raises(ImportError) as err:
+                importlib.import_module(f"tplab.frameworks.{module}")
+        assert f"package {package} " in str(err.value)
+        assert "pip install 'tplab[frameworks]'" in str(err.value)
+    assert frameworks.megatron is mf and frameworks.fairscale is ff  # put back as they were
 
 
 @pytest.mark.parametrize("adapter", [mf, ff])
