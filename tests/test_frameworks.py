@@ -16,6 +16,7 @@ import sys
 
 import framework_models as fm
 import framework_truth
+import psutil
 import pytest
 import torch
 from torch import nn
@@ -222,3 +223,22 @@ def test_the_refusal_is_what_a_simulation_would_meet(adapter, failure):
     value). If torch or the framework learns to, this fails: drop the refusal then."""
     with pytest.raises(tplab.RankError, match=failure):
         tplab.simulate(2).run(_bring_up, adapter.init)
+
+
+def _open_files() -> int:
+    return psutil.Process().num_fds()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["megatron-layers", "fairscale"])
+def test_checks_in_a_row_keep_the_ranks_open_files_level(labs, kind):
+    """Each check brings up the framework at tp = 1 (the reference) and at the mesh's tp
+    (the plan) on every rank. Before the states were kept per tp, each check made new
+    process groups that were never freed: 151 more open files per rank and check at world
+    2 (gloo), so a notebook ran out of them after a few checks."""
+    lab = labs.get(2)
+    check(lab, kind, False)
+    before = lab.run(_open_files)
+    for _ in range(3):
+        check(lab, kind, False)
+    assert lab.run(_open_files) == before

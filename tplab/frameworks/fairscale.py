@@ -27,9 +27,8 @@ from tplab.frameworks.installed import require
 from tplab.frameworks.shards import (
     BuiltAt,
     FromShards,
-    framework_state_is,
+    ParallelStates,
     one_rank_group,
-    remember_state,
     tp_coordinate,
 )
 
@@ -52,7 +51,13 @@ SIMULATION = (
     "where the rank is one value per rank. Use ranks in processes: tplab.launch(world_size)")
 
 
-_STATE: dict = {}  # the default group and tp size its parallel state was made under
+_STATES = ParallelStates(mp.initialize)  # one per tp size (tplab/frameworks/shards.py)
+
+
+def _bring_up(tp: int) -> None:
+    mp.initialize.destroy_model_parallel()
+    with contextlib.redirect_stdout(io.StringIO()):  # "> initializing model parallel"
+        mp.initialize.initialize_model_parallel(tp)
 
 
 def init(tp: int | DeviceMesh) -> None:
@@ -71,11 +76,7 @@ def init(tp: int | DeviceMesh) -> None:
         raise ValueError(f"fairscale.init: tp={tp} does not divide the world size "
                          f"{dist.get_world_size()}")
     init_ = mp.initialize
-    if not framework_state_is(_STATE, tp):
-        init_.destroy_model_parallel()
-        with contextlib.redirect_stdout(io.StringIO()):  # "> initializing model parallel"
-            init_.initialize_model_parallel(tp)
-        remember_state(_STATE, tp)
+    _STATES.use(tp, _bring_up)
     if mesh is not None:
         names = mesh.mesh_dim_names or ()
         ours = dist.get_process_group_ranks(mesh.get_group("tp" if "tp" in names else 0))

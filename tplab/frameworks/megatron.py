@@ -46,9 +46,8 @@ from tplab.frameworks.installed import require
 from tplab.frameworks.shards import (
     BuiltAt,
     FromShards,
-    framework_state_is,
+    ParallelStates,
     one_rank_group,
-    remember_state,
     tp_coordinate,
 )
 
@@ -129,7 +128,14 @@ def _same_groups(mesh: DeviceMesh) -> None:
                            "mesh tp-innermost (tplab.make_mesh(dp=, tp=))")
 
 
-_STATE: dict = {}  # the default group and tp size its parallel state was made under
+_STATES = ParallelStates(parallel_state)  # one per tp size (tplab/frameworks/shards.py)
+
+
+def _bring_up(tp: int) -> None:
+    parallel_state.destroy_model_parallel()
+    # Megatron's extra gloo groups are for its distributed optimizer's CPU copies
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             create_gloo_process_groups=False)
 
 
 def init(tp: int | DeviceMesh) -> None:
@@ -147,12 +153,7 @@ def init(tp: int | DeviceMesh) -> None:
     if dist.get_world_size() % tp:
         raise ValueError(f"megatron.init: tp={tp} does not divide the world size "
                          f"{dist.get_world_size()}")
-    if not framework_state_is(_STATE, tp):
-        parallel_state.destroy_model_parallel()
-        # Megatron's extra gloo groups are for its distributed optimizer's CPU copies
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                                 create_gloo_process_groups=False)
-        remember_state(_STATE, tp)
+    _STATES.use(tp, _bring_up)
     if mesh is not None:
         _same_groups(mesh)
     _on_cpu()

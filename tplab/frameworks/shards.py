@@ -26,6 +26,7 @@ of every rank's value.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -38,8 +39,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "
 
 from tplab.errors import PlanError
 
-__all__ = ["BuiltAt", "FromShards", "framework_state_is", "from_shards", "load_shards",
-           "one_rank_group", "rank_piece", "remember_state", "shard_dim", "tp_coordinate"]
+__all__ = ["BuiltAt", "FromShards", "ParallelStates", "from_shards", "load_shards",
+           "one_rank_group", "rank_piece", "shard_dim", "tp_coordinate"]
 
 Dims = dict[str, "int | None"]
 
@@ -60,16 +61,40 @@ def one_rank_group() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
 
 
-def framework_state_is(state: dict, tp: int) -> bool:
-    """True when a framework's parallel state (`state`, the adapter's record, which
-    `remember_state` writes once it is up) was brought up with `tp` under the current
-    default group."""
-    return state.get("world") is dist.group.WORLD and state.get("tp") == tp
+class ParallelStates:
+    """A framework's parallel state for each tp size, built once and swapped in after that.
 
+    Megatron-core and fairscale keep their process groups in their module's globals
+    (`_TENSOR_MODEL_PARALLEL_GROUP`, ...) and a check needs two sizes in turn on every rank
+    (the reference's tp = 1, then the plan's). Building them again each time makes new
+    process groups every time, never freed: about 150 file descriptors per check and rank
+    at world 2 with gloo, so a notebook would run out after a few checks. So each size's
+    globals are kept, as the framework set them, and put back. A new default group (a
+    simulation's swap) starts afresh."""
 
-def remember_state(state: dict, tp: int) -> None:
-    """Record that a framework's parallel state is up with `tp` under the default group."""
-    state.update(world=dist.group.WORLD, tp=tp)
+    NAME = re.compile(r"_[A-Z][A-Z0-9_]*")
+
+    def __init__(self, module):
+        self.module = module
+        self.world = None
+        self.current: int | None = None
+        self.kept: dict[int, dict] = {}
+
+    def use(self, tp: int, bring_up: Callable[[int], None]) -> None:
+        """The framework's state at `tp`: kept, or brought up by `bring_up(tp)`."""
+        if self.world is not dist.group.WORLD:
+            self.world, self.current, self.kept = dist.group.WORLD, None, {}
+        if self.current == tp:
+            return
+        if self.current is not None:
+            self.kept[self.current] = {k: v for k, v in vars(self.module).items()
+                                       if self.NAME.fullmatch(k)}
+        if tp in self.kept:
+            for k, v in self.kept[tp].items():
+                setattr(self.module, k, v)
+        else:
+            bring_up(tp)
+        self.current = tp
 
 
 def tp_coordinate(mesh: DeviceMesh) -> tuple[int, int]:
