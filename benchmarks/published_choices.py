@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import sys
 
-from tplab.cost import kernels, pipeline, predict, published, scores, stacks
+from tplab.cost import kernels, memory, pipeline, predict, published, scores, stacks
 from tplab.cost.hardware import HARDWARE
 
 
@@ -82,13 +82,43 @@ def issue_26_model():
         shape, tokens // 2, tp)
     published.fitting = lambda r, **changes: ({}, predict(published.to_run(r, **changes)))
     try:
-        with stack_as("llm-foundry-2023", attention_scale=1.0, fsdp_exposed=False), \
-                stack_as("torchtitan", logits_bytes=8), \
-                stack_as("torchtitan+compile", logits_bytes=8):
+        with stack_as("llm-foundry-2023", attention_scale=1.0, fsdp_exposed=False,
+                      logits_bytes=8, block="megatron"), \
+                stack_as("torchtitan", logits_bytes=8, sp_saves="shard"), \
+                stack_as("torchtitan+compile", logits_bytes=8, sp_saves="shard"), \
+                stack_as("deepspeed-2021", gathers="layer"), fsdp_states_as(2, 12), \
+                peaks_as_total():
             yield
     finally:
         pipeline.layer_bytes, kernels.op_sac_recomputed_gemms = layer_bytes, recomputed
         published.fitting = fitting
+
+
+@contextlib.contextmanager
+def fsdp_states_as(param: int, states: int):
+    """FSDP's bytes per parameter: 4 and 8 (`memory.MASTER_IS_SHARD`, the fp32 shard is
+    the master) or 2 and 12, ZeRO's bf16 parameter and fp32 master, m, v (issue 26's
+    count)."""
+    if (param, states) not in ((4, 8), (2, 12)):
+        raise ValueError(f"fsdp_states_as({param}, {states}): expected (4, 8) or (2, 12)")
+    old = memory.MASTER_IS_SHARD
+    memory.MASTER_IS_SHARD = param == 4
+    try:
+        yield
+    finally:
+        memory.MASTER_IS_SHARD = old
+
+
+@contextlib.contextmanager
+def peaks_as_total():
+    """Printed peaks compared with the model's whole bytes per GPU (issue 26's comparison),
+    not with what the allocator reserves (`published.allocator_reserved`)."""
+    old = published.allocator_reserved
+    published.allocator_reserved = lambda p: p.memory_per_gpu
+    try:
+        yield
+    finally:
+        published.allocator_reserved = old
 
 
 def before() -> None:
@@ -121,10 +151,32 @@ def main() -> None:
     with stack_as("llm-foundry-2023", fsdp_exposed=False):
         show("llm-foundry-2023 FSDP sync exposed per micro-batch vs hidden", base, figures(),
              (a100,))
-    with stack_as("torchtitan", logits_bytes=8), stack_as("torchtitan+compile",
-                                                          logits_bytes=8):
-        show("torchtitan's loss keeps 10 bytes per logit vs Megatron's 8", base, figures(),
-             (titan_h100,))
+    with stack_as("torchtitan", logits_bytes=10), stack_as("torchtitan+compile",
+                                                           logits_bytes=10):
+        show("torchtitan's loss peaks at 12 bytes per logit (backward) vs 10 (forward)", base,
+             figures(), (titan_h100,))
+    with stack_as("torchtitan", sp_saves="shard"), stack_as("torchtitan+compile",
+                                                            sp_saves="shard"):
+        show("torchtitan's TP keeps each linear's gathered input vs Megatron's 1/t shard",
+             base, figures(), (titan_h100,))
+    with stack_as("llm-foundry-2023", block="megatron"):
+        show("llm-foundry-2023: MPT's block (mpt_layer) vs Korthikanti's GPT layer", base,
+             figures(), (a100,))
+    with stack_as("llm-foundry-2023", logits_bytes=8):
+        show("llm-foundry-2023: flash-attn's fused loss, 4 bytes per logit vs 8", base,
+             figures(), (a100,))
+    with stack_as("megatron-lm-2022", tp_overlap=True):
+        show("megatron-lm-2022: TP backward collectives not hidden (a no-op kernel, not the "
+             "scheduler, ordered them) vs hidden", base, figures(), (published.KORTHIKANTI,))
+    with fsdp_states_as(2, 12):
+        show("FSDP: the fp32 shard as master (16 bytes a parameter) vs 18", base, figures(),
+             (a100, titan_h100))
+    with stack_as("deepspeed-2021", gathers="layer"):
+        show("deepspeed-2021: one parameter gathered at a time vs two layers", base,
+             figures(), (published.NARAYANAN,))
+    with peaks_as_total():
+        show("peaks compared as allocator-reserved bytes vs the model's whole bytes", base,
+             figures(), (titan_h100,))
     for name in ("H100 SXM", "H100 96GB (500 W)", "A100 SXM", "B200", "GB200 NVL72"):
         on = tuple(dict.fromkeys(r["source"] for r in published.RUNS
                                  if r["hardware"] == name))

@@ -73,7 +73,8 @@ def main() -> None:
           f"(goal: all), worst {m['worst']:+.0%}")
     for r, e in zip(m["rows"], m["errors"], strict=True):
         print(f"  {r['where'][:70]:70s} peak {r['peak_gib']:5.1f} GiB, model "
-              f"{r['memory_gib']:5.1f} GiB ({e:+.0%}), fits {'yes' if r['fits'] else 'no'}")
+              f"{r['reserved_gib']:5.1f} GiB reserved ({e:+.0%}; {r['memory_gib']:5.1f} GiB in "
+              f"all), fits {'yes' if r['fits'] else 'no'}")
     print(f"published runs the model says do not fit: {len(m['not_fitting'])} (goal: 0)")
     for r in m["not_fitting"]:
         print(f"  {r['source'][:40]}: {r['where'][:60]} ({r['memory_gib']:.1f} GiB)")

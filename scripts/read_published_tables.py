@@ -16,8 +16,11 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parents[1] / "tplab" / "cost" / "data"
 FOUNDRY_COMMIT = "495218376830947dce625efabc4d86be7c47cc45"   # the README's last change
 FOUNDRY_FILE = "scripts/train/benchmarking/README.md"
-FOUNDRY_TABLES = {"## H100 80GB BF16": "H100 SXM",
+FOUNDRY_TABLES = {"## H100 80GB BF16 (Large Scale, >= 128 GPUs)": "H100 SXM",
+                  "## H100 80GB BF16": "H100 SXM",
+                  "## H100 80GB FP8": "H100 SXM",
                   "## A100 80GB with 1600 Gbps node-node interconnect (RoCE)": "A100 SXM"}
+FOUNDRY_PRECISIONS = {"amp_bf16": "bf16", "bf16": "bf16", "amp_fp8": "fp8"}
 TITAN_COMMIT = "eaea6f6"
 BRIDGE_COMMIT = "4ab94dfad"        # docs/performance-summary-archive.md's last change read
 BRIDGE_FILE = "docs/performance-summary-archive.md"
@@ -49,7 +52,7 @@ def foundry_row(cells: list[str], hardware: str, table: str, line: int) -> dict:
             "micro_batch": int(mb), "global_batch": int(gbs), "grad_accum": int(accum),
             "seq_len": int(seq), "recompute": "full" if ac == "True" else "none",
             "sharding": {"FULL_SHARD": "fsdp", "SHARD_GRAD_OP": "zero2"}[strategy],
-            "precision": "bf16", "stack": "llm-foundry-2023",
+            "precision": FOUNDRY_PRECISIONS[cells[14]], "stack": "llm-foundry-2023",
             "printed": f"{tps} T/s/GPU (MFU {mfu}%, {cells[14]} {mode})",
             "measured": float(tps), "assumed": []}
 
@@ -66,7 +69,7 @@ def llm_foundry(git_dir: str) -> None:
     dump(DATA / "llm_foundry.json", {
         "source": "mosaicml/llm-foundry scripts/train/benchmarking/README.md",
         "repository": "mosaicml/llm-foundry", "commit": FOUNDRY_COMMIT, "file": FOUNDRY_FILE,
-        "tables": "; ".join(t[3:] for t in FOUNDRY_TABLES) + " (every row of both)"}, rows)
+        "tables": "; ".join(t[3:] for t in FOUNDRY_TABLES) + " (every row of each)"}, rows)
     print(f"llm-foundry: {len(rows)} rows")
 
 

@@ -54,7 +54,7 @@ def scored():
 
 def test_every_row_of_every_table_is_data_naming_its_source_commit_file_and_stack():
     rows = published.RUNS
-    assert len(rows) >= 189 and len({r["source"] for r in rows}) == 8
+    assert len(rows) >= 214 and len({r["source"] for r in rows}) == 8
     # a row TrainingRun cannot express stays in the data, counted, for a rule that reads it
     assert len(published.ROWS) == len(rows) + len(published.UNSCORED)
     assert all(why.split(" ")[0] in ("model", "system", "precision")
@@ -64,11 +64,14 @@ def test_every_row_of_every_table_is_data_naming_its_source_commit_file_and_stac
     for r in rows:
         assert r["commit"] and r["file"] and r["printed"] and r["measured"] > 0
         assert r["stack"] in cost.STACKS
-    # llm-foundry's H100 80GB BF16 and A100 80GB tables whole (52 + 61 rows), each row's
-    # line in the README kept; torchtitan's 405B rows on 128 H100s; every printed peak
+    # llm-foundry's H100 80GB BF16 (Large Scale 18, and 52), H100 80GB FP8 (7) and A100
+    # 80GB (61) tables whole, each row's line in the README kept; torchtitan's 405B rows
+    # on 128 H100s; every printed peak
     foundry = [r for r in rows if r["source"] == published.FOUNDRY]
-    assert len(foundry) == 113 and len({r["line"] for r in foundry}) == 113
-    assert sum(r["hardware"] == "H100 SXM" for r in foundry) == 52
+    assert len(foundry) == 138 and len({r["line"] for r in foundry}) == 138
+    assert sum(r["hardware"] == "H100 SXM" for r in foundry) == 18 + 52 + 7
+    assert sum(r["precision"] == "fp8" for r in foundry) == 7
+    assert sum(r["sharding"] == "zero2" for r in foundry) == 6     # SHARD_GRAD_OP
     assert sum(r["source"] == published.TITAN and "405B" in r["where"] for r in rows) == 3
     assert sum(r["peak_gib"] is not None for r in rows) == 18
 
@@ -222,19 +225,19 @@ def short(figure: str):
 
 
 @pytest.mark.parametrize("way", [
-    pytest.param("all", marks=short("all rows: median |error| 11.2% (<= 8%), p90 30.9% "
+    pytest.param("all", marks=short("all 214 rows: median |error| 12.0% (<= 8%), p90 32.2% "
                                     "(<= 20%)")),
-    pytest.param("goal", marks=short("goal set: median |error| 11.1% (<= 8%), p90 29.2% "
-                                     "(<= 20%)"))])
+    pytest.param("goal", marks=short("goal set of 200: median |error| 11.8% (<= 8%), p90 "
+                                     "30.0% (<= 20%)"))])
 def test_goal_median_and_p90_over_every_scored_row(scored, way):
     e = scored[way]
-    assert e["rows"] >= 170
+    assert e["rows"] >= 200
     assert e["median"] <= 0.08 and e["p90"] <= 0.20, (e["median"], e["p90"])
 
 
 @pytest.mark.parametrize("way", [
-    pytest.param("all", marks=short("sources past +-8%: dgxc -19.0%, Korthikanti +9.9%, "
-                                    "Llama 3 -19.5%, llm-foundry +9.3%, Megatron-Bridge "
+    pytest.param("all", marks=short("sources past +-8%: dgxc -19.0%, "
+                                    "Llama 3 -19.5%, llm-foundry +13.0%, Megatron-Bridge "
                                     "-8.9%, Narayanan +11.6%, torchtitan +11.3%, +23.6%")),
     pytest.param("goal", marks=short("the same sources, goal set"))])
 def test_goal_each_sources_signed_median_within_8_percent(scored, way):
@@ -242,12 +245,17 @@ def test_goal_each_sources_signed_median_within_8_percent(scored, way):
     assert not off, off
 
 
+def test_goal_at_least_200_rows_scored(scored):
+    # llm-foundry's Large Scale and FP8 tables read whole: 214 scored, 200 in the goal set
+    assert scored["all"]["rows"] >= 200 and scored["goal"]["rows"] >= 200
+
+
 def test_goal_same_source_pairs_ordered(scored):
     good, total = scored["pairs_all"]
     assert total > 5000 and good / total >= 0.95
 
 
-@short("held out: dgxc 26.2%, Llama 3 26.7%, Megatron-Bridge 17.3%, torchtitan H100 15.4% "
+@short("held out: dgxc 26.9%, Llama 3 27.4%, Megatron-Bridge 18.1%, torchtitan H100 14.0% "
        "(<= 12%)")
 def test_goal_leave_one_source_out(scored):
     loso = scored["loso_goal"]
@@ -256,26 +264,29 @@ def test_goal_leave_one_source_out(scored):
     assert not off, off
 
 
-@short("mean |error| 7.62% (Calculon 3.65%), max 11.17%, no per-run setting")
+@short("mean |error| 5.31% (Calculon 3.65%), max 8.79%, no per-run setting")
 def test_goal_korthikantis_eight_runs(scored):
     k = scored["korthikanti"]
     assert k["runs"] == 8
     assert k["mean"] <= 0.0365, k
 
 
-@short("11 of 18 torchtitan peaks within 10%, worst -22%")
+@short("11 of 18 torchtitan peaks within 10% (allocator-reserved bytes), worst -24%: "
+       "Table 4's TP rows, Table 5's 1F1B and Table 6's 4D rows under-counted")
 def test_goal_memory_within_10_percent_of_every_printed_peak(scored):
     m = scored["memory"]
     assert len(m["rows"]) == 18
     assert m["within_10"] == 18, (m["within_10"], m["worst"])
 
 
-@short("32 published runs the model says do not fit (31 llm-foundry, 1 ZeRO-3)")
+@short("1 published run the model says does not fit: llm-foundry's 3B at 8192 on H100 "
+       "(79.7 GiB of 79.6, decided by the headroom assumption)")
 def test_goal_every_published_run_fits(scored):
     assert not scored["memory"]["not_fitting"], len(scored["memory"]["not_fitting"])
 
 
-@short("28 rows over 25% without a named cause")
+@short("9 rows over 25% without a named cause: llm-foundry's 760M at 512 and 1024 and "
+       "125M at 512 on A100, torchtitan's six op-SAC FSDP rows (Tables 1, 3, Llama 2 70B)")
 def test_goal_every_row_over_25_percent_has_a_named_cause(scored):
     unexplained = [r["where"] for r, why in scored["over"] if why == "unexplained"]
     assert not unexplained, len(unexplained)
@@ -401,7 +412,12 @@ def test_without_overlap_the_gradient_collectives_are_all_exposed():
     overlapped = cost.predict(cost.TrainingRun("GPT 22B", "A100 SXM", **kw))
     assert sync.breakdown["tp_exposed_s"] > overlapped.breakdown["tp_exposed_s"]
     assert not cost.STACKS["megatron-lm-2021"].tp_overlap
-    assert cost.STACKS["megatron-lm-2022"].tp_overlap
+    # and in 2022 the async collectives were ordered before their GEMM by a no-op kernel
+    # only ("Remove noop used to try to force scheduling", bdd97312, 2022-10-14: "ordering
+    # isn't imposed by the scheduler"): not assured, so not counted hidden
+    assert not cost.STACKS["megatron-lm-2022"].tp_overlap
+    assert "bdd97312" in cost.STACKS["megatron-lm-2022"].cites
+    assert cost.STACKS["megatron-lm"].tp_overlap
     with pytest.raises(TypeError, match="grad_overlap"):
         cost.TrainingRun("GPT 22B", "A100 SXM", 8, grad_overlap="no")
 
@@ -497,7 +513,8 @@ def test_op_recompute_keeps_what_torchtitans_op_level_sac_saves():
     assert len(rows) == 6
     for r in rows:
         p = cost.predict(published.to_run(r))
-        assert p.fits and p.memory_per_gpu / 2**30 == pytest.approx(r["peak_gib"], rel=0.10)
+        assert p.fits and published.allocator_reserved(p) / 2**30 == pytest.approx(
+            r["peak_gib"], rel=0.10)
 
 
 def test_op_recompute_reruns_the_matmuls_op_level_sac_does_not_keep():
@@ -512,3 +529,108 @@ def test_op_recompute_reruns_the_matmuls_op_level_sac_does_not_keep():
         (t, 1024, 4096), (t, 4096, 4096), (t, 14336, 4096)))
     assert lt.backward_s - base.backward_s == pytest.approx(rerun + lt.elementwise_s)
     assert rerun < 0.5 * lt.gemm_fwd_s          # under half the layer's linear FLOPs
+
+
+def test_mpts_block_saves_what_llm_foundrys_code_keeps_and_its_runs_fit():
+    # memory.mpt_layer, read from llm-foundry v0.3.0: per token 32h + 4a + 16 bytes (no
+    # dropout masks at p = 0, q, k, v views of one qkv tensor, flash's fp32 logsumexp)
+    shape = cost.MODELS["MPT 760M"]
+    h, a = shape.hidden, shape.heads
+    assert sum(s.per_token * s.element_bytes for s in memory.mpt_layer(shape)) == (
+        32 * h + 4 * a + 16)
+    assert cost.STACKS["llm-foundry-2023"].block == "mpt"
+    # flash-attn 1.0.9's fused cross entropy: bf16 logits and their bf16 gradient
+    assert cost.STACKS["llm-foundry-2023"].logits_bytes == 4
+    # the 760M rows at 24 x 2048 tokens without recomputation ran on 80 GB (the model of
+    # the last round said 88 GiB: the GPT layer's dropout masks, 8 bytes per logit)
+    rows = [r for r in published.RUNS if r["source"] == published.FOUNDRY
+            and r["model"] == "MPT 760M" and r["recompute"] == "none"]
+    assert len(rows) >= 10
+    for r in rows:
+        p = cost.predict(published.to_run(r))
+        assert p.fits, (r["where"], p.memory_per_gpu / 2**30)
+
+
+def test_a_fully_sharded_rank_keeps_the_fp32_shard_as_its_master():
+    # FSDP's sharded parameter is the fp32 one the optimizer steps: 4 + 4 + 8 bytes per
+    # parameter over the shard, where ZeRO-1 keeps bf16 parameters, fp32 gradients and
+    # 12 bytes of optimizer state (6 + 12/d)
+    kw = dict(model="Llama-3 8B", hardware="H100 SXM", gpus=8, global_batch=8, seq_len=4096)
+    fsdp = cost.predict(cost.TrainingRun(**kw, sharding="fsdp")).memory
+    zero1 = cost.predict(cost.TrainingRun(**kw, sharding="zero1")).memory
+    n = zero1["param_bytes"] / 2
+    assert fsdp["param_bytes"] + fsdp["grad_bytes"] + fsdp["optimizer_bytes"] == \
+        pytest.approx(16 * n / 8)
+    assert zero1["grad_bytes"] + zero1["optimizer_bytes"] == pytest.approx(4 * n + 12 * n / 8)
+
+
+def test_deepspeed_2021_gathers_one_parameter_at_a_time_so_its_zero3_rows_fit():
+    # DEEPSPEED_ZERO3_2021: one all_gather per parameter, the next prefetched within
+    # prefetch_bucket_size (5e7 elements): not two whole layers of 529.6B (5e9 elements)
+    zero3 = [r for r in published.RUNS if r["stack"] == "deepspeed-2021"]
+    for r in zero3:
+        p = cost.predict(published.to_run(r))
+        assert p.fits, (r["where"], p.memory_per_gpu / 2**30)
+    run = published.to_run(max(zero3, key=lambda r: r["shape"].hidden))
+    h = run.shape.hidden
+    per_layer = 12 * h * h                              # GPT: qkv 3h^2, wo h^2, fc 8h^2
+    held = pipeline.gathered_elements(run, per_layer)
+    assert held == 4 * h * h + 5e7                      # fc1, the largest, and the bucket
+    assert held < 2 * per_layer / 5
+
+
+def test_printed_peaks_are_the_allocators_reserved_bytes():
+    # torchtitan logs max_reserved_gib (torch.cuda.memory_stats' reserved_bytes.all.peak):
+    # the model's bytes less what lives outside the allocator (NCCL's, the CUDA context)
+    r = next(r for r in published.RUNS if r["peak_gib"])
+    p = cost.predict(published.to_run(r))
+    assert published.allocator_reserved(p) == pytest.approx(
+        p.memory_per_gpu - pipeline.NCCL_RESERVE - p.run.hw.memory_reserve)
+    assert cost.STACKS["torchtitan"].logits_bytes == 12
+
+
+def test_torchtitans_tp_keeps_each_linears_gathered_input_whole():
+    # apply_tp (9dec370): PrepareModuleInput turns the Shard(1) norm output Replicate before
+    # wq/wk/wv and w1/w3, so those linears keep the whole sequence; Megatron-LM keeps 1/t
+    run = cost.TrainingRun("Llama-3 70B", "H100 SXM", 8, tp=8, global_batch=8, seq_len=8192,
+                           stack="torchtitan+compile")
+    megatron = dataclasses.replace(run, stack="megatron-lm")
+    assert run.settings.sp_saves == "gathered" and megatron.settings.sp_saves == "shard"
+    extra = (pipeline.layer_bytes(run, run.shape, "selective")
+             - pipeline.layer_bytes(megatron, run.shape, "selective"))
+    assert extra == pytest.approx(2 * 2 * 8192 * 8192 * 8192 * (1 - 1 / 8) / 8192)
+
+
+def test_llm_foundrys_h100_rows_over_25_percent_are_named_by_the_stacks_h100_ratio(scored):
+    # FOUNDRY_STACK (the pairs property asserted above) is the cause printed for them
+    h100 = [(r, why) for r, why in scored["over"]
+            if r["source"] == published.FOUNDRY and r["hardware"] == "H100 SXM"]
+    assert len(h100) >= 15
+    assert all("FOUNDRY_STACK" in why for _, why in h100)
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "zero1", "zero2", "fsdp"])
+def test_step_time_and_training_run_share_one_dp_and_memory_model(sharding):
+    # issue 36 item 3: dp_times / gpu_memory (step_time's terms) and TrainingRun's are the
+    # same functions (data_parallel.sync_seconds, memory.state_bytes): the same run, asked
+    # both ways, costs the same DP seconds and holds the same model-state bytes
+    zero = memory.ZERO_STAGES[sharding]
+    run = cost.TrainingRun("Llama-3 8B", "H100 SXM", 64, tp=2, global_batch=128,
+                           seq_len=4096, sharding=sharding, recompute="selective")
+    p, m = cost.predict(run), run.micro_batches
+    assert m == 4
+    lt = training_run.layer_times(run)
+    layers = run.shape.layers
+    dp = cost.dp_times(run.shape, run.tp, run.hw, dp=run.dp, zero=zero, micro_batches=m,
+                       forward_s=layers * lt.forward_s, backward_s=layers * lt.backward_s)
+    assert m * dp["dp_comm_s"] == pytest.approx(p.breakdown["dp_comm_s"])
+    assert m * dp["dp_exposed_s"] == pytest.approx(p.breakdown["dp_exposed_s"])
+    states = cost.gpu_memory(run.shape, run.tp, True, run.recompute, dp=run.dp, zero=zero,
+                             **cost.BLOCK_SAVES["megatron"])
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"):
+        assert states[key] == pytest.approx(p.memory[key]), key
+    # a gradient reduce-scatter overlaps the backward only, not the forward before it
+    if sharding == "zero2":
+        rs = next(r["time_s"] for r in dp["dp_records"] if r["op"] == "reduce_scatter")
+        behind = layers * lt.backward_s
+        assert m * dp["dp_exposed_s"] >= m * max(0.0, rs - behind)

@@ -40,7 +40,7 @@ MODULES = {name: f"tplab.{name}" for name in (
     "megatron", "models", "plans", "rng", "mesh", "hf", "parallel_styles", "plan_check",
     "tracing", "fsdp", "checkpointing", "compiling", "platforms", "training", "lessons",
     "causes", "explain", "layouts", "errors", "hf_models", "fsdp_report", "widgets", "cost",
-    "viz", "exercises", "checks")}
+    "viz", "exercises", "checks", "style_specs")}
 
 __all__ = ["CellTimeout", "CollectiveHang", "LabError", "PlanError", "RankDied", "RankError",
            *_LAZY, *MODULES]

@@ -118,7 +118,8 @@ def _label(frame) -> str | None:
 
 def _declared_cause(frame) -> str | None:
     """The cause a style or Function declares for its collectives: a `tp_cause` string on
-    the frame's `self` (a tplab.parallel_styles style) or `ctx` (its autograd Functions), or
+    the frame's `self` (a tplab.parallel_styles style) or `ctx` (its autograd Functions, to
+    which each style hands its StyleSpec's reason: tplab.style_specs), or
     the rule of the transformers style or Function whose code this is (`TRANSFORMERS_RULES`)."""
     module = frame.f_globals.get("__name__", "")
     if module.startswith("transformers.distributed"):

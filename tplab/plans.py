@@ -4,7 +4,8 @@ A plan is a plain dict {module path: ParallelStyle} for `parallelize_module`; ke
 fnmatch wildcards per path token ("layers.*.attention.wq"). `apply_plan` checks the plan
 against the model and the mesh first, because `parallelize_module` only warns on a key that
 matches nothing and skips it, and shards an indivisible dimension unevenly without a word.
-`describe_plan` turns a plan into rows for a table.
+`describe_plan` turns a plan into rows for a table, from each style's declared contract
+(`tplab.style_specs`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleInputOutput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
-from tplab import plan_check
+from tplab import plan_check, style_specs
 from tplab.core import placements
 from tplab.hf import HF_SUPPORTED, from_hf  # noqa: F401 (plans.from_hf: transformers' plans)
 from tplab.mesh import tp_mesh
@@ -171,53 +171,35 @@ def parallelizer(plan, model: nn.Module | None = None, tp: int | None = None,
 
 
 def _fmt(layouts) -> str:
-    if layouts is None:
+    if not layouts:
         return "-"
-    items = [placements.name(p) if p is not None else "-" for p in layouts]
-    return ", ".join(items)
+    return ", ".join(placements.name(p) if p is not None else "-" for p in layouts)
 
 
-def _arrow(before, after, local: bool) -> str:
-    text = _fmt(before) if before == after or after is None else f"{_fmt(before)} -> {_fmt(after)}"
-    return f"{text} (local)" if local else text
+def _arrow(handovers) -> str:
+    """"A -> B" for the layouts a hook reads and hands on, "A" where they are the same,
+    "(local)" where a plain tensor is handed on."""
+    if handovers is None:
+        return "-"
+    handovers = [h for h in handovers if isinstance(h.index, int)]  # positional ones
+    before = [h.read for h in handovers]
+    after = [h.after for h in handovers]
+    if all(p is None for p in before):  # made by the module: only what is handed on
+        text = _fmt(after)
+    elif before == after or all(p is None for p in after):
+        text = _fmt(before)
+    else:
+        text = f"{_fmt(before)} -> {_fmt(after)}"
+    return f"{text} (local)" if any(h.local for h in handovers) else text
 
 
 def _describe(style, module: nn.Module) -> tuple[dict, str, str]:
-    """(parameter placements, inputs, outputs) that the style gives the module."""
-    params: dict[str, str] = {}
-    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-        colwise = isinstance(style, ColwiseParallel)
-        embedding = isinstance(module, nn.Embedding)
-        weight_dim = (1 if embedding else 0) if colwise else (0 if embedding else 1)
-        for name, _ in module.named_parameters(recurse=False):
-            bias_layout = Shard(0) if colwise else Replicate()
-            params[name] = placements.name(Shard(weight_dim) if name == "weight" else bias_layout)
-        if colwise:
-            desired = style.desired_input_layouts
-            partial_out = placements.shard(-1)
-        else:
-            desired = (Replicate(),) if embedding else (Shard(-1),)
-            partial_out = placements.PARTIAL
-        inputs = _arrow(style.input_layouts, desired, False)
-        outputs = f"{partial_out} -> {_fmt(style.output_layouts)}"
-        if partial_out == _fmt(style.output_layouts):
-            outputs = partial_out
-        return params, inputs, outputs + (" (local)" if style.use_local_output else "")
-    if isinstance(style, SequenceParallel):
-        params = {name: placements.REPLICATE for name, _ in module.named_parameters(recurse=False)}
-        layout = _fmt(style.sequence_sharding)
-        return params, layout, layout + (" (local)" if style.use_local_output else "")
-    if isinstance(style, PrepareModuleInputOutput):
-        p_in, p_out = style.prepare_module_input, style.prepare_module_output
-        return ({}, _arrow(p_in.input_layouts, p_in.desired_input_layouts, p_in.use_local_output),
-                _arrow(p_out.output_layouts, p_out.desired_output_layouts, p_out.use_local_output))
-    if isinstance(style, PrepareModuleInput):
-        return {}, _arrow(style.input_layouts, style.desired_input_layouts,
-                          style.use_local_output), "-"
-    if isinstance(style, PrepareModuleOutput):
-        return {}, "-", _arrow(style.output_layouts, style.desired_output_layouts,
-                               style.use_local_output)
-    return {}, "?", "?"
+    """(parameter placements, inputs, outputs) that the style's spec gives the module."""
+    spec = style_specs.spec_of(style, module)
+    if spec is None:
+        return {}, style_specs.no_spec(style), "-"
+    params = {name: placements.name(p) for name, p in spec.params.items()}
+    return params, _arrow(spec.inputs) if spec.inputs else "-", _arrow(spec.outputs)
 
 
 class PlanTable(list):
@@ -240,7 +222,9 @@ class PlanTable(list):
 def describe_plan(model: nn.Module, plan: dict) -> PlanTable:
     """One row per (plan key, matched module): module, style, parameter placements, and the
     input and output layouts ("A -> B" where the style redistributes; "(local)" where the
-    module hands on a plain tensor). Works on the unparallelised model, on either side."""
+    module hands on a plain tensor), read from each style's `tplab.style_specs.StyleSpec`;
+    a style that declares none says so in its row. Works on the unparallelised model, on
+    either side."""
     rows = PlanTable()
     for key, style in plan.items():
         for path, module in match(model, key) or [(key, None)]:

@@ -15,7 +15,8 @@ activations, tplab's own block), `kernels` (the one GEMM model, `gemm_efficiency
 the step's other kernels), `data_parallel` (DP
 gradient and ZeRO traffic), `step` (a step's time and the TP degree rows recommend),
 `validate` (one check of every input), `calibrate` (the fit), `training_run` (a whole
-run: `TrainingRun`, `predict`), `stacks` (the software a run runs on: `STACKS`,
+run: `TrainingRun`, `predict`), `layout_search` (the layout search over runs: `layouts`,
+`best_layout`), `stacks` (the software a run runs on: `STACKS`,
 `DEFAULT_STACK`), with `kernels` and `pipeline`, `published` (the published runs it is
 checked against, data files in tplab/cost/data/, docs/VALIDATION.md) and `scores` (the
 goal figures). Also: `lab_models` (the
@@ -37,6 +38,7 @@ from tplab.cost.collectives import (
 from tplab.cost.data_parallel import dp_collectives, dp_times
 from tplab.cost.hardware import GPU_MEMORY, HARDWARE, LINKS, Hardware, Link
 from tplab.cost.kernels import gemm_efficiency
+from tplab.cost.layout_search import best_layout, layouts
 from tplab.cost.memory import (
     BLOCK_SAVES,
     PRECISIONS,
@@ -56,7 +58,7 @@ from tplab.cost.step import (
     step_time,
     sweep,
 )
-from tplab.cost.training_run import Prediction, TrainingRun, best_layout, layouts, predict
+from tplab.cost.training_run import Prediction, TrainingRun, predict
 from tplab.cost.transformer import (
     MFU,
     OVERLAPS,

@@ -24,7 +24,8 @@ Overlap (`overlap=True`, Megatron-LM's `--overlap-grad-reduce` and
 `--overlap-param-gather`): the gradient reduction runs behind the backward pass of the
 step's last micro-batch, the parameter gather behind the next forward pass, ZeRO-3's
 gathers behind the micro-batch's compute; what does not fit stays exposed (ideal overlap,
-a lower bound). The per-step traffic is spread over the step's `micro_batches`.
+a lower bound; `sync_seconds`, the rule `TrainingRun` uses too). The per-step traffic is
+spread over the step's `micro_batches`.
 """
 
 from __future__ import annotations
@@ -86,15 +87,37 @@ def dp_times(shape: BlockShape, tp: int, hw: Hardware, dp: int = 1, zero: int = 
     view = dp_group_hardware(hw, tp)
     for r in records:
         r["time_s"] = collective_time(r["op"], r["bytes"], dp, view, "auto")
-    grad_s = sum(r["time_s"] for r in records if r["per"] == "step"
-                 and r["what"] == "gradients")
-    gather_s = sum(r["time_s"] for r in records if r["what"] == "updated parameters")
-    mb_s = sum(r["time_s"] for r in records if r["per"] == "micro_batch")
-    if overlap:
-        exposed_step = max(0.0, grad_s - backward_s) + max(0.0, gather_s - forward_s)
-        exposed_mb = max(0.0, mb_s - forward_s - backward_s)
-    else:
-        exposed_step, exposed_mb = grad_s + gather_s, mb_s
-    return {"dp_comm_s": (grad_s + gather_s) / micro_batches + mb_s,
-            "dp_exposed_s": exposed_step / micro_batches + exposed_mb,
+    one = {r["op"]: r["time_s"] for r in records}
+    comm, exposed = sync_seconds(zero, one.get("all_reduce", 0.0),
+                                 one.get("reduce_scatter", 0.0), one.get("all_gather", 0.0),
+                                 forward_s, backward_s, micro_batches, overlap,
+                                 waits=not overlap)
+    return {"dp_comm_s": comm / micro_batches, "dp_exposed_s": exposed / micro_batches,
             "dp_link": view.link(dp).name if dp > 1 else "-", "dp_records": records}
+
+
+def sync_seconds(zero: int, ar: float, rs: float, ag: float, fwd: float, bwd: float,
+                 m: int, overlap: bool = True, waits: bool = False,
+                 gathers: int = 2) -> tuple[float, float]:
+    """One optimizer step's DP seconds at ZeRO stage `zero` (`memory.ZERO_STAGES`), all of
+    it and what stays exposed: the one rule `dp_times` and `TrainingRun`
+    (`tplab.cost.pipeline.data_parallel`) both use. `ar`, `rs`, `ag`: one all-reduce,
+    reduce-scatter, all-gather of the gradients / parameters; `fwd`, `bwd`: one
+    micro-batch's compute seconds; `m` micro-batches. Stages 0 and 1 reduce once, behind
+    the last backward (`overlap`; else after it), and gather once, behind the next
+    forward; stage 2 reduce-scatters every micro-batch behind its backward; stage 3 also
+    gathers `gathers` times a micro-batch (2: again for backward, resharded after
+    forward; 1 under pipeline parallelism), the first behind the forward, the rest with
+    the reduce-scatter behind the backward. `waits`: stages 2 and 3 sync in the open (a
+    stack that does not prefetch, `Stack.fsdp_exposed`)."""
+    if not overlap:
+        fwd = bwd = 0.0
+    if zero == 0:
+        return ar, max(0.0, ar - bwd)
+    if zero == 1:
+        return rs + ag, max(0.0, rs - bwd) + max(0.0, ag - fwd)
+    if zero == 2:
+        return m * rs + ag, m * (rs if waits else max(0.0, rs - bwd)) + max(0.0, ag - fwd)
+    per_mb = (gathers * ag + rs if waits
+              else max(0.0, ag - fwd) + max(0.0, (gathers - 1) * ag + rs - bwd))
+    return m * (gathers * ag + rs), m * per_mb

@@ -207,6 +207,35 @@ def gpt_layer(shape: BlockShape) -> list[Saved]:
     ]
 
 
+def mpt_layer(shape: BlockShape) -> list[Saved]:
+    """What MPT's block saves for backward as llm-foundry v0.3.0 benchmarked it (every
+    dropout at p = 0, so no masks: configuration_mpt.py; ATen's dropout returns its input at
+    p = 0), read from its code: `MPTBlock.forward` (blocks.py) runs norm_1, attention,
+    norm_2, the MLP; `LPLayerNorm` (norm.py, low_precision_layernorm) runs F.layer_norm on
+    the bf16 input (saved, with fp32 mean and rstd); Wqkv keeps its input; the split q, k,
+    v are views of one qkv tensor that `FlashAttnFunc` (flash_attn_triton.py) saves with
+    its output o (out_proj's input, the same tensor) and an fp32 logsumexp per head;
+    `MPTMLP` (ffn.py) keeps up_proj's input, GELU's input and down_proj's input. Per token
+    at d = 2: 32h + 4a + 16 bytes (the paper's GPT layer, without dropout masks and with
+    flash attention's logsumexp for its scores)."""
+    h, d, a, f = shape.hidden, shape.dtype_bytes, shape.heads, shape.ffn_size
+    kv = shape.kv_dim
+
+    def norm(module):
+        return [Saved(module, "input", h, d, sp=True),
+                Saved(module, "mean, rstd (fp32)", 2, 4, sp=True)]
+
+    return [*norm("norm_1"),
+            Saved("attn.Wqkv", "input", h, d, linear_input=True),
+            Saved("attn", "qkv (q, k, v views)", h + 2 * kv, d, tp=True),
+            Saved("attn", "o (out_proj input)", h, d, tp=True),
+            Saved("attn", "logsumexp (fp32)", a, 4, tp=True),
+            *norm("norm_2"),
+            Saved("ffn.up_proj", "input", h, d, linear_input=True),
+            Saved("ffn", "GELU input", f, d, tp=True),
+            Saved("ffn.down_proj", "GELU output", f, d, tp=True)]
+
+
 def layer_saved(shape: BlockShape, recompute: str = "none", layout: str = "tplab",
                 sublayers=("attention", "mlp"), sp_saves: str | None = None,
                 norm: str = "composite", swiglu: str = "composite") -> list[Saved]:
@@ -295,6 +324,35 @@ def check_sharding(shape, tp, dp, zero, precision) -> None:
         raise ValueError(f"zero is a ZeRO stage, 0 to 3; got {zero!r}")
     check_choice("precision", precision, PRECISIONS)
 
+MASTER_BYTES = 4
+MASTER_IS_SHARD = True
+"""Under ZeRO stage 3 (FSDP) with mixed precision, the shard a rank keeps is the fp32
+parameter the optimizer steps: the master copy is the parameter (4 bytes) and the
+optimizer state is the rest (Adam's two moments, 8); the bf16 copy exists only for the
+layer gathered. torch's FSDP1 `MixedPrecision.param_dtype` and FSDP2
+`MixedPrecisionPolicy.param_dtype` name the dtype of the gathered copy, not of the shard.
+False: ZeRO's count (Rajbhandari et al. 2020, section 3.1), a bf16 parameter and a
+separate fp32 master (benchmarks/published_choices.py prices both)."""
+ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3}
+"""The ZeRO stage of each `TrainingRun.sharding` (HSDP shards like FSDP, within its group)."""
+
+
+def state_bytes(n: float, zero: int, shard: int, precision: str = "mixed",
+                optimizer: str = "adam") -> dict:
+    """Parameter, gradient and optimizer-state bytes of `n` parameter elements on one GPU
+    at ZeRO stage `zero` over `shard` ranks: the one count `gpu_memory` and
+    `TrainingRun` (`tplab.cost.pipeline.memory`) both use. Stage 1 shards the optimizer
+    state, 2 also the gradients, 3 also the parameters, whose shard holds the fp32 master
+    under mixed precision (`MASTER_IS_SHARD`)."""
+    param, grad = PARAM_BYTES[precision], GRAD_BYTES[precision]
+    opt = OPTIMIZER_BYTES[optimizer][precision]
+    if zero >= 3 and MASTER_IS_SHARD and precision.startswith("mixed"):
+        param, opt = MASTER_BYTES, opt - MASTER_BYTES
+    div = [shard if zero >= stage else 1 for stage in (3, 2, 1)]
+    return {"param_bytes": n * param / div[0], "grad_bytes": n * grad / div[1],
+            "optimizer_bytes": n * opt / div[2]}
+
+
 def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
                recompute: str = "none", precision: str = "mixed", optimizer: str = "adam",
                layout: str = "tplab", sp_saves: str | None = None, dp: int = 1,
@@ -305,20 +363,17 @@ def gpu_memory(shape: BlockShape, tp: int = 1, sequence_parallel: bool = False,
     param_bytes, grad_bytes, optimizer_bytes, activation_bytes, and memory_bytes (the sum).
 
     `zero` with `dp` data-parallel replicas shards the model states over them (Rajbhandari
-    et al. 2020, section 5): stage 1 the optimizer state (Megatron-LM's distributed
-    optimizer), 2 also the gradients, 3 also the parameters (FSDP; the one layer gathered
-    at a time is left out). With "mixed" precision and zero=1 this is Megatron-LM's
-    6 + 12/d bytes per parameter. `norm`, `swiglu`, `sp_saves`: what a layer saves
+    et al. 2020, section 5; `state_bytes`, TrainingRun's count too): stage 1 the optimizer
+    state (Megatron-LM's distributed optimizer), 2 also the gradients, 3 also the
+    parameters (FSDP, whose fp32 shard is the master: 16/d bytes with "mixed" Adam; the
+    one layer gathered at a time is left out). With "mixed" precision and zero=1 this is
+    Megatron-LM's 6 + 12/d bytes per parameter. `norm`, `swiglu`, `sp_saves`: what a layer saves
     (`layer_saved`; `BLOCK_SAVES` names tplab's block and Megatron-LM's).
     """
     check_sharding(shape, tp, dp, zero, precision)
     check_choice("optimizer", optimizer, tuple(OPTIMIZER_BYTES))
-    n = param_count(shape, tp)
-    shard = [dp if zero >= stage else 1 for stage in (3, 2, 1)]
-    row = {"param_bytes": n * PARAM_BYTES[precision] / shard[0],
-           "grad_bytes": n * GRAD_BYTES[precision] / shard[1],
-           "optimizer_bytes": n * OPTIMIZER_BYTES[optimizer][precision] / shard[2],
-           "activation_bytes": shape.layers * activation_bytes(
+    row = state_bytes(param_count(shape, tp), zero, dp, precision, optimizer)
+    row |= {"activation_bytes": shape.layers * activation_bytes(
                shape, tp, sequence_parallel, recompute, layout, sp_saves=sp_saves, norm=norm,
                swiglu=swiglu)}
     row["memory_bytes"] = sum(row.values())

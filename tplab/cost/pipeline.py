@@ -35,22 +35,27 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tplab.cost.collectives import collective_time
-from tplab.cost.data_parallel import dp_group_hardware
+from tplab.cost.data_parallel import dp_group_hardware, sync_seconds
 from tplab.cost.hardware import GiB
 from tplab.cost.kernels import local_params
 from tplab.cost.memory import (
     GRAD_BYTES,
     OPTIMIZER_BYTES,
     PARAM_BYTES,
+    ZERO_STAGES,
     layer_saved,
+    mpt_layer,
     op_sac_layer,
+    state_bytes,
 )
+from tplab.cost.stacks import ZERO3_PREFETCH_ELEMENTS
 
 PARAM, GRAD = PARAM_BYTES["mixed"], GRAD_BYTES["mixed"]
 STATES = OPTIMIZER_BYTES["adam"]["mixed"]
 """Bytes per parameter of a run (Megatron-LM's bf16 recipe, `tplab.cost.memory`'s "mixed"
 with Adam: bf16 parameters, fp32 gradients, fp32 master and moments), the same constants
-`cost.gpu_memory` and `cost.dp_collectives` use."""
+`cost.gpu_memory` and `cost.dp_collectives` use; a fully sharded run's states are
+`memory.state_bytes`'s (its fp32 shard is the master, `memory.MASTER_IS_SHARD`)."""
 FRAGMENTATION = 0.10
 NCCL_RESERVE = 1 * GiB
 
@@ -148,22 +153,14 @@ def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
         return collective_time(op, nbytes, size, view, "auto") if size > 1 else 0.0
 
     rs, ag = t("reduce_scatter", GRAD * n), t("all_gather", PARAM * n)
-    if not run.grad_overlap and run.sharding in ("ddp", "zero1"):
-        fwd = bwd = 0.0           # reduced after the last backward, gathered after the step
-    if run.sharding == "ddp":
-        ar = t("all_reduce", GRAD * n)
-        return DataParallel(ar, max(0.0, ar - bwd))
-    if run.sharding == "zero1":
-        return DataParallel(rs + ag, max(0.0, rs - bwd) + max(0.0, ag - fwd))
-    waits = run.settings.fsdp_exposed    # the stack syncs every micro-batch in the open
-    if run.sharding == "zero2":
-        return DataParallel(m * rs + ag,
-                            m * (rs if waits else max(0.0, rs - bwd)) + max(0.0, ag - fwd))
-    gathers = 1 if run.pp > 1 else 2      # reshard after forward only without PP
-    per_mb = max(0.0, ag - fwd) + max(0.0, (gathers - 1) * ag + rs - bwd)
-    if waits:
-        per_mb = gathers * ag + rs
-    comm, exposed = m * (gathers * ag + rs), m * per_mb
+    ar = t("all_reduce", GRAD * n) if run.sharding == "ddp" else 0.0
+    # the rule dp_times uses (data_parallel.sync_seconds); grad_overlap=False: reduced
+    # after the last backward, gathered after the step; FSDP without PP reshards after
+    # forward and gathers again for backward; fsdp_exposed: every micro-batch in the open
+    comm, exposed = sync_seconds(
+        ZERO_STAGES[run.sharding], ar, rs, ag, fwd, bwd, m,
+        overlap=run.grad_overlap or run.sharding not in ("ddp", "zero1"),
+        waits=run.settings.fsdp_exposed, gathers=1 if run.pp > 1 else 2)
     if run.sharding == "hsdp" and group > shard:
         ar = t("all_reduce", GRAD * n / shard, group // shard)
         comm, exposed = comm + ar, exposed + max(0.0, ar - bwd)
@@ -179,18 +176,34 @@ def in_flight(pp: int, vpp: int, m: int) -> float:
 
 def layer_bytes(run, local, recompute: str) -> float:
     """Activation bytes one layer keeps per micro-batch on one rank: Megatron-LM's fused
-    block for gated shapes, the paper's GPT layer otherwise (`tplab.cost.memory`); under
+    block for gated shapes, the paper's GPT layer otherwise, MPT's block where the stack
+    runs it (`Stack.block`), each TP region's input as the stack keeps it under SP
+    (`Stack.sp_saves`; `tplab.cost.memory`); under
     fp8 the linears' saved inputs are their 1-byte fp8 copies (Transformer Engine keeps
     the quantised input for the weight gradient)."""
     if recompute == "op":
         items = op_sac_layer(local)
         return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)
-    gated = local.gated
-    opts = ({"norm": "fused", "swiglu": "fused"} if gated else {})
-    items = layer_saved(local, recompute, "tplab" if gated else "gpt", sp_saves="shard", **opts)
+    if run.settings.block == "mpt" and recompute != "full":   # flash: nothing to drop
+        items = mpt_layer(local)
+    else:
+        opts = ({"norm": "fused", "swiglu": "fused"} if local.gated else {})
+        items = layer_saved(local, recompute, "tplab" if local.gated else "gpt",
+                            sp_saves=run.settings.sp_saves, **opts)
     if run.precision == "fp8":
         items = [replace(i, element_bytes=1) if i.linear_input else i for i in items]
     return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)
+
+
+def gathered_elements(run, per_layer: float) -> float:
+    """Parameter elements a fully sharded rank holds gathered at once (`Stack.gathers`):
+    the layer in use and the prefetched one, or (DeepSpeed 2021's ZeRO-3) the largest
+    weight matrix of a layer and the prefetch bucket."""
+    if run.settings.gathers == "layer":
+        return 2 * per_layer
+    h, f, kv = run.shape.hidden, run.shape.ffn_size, run.shape.kv_dim
+    largest = max(h * (h + 2 * kv), (2 if run.shape.gated else 1) * h * f) / run.tp
+    return largest + ZERO3_PREFETCH_ELEMENTS
 
 
 def memory(run) -> dict:
@@ -200,10 +213,7 @@ def memory(run) -> dict:
     group = run.dp * cp
     shard = {"ddp": 1, "hsdp": min(group, max(1, hw.gpus_per_node // (tp * cp)))}.get(
         run.sharding, group)
-    states = {"param_bytes": PARAM * n / (shard if run.sharding in ("fsdp", "hsdp") else 1),
-              "grad_bytes": GRAD * n / (shard if run.sharding in ("zero2", "fsdp", "hsdp")
-                                     else 1),
-              "optimizer_bytes": STATES * n / (1 if run.sharding == "ddp" else shard)}
+    states = state_bytes(n, ZERO_STAGES[run.sharding], shard)   # gpu_memory's count
     local = shape.with_(seq=shape.seq // cp)
     # flash attention keeps no s x s scores: what "selective" drops is never saved;
     # "op" keeps what torchtitan's op-level SAC saves (memory.op_sac_layer);
@@ -222,8 +232,8 @@ def memory(run) -> dict:
     if run.recompute in ("full", "half_layers", "op"):   # one layer's, rebuilt for backward
         transient += layer_bytes(run, local, "selective" if run.attention == "flash"
                                  else "none")
-    if run.sharding in ("fsdp", "hsdp"):   # the gathered layer and the prefetched one
-        transient += 2 * PARAM * n / layers
+    if run.sharding in ("fsdp", "hsdp"):
+        transient += PARAM * gathered_elements(run, n / layers)
     # the fp32 logits and their gradient live on the last stage, counted when it is also
     # the first (pp = 1); with pp > 1 the first stage's in-flight activations dominate
     logits = (run.settings.logits_bytes * local.tokens * -(-shape.vocab // tp)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware
+from tplab.cost.pipeline import NCCL_RESERVE
 from tplab.cost.shapes import BlockShape
 from tplab.cost.training_run import TrainingRun, predict
 
@@ -144,7 +145,8 @@ def foundry_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
     """(H100 row, A100 row) of llm-foundry's tables with the same model, GPUs, sequence,
     micro-batch and recomputation (`FOUNDRY_STACK`)."""
     def key(r):
-        return r["model"], r["gpus"], r["seq_len"], r["micro_batch"], r["recompute"]
+        return (r["model"], r["gpus"], r["seq_len"], r["micro_batch"], r["recompute"],
+                r["precision"])
     mine = [r for r in rows if r["source"] == FOUNDRY]
     a100 = {key(r): r for r in mine if r["hardware"] == "A100 SXM"}
     return [(r, a100[key(r)]) for r in mine
@@ -253,6 +255,15 @@ def fitting(r: dict, **changes) -> tuple[dict, object]:
     return best
 
 
+def allocator_reserved(p) -> float:
+    """What torch's caching allocator holds at the prediction's peak: its bytes less what
+    lives outside the allocator (`pipeline.NCCL_RESERVE`, NCCL's buffers, and
+    `Hardware.memory_reserve`, the CUDA context). torchtitan's tables print this
+    (train.py at 9dec370 logs `device_mem_stats.max_reserved_gib`, metrics.py's
+    `reserved_bytes.all.peak` of `torch.cuda.memory_stats`), not the GPU's whole use."""
+    return p.memory_per_gpu - NCCL_RESERVE - p.run.hw.memory_reserve
+
+
 def compare(runs: list[dict] | None = None, **changes) -> dict:
     """Each run's prediction and error ((predicted - measured) / measured, tokens/s/GPU),
     with the median and worst |error| over the goal set (the rows `exclusion` leaves in)
@@ -268,6 +279,7 @@ def compare(runs: list[dict] | None = None, **changes) -> dict:
                                    "predicted": p.tokens_per_s_per_gpu, "mfu": p.mfu,
                          "error": p.tokens_per_s_per_gpu / r["measured"] - 1,
                          "fits": p.fits, "memory_gib": p.memory_per_gpu / 2**30,
+                         "reserved_gib": allocator_reserved(p) / 2**30,
                          "priced_stack": p.stack})
     goal = [r for r in rows if not r.get("excluded")] or rows
     worst = max(goal, key=lambda r: abs(r["error"]))

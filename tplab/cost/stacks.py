@@ -13,7 +13,10 @@ What each setting mirrors:
   `train_step` (megatron/training.py) reduces the gradients after the pipeline, the TP
   backward all-reduce is synchronous (megatron/mpu/mappings.py), the attention scores are
   materialised; the async TP all-reduce behind the weight-gradient GEMM came on 2021-09-02
-  (16c90445, before Korthikanti et al. 2022), `--overlap-p2p-comm` on 2023-05-31
+  (16c90445, before Korthikanti et al. 2022), ordered before its GEMM by a no-op kernel
+  until 2022-10-14 (bdd97312: "Remove noop used to try to force scheduling", after which
+  Megatron-LM requires CUDA_DEVICE_MAX_CONNECTIONS=1, since "ordering isn't imposed by the
+  scheduler"), so the 2022 stack does not count it hidden; `--overlap-p2p-comm` on 2023-05-31
   (f9283c5a), `--overlap-grad-reduce` on 2023-08-16 (2d5220a4).
 - Megatron-Bridge / NeMo containers: Transformer Engine's fused layers, flash attention,
   every overlap on (the recipes' defaults).
@@ -44,6 +47,11 @@ from dataclasses import dataclass
 
 KERNELS = ("fused", "eager")
 ATTENTIONS = ("flash", "unfused")
+BLOCKS = ("megatron", "mpt")
+GATHERS = ("layer", "parameter")
+ZERO3_PREFETCH_ELEMENTS = 50_000_000
+"""DeepSpeed 0.3.13's ZeRO-3 `prefetch_bucket_size` default, 5e7 elements (stage3.py; the
+`published.DEEPSPEED_ZERO3_2021` reading): the parameters gathered ahead of the one in use."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +60,27 @@ class Stack:
     attention rate (`Hardware.attention_efficiency`, FlashAttention-2's); `fsdp_exposed`:
     FSDP's per-micro-batch gathers and reduce-scatters wait (not prefetched behind compute);
     `logits_bytes`: bytes per token and vocabulary entry at the loss's peak (8: the fp32
-    logits and their gradient, Megatron-LM's fused vocab-parallel cross entropy; 10:
+    logits and their gradient, Megatron-LM's fused vocab-parallel cross entropy; 12:
     torchtitan's `loss_fn`, train.py at 9dec370, `cross_entropy(pred.flatten(0, 1).float()
-    ...)`: the bf16 logits, their fp32 copy and log_softmax's fp32 output live together);
+    ...)`, then `del pred` before `loss.backward()`: in forward the bf16 logits, their fp32
+    copy and log_softmax's fp32 output live together (10), in backward log_softmax's saved
+    fp32 output, nll_loss's dense fp32 gradient and log_softmax's fp32 input gradient (12),
+    while every activation is still held);
+    `block`: whose layer's saved tensors the memory counts ("megatron": Megatron-LM's fused
+    block, or Korthikanti's GPT layer for ungated shapes; "mpt": llm-foundry's MPT block,
+    `memory.mpt_layer`); `sp_saves`: how a TP region keeps its input under sequence
+    parallelism ("shard": Megatron-LM saves its 1/t shard and all-gathers it again in
+    backward; "gathered": torchtitan's `apply_tp` turns the Shard(1) norm output into a
+    Replicate DTensor (`PrepareModuleInput`) before wq/wk/wv and w1/w3, and each linear
+    keeps that whole input, as tplab's own block does, `memory.BLOCK_SAVES`); 4 bytes per
+    logit is flash-attn 1.0.9's fused cross entropy
+    (losses/cross_entropy.py, MPT's default `loss_fn: fused_crossentropy` in llm-foundry
+    v0.3.0's modeling_mpt.py): it saves the bf16 logits and its backward writes a new bf16
+    gradient (`inplace_backward=False`, xentropy_kernel.cu `at::empty_like(logits_)`).
+    `gathers`: what a fully sharded run holds gathered at once ("layer": FSDP's wrapped
+    layer and the prefetched next one, torch FSDP and Composer's `limit_all_gathers`;
+    "parameter": DeepSpeed 2021's ZeRO-3, one parameter at a time plus its prefetch bucket,
+    `ZERO3_PREFETCH_ELEMENTS`).
     `cites` says where each setting is read."""
 
     name: str
@@ -67,6 +93,9 @@ class Stack:
     torch_cp: bool = False
     fsdp_exposed: bool = False
     logits_bytes: int = 8
+    block: str = "megatron"
+    sp_saves: str = "shard"
+    gathers: str = "layer"
     cites: str = ""
 
     def __post_init__(self):
@@ -75,6 +104,13 @@ class Stack:
         if self.attention not in ATTENTIONS:
             raise ValueError(f"Stack.attention = {self.attention!r}: expected one of "
                              f"{ATTENTIONS}")
+        if self.block not in BLOCKS:
+            raise ValueError(f"Stack.block = {self.block!r}: expected one of {BLOCKS}")
+        if self.sp_saves not in ("shard", "gathered"):
+            raise ValueError(f"Stack.sp_saves = {self.sp_saves!r}: expected 'shard' or "
+                             "'gathered'")
+        if self.gathers not in GATHERS:
+            raise ValueError(f"Stack.gathers = {self.gathers!r}: expected one of {GATHERS}")
         if not 0 < self.attention_scale <= 1:
             raise ValueError(f"Stack.attention_scale = {self.attention_scale!r}: expected a "
                              "fraction in (0, 1]")
@@ -87,25 +123,33 @@ FA2's A100 rate as the presets take it, 0.5 of peak): the midpoint of FA1's rang
 STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack("megatron-lm", cites="Megatron-LM since 2023 (overlap_grad_reduce, "
           "overlap_p2p_comm, Transformer Engine, flash attention)"),
-    Stack("megatron-lm-2022", attention="unfused", grad_overlap=False, p2p_overlap=False,
-          cites="Megatron-LM f602ac56 (2022-04-11): async TP all-reduce (16c90445), "
-          "gradients reduced after the pipeline, synchronous P2P, materialised scores "
-          "(Korthikanti et al. 2022, section 4.1)"),
+    Stack("megatron-lm-2022", attention="unfused", grad_overlap=False, tp_overlap=False,
+          p2p_overlap=False,
+          cites="Megatron-LM f602ac56 (2022-04-11) and the sequence-parallel branch "
+          "(739cb43d, 2022-05-24): gradients reduced after the pipeline, synchronous P2P, "
+          "materialised scores (Korthikanti et al. 2022, section 4.1); the async TP "
+          "backward collectives (16c90445) ordered before the GEMMs only by a no-op "
+          "kernel, which bdd97312 (2022-10-14, 'Remove noop used to try to force "
+          "scheduling') replaced by CUDA_DEVICE_MAX_CONNECTIONS=1 because 'ordering isn't "
+          "imposed by the scheduler': not assured, so priced as not hidden"),
     Stack("megatron-lm-2021", attention="unfused", grad_overlap=False, tp_overlap=False,
           p2p_overlap=False, cites="Megatron-LM aed2f75 (2021-04-11), Narayanan et al. "
           "2021: synchronous TP all-reduce, gradients after the pipeline"),
     Stack("megatron-bridge", cites="NVIDIA-NeMo/Megatron-Bridge recipes and NeMo "
           "containers: Transformer Engine, flash attention, every overlap on"),
-    Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=10,
+    Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, sp_saves="gathered",
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
           "context_parallel"),
-    Stack("torchtitan+compile", torch_cp=True, logits_bytes=10,
+    Stack("torchtitan+compile", torch_cp=True, logits_bytes=12, sp_saves="gathered",
           cites="pytorch/torchtitan with torch.compile: element-wise work fused"),
     Stack("llm-foundry-2023", kernels="eager", attention_scale=FA1_OVER_FA2,
-          fsdp_exposed=True, cites="mosaicml/llm-foundry attn_impl triton (FA1 class), "
+          fsdp_exposed=True, logits_bytes=4, block="mpt",
+          cites="mosaicml/llm-foundry attn_impl triton (FA1 class), MPT's block, "
+          "flash-attn 1.0.9's fused cross entropy, "
           "Composer v0.16.3 FSDP syncs every micro-batch (larger_mb.md, llm-foundry #543)"),
     Stack("deepspeed-2021", attention="unfused", grad_overlap=False, tp_overlap=False,
-          p2p_overlap=False, cites="DeepSpeed ZeRO-3 of 2021 with Megatron-LM's layer "
+          p2p_overlap=False, gathers="parameter",
+          cites="DeepSpeed ZeRO-3 of 2021 with Megatron-LM's layer "
           "(Narayanan et al. 2021, Table 2): its per-parameter collectives are not priced"),
 )}
 

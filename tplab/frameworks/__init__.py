@@ -6,7 +6,8 @@ ranks, so they import nothing of the notebook side).
   shard metadata the framework declares (tplab/frameworks/shards.py), for any framework;
 - `tplab.frameworks.megatron`: Megatron-core (needs megatron-core);
 - `tplab.frameworks.fairscale`: fairscale's model-parallel layers (needs fairscale);
-- `tplab.frameworks.torchtitan`: torchtitan (needs torchtitan).
+- `tplab.frameworks.torchtitan`: torchtitan's Llama 3 under its own sharding config
+  (needs torchtitan; its own plan and context, tplab/frameworks/torchtitan.py).
 
 Each adapter brings up the framework's parallel state on the lab's ranks and makes the
 framework's own tp = 1 build the one-device reference. The adapters are submodules loaded

@@ -7,7 +7,7 @@
 - `tags`: the tag each activation carries in that forward (`Flow`: the layout it would have
   on the ranks) and the TorchFunctionMode that moves it through the ops (`Tracer`).
 - `handovers`: each hand-over from one module to the next, checked (`Edge`, `HandoverHooks`).
-- `style_contracts`: what each ParallelStyle reads and hands on.
+- what each style splits, reads and hands on is its `tplab.style_specs.StyleSpec`.
 """
 
 from tplab.plan_check.fit import (

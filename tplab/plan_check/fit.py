@@ -30,14 +30,11 @@ false alarm on a plan that chains. The forward runs in a thread of its own, each
 called through its own class, so that no mode (LocalTensorMode, CommDebugMode,
 `tplab.trace`) and no module hook of the caller sees it.
 
-What each style expects and produces (style_contracts.py, beside this file) is read from
-torch's own definitions (torch/distributed/tensor/parallel/style.py): ColwiseParallel /
-RowwiseParallel / SequenceParallel read a plain input as `input_layouts`
-(`sequence_sharding`) and hand on `output_layouts`, as a plain tensor when
-`use_local_output`; a DTensor input is redistributed, so it always fits. PrepareModuleInput
-/ PrepareModuleOutput / PrepareModuleInputOutput do the same per argument. Other styles
-(transformers', tplab's own, subclasses) are skipped, unless they state theirs (a
-`layout_contract` method).
+What each style splits, expects and produces is its `tplab.style_specs.StyleSpec`, declared
+once (torch's styles in `style_specs.TORCH_SPECS`, tplab's in their `spec` method): a plain
+input is read as the spec says (a DTensor input is redistributed, so it always fits). A
+style that declares none, or whose spec says its layouts cannot be followed, is skipped:
+nothing in or below it is checked.
 
 Mistakes found: a local shard read as another layout (Colwise into Colwise: Shard(-1) read
 as Replicate(); a whole tensor into a Rowwise: Replicate() read as Shard(-1); a sequence
@@ -59,12 +56,13 @@ from fnmatch import fnmatch
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from tplab.core.pytrees import map_tensors
 from tplab.errors import PlanError
 from tplab.plan_check.handovers import Edge, HandoverHooks, tensors_of
 from tplab.plan_check.tags import Flow, Tracer
+from tplab.style_specs import StyleSpec, spec_of
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -107,18 +105,6 @@ def styles_by_module(model: nn.Module, plan: dict) -> dict[str, list]:
 
 
 # --- keys and sizes --------------------------------------------------------------------
-
-
-def _shard_rule(style, module: nn.Module) -> list[tuple[str, int]]:
-    """(what, length) pairs that the style splits over the tp ranks."""
-    colwise = isinstance(style, ColwiseParallel)
-    if isinstance(module, nn.Linear):
-        return [("out_features (weight dim 0)", module.out_features)] if colwise else [
-            ("in_features (weight dim 1)", module.in_features)]
-    if isinstance(module, nn.Embedding):
-        return [("embedding_dim (weight dim 1)", module.embedding_dim)] if colwise else [
-            ("num_embeddings (weight dim 0)", module.num_embeddings)]
-    return []
 
 
 PLAN_KINDS = ("a plan is a dict {module path: ParallelStyle()} such as {'w1': "
@@ -208,24 +194,35 @@ def check_plan(model: nn.Module, plan: dict, tp: int | None = None,
             raise PlanError(f"plan key {key!r} matches no module of {type(model).__name__}; "
                             f"closest module paths: {', '.join(map(repr, close))}")
         for path, module in found:
-            name = path or type(model).__name__
-            if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
-                continue
-            if not isinstance(module, (nn.Linear, nn.Embedding)):
-                raise PlanError(f"{name} is a {type(module).__name__}; {type(style).__name__} "
-                                "only splits nn.Linear and nn.Embedding")
-            for what, length in _shard_rule(style, module):
-                if length % tp:
-                    raise PlanError(f"{name}: {type(style).__name__} splits {what} = {length} "
-                                    f"over tp = {tp} ranks, and {length} is not divisible by "
-                                    f"{tp}")
-            parent = model.get_submodule(path.rpartition(".")[0])
-            if isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear):
-                _check_heads(parent, path, module, tp, path.rpartition(".")[0] or
-                             type(model).__name__, name)
+            if (spec := spec_of(style, module)) is not None:
+                _check_fit(model, path, module, style, spec, tp)
     # at tp = 1 every layout is the whole tensor: layouts that do not chain are right there
     if example_input is not None and tp > 1:
         check_layouts(model, plan, example_input)
+
+
+def _kinds(classes: tuple[type, ...]) -> str:
+    return " and ".join(f"nn.{c.__name__}" if c.__module__.startswith("torch.nn") else
+                        c.__name__ for c in classes)
+
+
+def _check_fit(model: nn.Module, path: str, module: nn.Module, style, spec: StyleSpec,
+               tp: int) -> None:
+    """The module is of a kind the style splits, tp divides what it splits (its spec's
+    `divides`), and a projection that splits heads splits whole ones."""
+    name = path or type(model).__name__
+    kind = type(style).__name__
+    if spec.modules and not isinstance(module, spec.modules):
+        raise PlanError(f"{name} is a {type(module).__name__}; {kind} only splits "
+                        f"{_kinds(spec.modules)}")
+    for what, length in spec.divides:
+        if length % tp:
+            raise PlanError(f"{name}: {kind} splits {what} = {length} over tp = {tp} ranks, "
+                            f"and {length} is not divisible by {tp}")
+    if spec.heads:
+        parent = model.get_submodule(path.rpartition(".")[0])
+        _check_heads(parent, path, module, tp, path.rpartition(".")[0] or
+                     type(model).__name__, name)
 
 
 def _head_counts(parent: nn.Module) -> tuple[int | None, int | None]:

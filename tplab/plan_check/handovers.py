@@ -1,7 +1,7 @@
 """Each hand-over between a model's modules, checked as `tplab.plan_check` runs the meta
 copy: hooks on every module compare the layout a tensor arrives with (its `layout_flow`
-tag) against what the receiving style reads (`layout_contracts`), re-tag what the style
-hands on, and raise a PlanError that names both modules, both placements and a fix.
+tag) against what the receiving style reads (its `tplab.style_specs.StyleSpec`), re-tag
+what the style hands on, and raise a PlanError that names both modules, both placements and a fix.
 """
 
 from __future__ import annotations
@@ -11,20 +11,12 @@ import dataclasses
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.utils._pytree import tree_flatten
 
 from tplab.core import placements
 from tplab.core.pytrees import map_tensors
 from tplab.errors import PlanError
-from tplab.plan_check.style_contracts import inputs_of, known, outputs_of
 from tplab.plan_check.tags import (
     Flow,
     Tracer,
@@ -33,9 +25,13 @@ from tplab.plan_check.tags import (
     normalized,
     short_name,
 )
+from tplab.style_specs import Handover, StyleSpec, spec_of
 
-# styles that only move a module's inputs or outputs: the module computes with whole weights
-_MOVE_ONLY = (PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput)
+
+def moves_only(spec: StyleSpec) -> bool:
+    """A style that only moves a module's inputs or outputs (PrepareModuleInput, ...): it
+    gives no parameter a placement, so the module computes with whole weights."""
+    return not spec.params and (bool(spec.inputs) or spec.outputs is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +161,9 @@ class HandoverHooks:
             return new
         return map_tensors(alias, obj)
 
-    def hand(self, t, path, style, read, after, local):
+    def hand(self, t, path, style, spec: StyleSpec, h: Handover):
         """A tensor entering `path` through `style`'s input hook: check, then re-tag."""
-        tr = self.tracer
+        tr, read, after, local = self.tracer, h.read, h.after, h.local
         if not isinstance(t, torch.Tensor) or read is None:
             return t
         flow = tr.flow(t)
@@ -183,7 +179,7 @@ class HandoverHooks:
         new = t.view_as(t)
         after = normalized(after, t.ndim) if after is not None else None
         source = (path, type(style).__name__, path)
-        if type(style) in _MOVE_ONLY and actual is not None and actual == after:
+        if moves_only(spec) and actual is not None and actual == after:
             source = (flow.source, flow.style, flow.via)  # passed on as it came
         tr.tag(new, Flow(after, local, *source) if after else None)
         return new
@@ -195,18 +191,17 @@ class HandoverHooks:
             if not styles:
                 _needs_whole(self.tracer, path, module, args)
                 return None
-            if not all(map(known, styles)):  # inside it, judge nothing
-                return self.untagged(args), self.untagged(kwargs)
+            specs = [spec_of(style, module) for style in styles]
+            if not all(s is not None and s.layouts_known for s in specs):
+                return self.untagged(args), self.untagged(kwargs)  # inside it, judge nothing
             args = list(args)
-            for style in styles:
-                arg_rules, kw_rules = inputs_of(style, module)
-                for i, read, after, local in arg_rules:
-                    if i < len(args):
-                        args[i] = self.hand(args[i], path, style, read, after, local)
-                for k, (read, after, local) in kw_rules.items():
-                    if k in kwargs:
-                        kwargs[k] = self.hand(kwargs[k], path, style, read, after, local)
-            if all(type(s) in _MOVE_ONLY for s in styles):  # its own weights stay whole
+            for style, spec in zip(styles, specs, strict=True):
+                for h in spec.inputs:
+                    if isinstance(h.index, int) and h.index < len(args):
+                        args[h.index] = self.hand(args[h.index], path, style, spec, h)
+                    elif h.index in kwargs:
+                        kwargs[h.index] = self.hand(kwargs[h.index], path, style, spec, h)
+            if all(map(moves_only, specs)):  # its own weights stay whole
                 _needs_whole(self.tracer, path, module, args,
                              f"whose weights {type(styles[0]).__name__} leaves whole")
             return tuple(args), kwargs
@@ -222,31 +217,32 @@ class HandoverHooks:
                     if (flow := tr.flow(t)) is not None:
                         tr.tag(t, dataclasses.replace(flow, via=path))
                 return None
-            if not all(map(known, styles)):
+            specs = [spec_of(style, module) for style in styles]
+            if not all(s is not None and s.layouts_known for s in specs):
                 for _, t in tensors_of(output):
                     tr.tag(t, None)  # a style not known here: nothing after it is checked
                 return None
-            for style in styles:
-                rules = outputs_of(style, module)
-                if rules:
-                    output = self.leave(output, path, style, rules)
+            for style, spec in zip(styles, specs, strict=True):
+                if spec.outputs:
+                    output = self.leave(output, path, style, spec.outputs)
             return output
         return hook
 
     def leave(self, output, path, style, rules):
         single = not isinstance(output, tuple)
         outs = list((output,) if single else output)
-        for i, (read, after, local) in enumerate(rules[:len(outs)]):
+        for i, h in enumerate(rules[:len(outs)]):
             t = outs[i]
-            if not isinstance(t, torch.Tensor) or after is None:
+            if not isinstance(t, torch.Tensor) or h.after is None:
                 continue
             flow = self.tracer.flow(t)
-            if read is not None and flow is not None and flow.local:  # PrepareModuleOutput
-                actual, expected = normalized(flow.layout, t.ndim), normalized(read, t.ndim)
+            if h.believed and h.read is not None and flow is not None and flow.local:
+                actual, expected = normalized(flow.layout, t.ndim), normalized(h.read, t.ndim)
                 if actual is not None and expected is not None and actual != expected:
-                    raise _mismatch(flow, path, style, actual, read, t.ndim, output=True)
+                    raise _mismatch(flow, path, style, actual, h.read, t.ndim, output=True)
             new = t.view_as(t)
-            self.tracer.tag(new, Flow(normalized(after, t.ndim), local, path, type(style).__name__,
-                                      path))
+            after = normalized(h.after, t.ndim)  # None: a layout not followed (_StridedShard)
+            self.tracer.tag(new, Flow(after, h.local, path, type(style).__name__, path)
+                            if after is not None else None)
             outs[i] = new
         return outs[0] if single else type(output)(outs)
