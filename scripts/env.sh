@@ -18,7 +18,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[tplab] installing tplab and its dependencies into $VENV (torch==2.13.0, CPU wheel where available)"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   # the exact torch this repository is tested with; pyproject.toml only says torch>=2.10
-  "$VENV/bin/python" -m pip install --quiet -c scripts/constraints.txt -e ".[dev,hf]"
+  "$VENV/bin/python" -m pip install --quiet -c scripts/constraints.txt -e ".[dev,hf,frameworks]"
   echo "$want" > "$stamp"
 fi
 

@@ -17,11 +17,12 @@ SIZES: dict[str, tuple[int, ...]] = {
     "11": (2, 4),
     "12": (2, 4),
     "13": (4,),  # a (dp=2, tp=2) mesh: FSDP2 across, TP inside
+    "14": (2, 4),  # frameworks' own TP (tplab.frameworks)
 }
 
 
 def require_world_size(notebook: str, world_size) -> int:
-    """`world_size` if notebook `notebook` ("00" to "13") runs at it, else a LabError that
+    """`world_size` if notebook `notebook` ("00" to "14") runs at it, else a LabError that
     names the sizes it can use."""
     sizes = SIZES[notebook]
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size not in sizes:

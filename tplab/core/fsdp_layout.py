@@ -70,6 +70,10 @@ def refuse_plan_in_simulation(plan, in_process: bool) -> None:
     plan that says it applies FSDP2 (`applies_fsdp2`: tplab.fsdp's plans) on a lab that runs
     in this process (tplab.simulate). The refusal holds for every rank, so it is raised
     once, here, as the message alone; a plan of your own that calls fully_shard is refused
-    on the ranks (`refuse_in_simulation`)."""
+    on the ranks (`refuse_in_simulation`). A plan whose `refuses_simulation` is a string
+    (tplab.frameworks' adapters: why the framework cannot run simulated) is refused with it."""
     if in_process and getattr(plan, "applies_fsdp2", False) is True:
         raise PlanError(SIMULATE_REASON)
+    reason = getattr(plan, "refuses_simulation", None)  # tplab.frameworks: a framework's why
+    if in_process and isinstance(reason, str):
+        raise PlanError(reason)
