@@ -19,6 +19,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
   # the exact torch this repository is tested with; pyproject.toml only says torch>=2.10
   "$VENV/bin/python" -m pip install --quiet -c scripts/constraints.txt -e ".[dev,hf,frameworks]"
+  # torchtitan without its own requirements (pyproject.toml's frameworks extra says why)
+  "$VENV/bin/python" -m pip install --quiet --no-deps -c scripts/constraints.txt torchtitan==0.3.0
   echo "$want" > "$stamp"
 fi
 
