@@ -49,6 +49,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import threading
@@ -64,17 +65,20 @@ from tplab.checks.train_live import LiveTraining, live_default
 from tplab.checks.train_report import TrainReport, diverged
 from tplab.core import placements
 from tplab.core.fsdp_layout import refuse_plan_in_simulation, tp_placement
-from tplab.core.pairing import gather
+from tplab.core.pairing import Pair, gather, pair
 from tplab.core.pytrees import map_tensors
 from tplab.errors import LabError
 from tplab.lab.contract import Ranks
+from tplab.layouts import ParamLayout
 from tplab.mesh import MeshShape
-from tplab.plans import parallelizer
+from tplab.plan_check import check_at_first_call
+from tplab.plans import apply_plan, parallelizer
 from tplab.rank.train_step import (
     TrainJob,
     batch_of,
     batch_sum,
     default_step,
+    layout_on_ranks,
     make_training,
     plain_loss,
     step_scheduler,
@@ -202,6 +206,9 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
     _bound_memory(model, steps)
     _refuse_torch_dropout(lab, model)
     step_plan = parallelizer(plan, model, tp)  # a PlanError here, before the ranks run
+    if isinstance(plan, dict):  # its layouts at the reference's first call, here: not on ranks
+        check_at_first_call(model, plan)
+        step_plan = functools.partial(apply_plan, plan=plan, checked="layouts")
     state, shapes, aliases, kinds = _describe(model)
     rng.reference_tracker(model, tp)
     twin = build_model()
@@ -232,19 +239,40 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
             band.result()
             torch.set_rng_state(end)  # where the ranks' global RNG goes on from
         job = TrainJob(build_model, state, step_plan, make_batch, steps, step, make_optimizer,
-                       loss_fn, shape, ref, shapes, aliases, param_map, False, context,
-                       dp_reduction)
+                       loss_fn, shape, ref, context=context, dp_reduction=dp_reduction)
         try:
+            paired = _pair(lab, job, shapes, param_map, aliases)
+            job = dataclasses.replace(job, pairs=tuple(paired.pairs))
             results, view = _train_ranks(lab, job, ref_losses, band, live)
         except BaseException:
             cancel.set()
             raise
         band = band.result()
         torch.set_rng_state(end)
-    report = _report(results, ref_losses, ref_sums, ref, band, job, lab.world_size, kinds)
+    report = _report(results, paired, ref_losses, ref_sums, ref, band, job, lab.world_size,
+                     kinds)
     if view is not None:
         view.finish(report)
     return report
+
+
+@dataclasses.dataclass(frozen=True)
+class Paired:
+    """tplab.core.pairing's answer for the ranks' parameters (rank 0's layouts), made here
+    as grad_check makes it: the pairs, what paired with nothing on either side, why a
+    pairing asked for did not fit, and the layout of each parameter on the ranks."""
+
+    pairs: list[Pair]
+    lone_ranks: list[str]
+    lone_ref: list[str]
+    problems: dict[str, str]
+    layout: dict[str, ParamLayout]
+
+
+def _pair(lab: Ranks, job: TrainJob, shapes, param_map, aliases) -> Paired:
+    """Pair the ranks' parameters (their layouts: `layout_on_ranks`) with the reference's."""
+    layout = lab.run(layout_on_ranks, job)[0]
+    return Paired(*pair(shapes, layout, job.mesh.tp, param_map, aliases), layout)
 
 
 def _train_ranks(lab: Ranks, job: TrainJob, ref_losses, band, live):
@@ -267,20 +295,20 @@ def _train_ranks(lab: Ranks, job: TrainJob, ref_losses, band, live):
     return results, view
 
 
-def _report(results, ref_losses, ref_sums, ref, band, job: TrainJob, world, requires_grad):
+def _report(results, paired: Paired, ref_losses, ref_sums, ref, band, job: TrainJob, world,
+            requires_grad):
     _check_batches(results, ref_sums)
     dp, tp = job.mesh.dp, job.mesh.tp
-    first = results[0]
-    pairs = first.pairs
+    pairs = paired.pairs
     names = [p.ranks for p in pairs]
-    sharded = {p.ranks: placements.is_shard(tp_placement(p.placement, first.layout.get(p.ranks)))
+    sharded = {p.ranks: placements.is_shard(tp_placement(p.placement, paired.layout.get(p.ranks)))
                for p in pairs}
     diffs = torch.stack([res.diffs for res in results])  # rank, step, parameter
     steps = len(ref_losses)
     losses = torch.stack([res.losses for res in results])  # rank, step
-    notes = [f"{n}: {why}" for n, why in first.problems.items()]
-    lone = [n for n in first.lone_ref if requires_grad.get(n, True)]
-    unpaired = first.lone_ranks + lone
+    notes = [f"{n}: {why}" for n, why in paired.problems.items()]
+    lone = [n for n in paired.lone_ref if requires_grad.get(n, True)]
+    unpaired = paired.lone_ranks + lone
     spreads = _spreads(results, pairs, ref, tp, steps)
     rows = []
     for i in range(steps + 1):
