@@ -201,6 +201,33 @@ def test_the_import_tower_grows_no_taller():
         + " -> ".join(chain))
 
 
+# --- arrows that would run back up (issue 36 item 5) --------------------------------------
+# core/ is what the library is built on: it imports nothing of the rank side; figures and
+# the widgets only display: what judges a run (tplab/checks/) imports them, not the reverse
+BARRED = (("tplab.core", "tplab.rank"), ("tplab.viz", "tplab.checks"),
+          ("tplab.widgets", "tplab.checks"))
+
+
+def barred_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """The imports `a -> b` of the graph that BARRED forbids."""
+    return [f"{m} -> {dep}" for m in sorted(graph) for dep in sorted(graph[m])
+            for low, high in BARRED if under(m, (low,)) and under(dep, (high,))]
+
+
+def test_no_arrow_runs_from_core_to_the_ranks_or_from_a_display_to_the_checks():
+    bad = barred_arrows(import_graph())
+    assert not bad, "imports that run back up: " + "; ".join(bad)
+
+
+def test_the_arrow_rule_sees_a_barred_import():
+    graph = {"tplab.core.answers.qk_norm": {"tplab.rank.qk_norm_step", "tplab.losses"},
+             "tplab.widgets": {"tplab.checks.grad"}, "tplab.viz.check": {"tplab.checks"},
+             "tplab.checks.explorer": {"tplab.widgets", "tplab.rank.explore_step"}}
+    assert barred_arrows(graph) == ["tplab.core.answers.qk_norm -> tplab.rank.qk_norm_step",
+                                    "tplab.viz.check -> tplab.checks",
+                                    "tplab.widgets -> tplab.checks.grad"]
+
+
 # --- the sides -----------------------------------------------------------------------------
 
 

@@ -98,7 +98,7 @@ def tensor_rows(name: str, kind: str, values: list, ref, atol: float, rtol: floa
                 note: str = "", sizes: tuple = ()) -> list[dict]:
     """The report's rows for one tensor from the ranks' values (one per rank): the
     assembled tensor against `ref`, and the spread across its replicas when it has any.
-    What `grad_check` and the Explorer (tplab/widgets.py) both report. `sizes`: the mesh's
+    What `grad_check` and the Explorer (tplab/checks/explorer.py) both report. `sizes`: the mesh's
     group sizes, the factors a collective that summed copies could explain."""
     full, spread = assemble(values)
     ops = [placements.parse(p)[1] for p in values[0].placements
