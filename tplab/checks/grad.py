@@ -82,7 +82,7 @@ from tplab.core.pytrees import call_model, leaves, map_tensors
 from tplab.core.transfer import LocalShard
 from tplab.errors import LabError
 from tplab.fsdp_report import name_mesh_dims, replica_grads
-from tplab.losses import call_loss, with_grad
+from tplab.losses import DP_REDUCTIONS, call_loss, with_grad
 from tplab.mesh import MeshShape
 from tplab.plans import parallelizer
 from tplab.rank.grad_step import RANK_LOCAL, GradJob, parallel_step
@@ -90,8 +90,6 @@ from tplab.rank.grad_step import RANK_LOCAL, GradJob, parallel_step
 __all__ = ["DP_REDUCTIONS", "RANK_LOCAL", "TOLERANCES", "GradCheckReport", "assemble",
            "check_tolerance", "compare", "grad_check", "mesh_shape", "output_specs",
            "state_of", "tensor_rows", "tolerances"]
-
-DP_REDUCTIONS = ("mean", "sum")
 
 
 def tensor_rows(name: str, kind: str, values: list, ref, atol: float, rtol: float,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from tplab.checks.grad import DP_REDUCTIONS
 from tplab.errors import LabError
 from tplab.lab.contract import Ranks
+from tplab.losses import DP_REDUCTIONS
 
 __all__ = ["check_args", "check_options"]
 

@@ -14,8 +14,7 @@ import types
 
 import cloudpickle
 
-from tplab.core.output import format_rank_list
-from tplab.errors import LabError, RankError
+from tplab.errors import LabError, RankError, format_rank_list
 from tplab.lab import modules
 from tplab.lab.cluster import LabProcesses
 from tplab.lab.displays import show_rank_displays

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tplab.core.output import format_rank_list
+from tplab.errors import format_rank_list
 
 STALE_S = 1.0  # a report older than this says nothing about the rank now
 

@@ -13,8 +13,7 @@ import weakref
 from IPython import get_ipython
 from IPython.core.displayhook import DisplayHook
 
-from tplab.core.output import format_rank_list
-from tplab.errors import LabError
+from tplab.errors import LabError, format_rank_list
 from tplab.lab.orphans import check_earlier_labs
 from tplab.lab.validate import check_timeout, parse_rank_spec
 

@@ -29,11 +29,11 @@ from tplab.core import placements
 from tplab.core.fsdp_layout import managed, refuse_in_simulation, tp_view
 from tplab.core.pairing import Pair
 from tplab.core.pytrees import call_model, leaves, map_tensors
+from tplab.core.rng_streams import rank_free_randomness
 from tplab.layouts import ParamLayout, tp_layout
 from tplab.losses import call_loss, loss_context
 from tplab.mesh import MeshShape, split, tp_group
 from tplab.rank.grad_step import replica_slice, sum_convention
-from tplab.rng import rank_free_randomness
 
 LIVE_PREFIX = "\x1b[8m[tplab-train]"  # concealed: an old terminal shows nothing of it
 LIVE_SUFFIX = "\x1b[0m"
