@@ -7,7 +7,9 @@ lessons train data parallel); dumps every report's rows, notes and verdict as JS
     scripts/env.sh python benchmarks/report_snapshot.py --out after.json    # on the new one
     scripts/env.sh python benchmarks/report_snapshot.py --compare before.json after.json
 
-`--compare` prints each difference (a case, a row, a field) and exits 1 when there is one.
+`--compare` prints each difference (a case, a row, a field) and exits 1 when there is one;
+a field whose value is None counts as absent (a typed row has every field, a dict had only
+those it was given).
 """
 
 from __future__ import annotations
@@ -116,8 +118,8 @@ def snapshot() -> dict:
 
 
 def differences(a, b, where: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(set(a) | set(b))
+    if isinstance(a, dict) and isinstance(b, dict):  # a field that is None: as if absent
+        return [d for k in sorted(set(a) | set(b)) if not (a.get(k) is None is b.get(k))
                 for d in (differences(a[k], b[k], f"{where}.{k}") if k in a and k in b
                           else [f"{where}.{k}: only in {'before' if k in a else 'after'}"])]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):

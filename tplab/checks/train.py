@@ -62,7 +62,7 @@ from tplab.checks.grad import state_of
 from tplab.checks.train_args import check_args, check_options
 from tplab.checks.train_band import FACTOR, noise_band
 from tplab.checks.train_live import LiveTraining, live_default
-from tplab.checks.train_report import TrainReport, diverged
+from tplab.checks.train_report import TrainReport, TrainRow, diverged
 from tplab.core import placements
 from tplab.core.fsdp_layout import refuse_plan_in_simulation, tp_placement
 from tplab.core.pairing import Pair, gather, pair
@@ -326,9 +326,9 @@ def _report(results, paired: Paired, ref_losses, ref_sums, ref, band, job: Train
                        loss_band=band["loss"][i - 1])
         else:
             row.update(ref_loss=math.nan, losses=[], loss_diff=0.0, loss_band=0.0)
-        row["ok"] = (row["loss_diff"] <= row["loss_band"] and row["param_diff"] <=
-                     row["param_band"] and row["replica_spread"] <= row["param_band"])
-        rows.append(row)
+        ok = (row["loss_diff"] <= row["loss_band"] and row["param_diff"] <= row["param_band"]
+              and row["replica_spread"] <= row["param_band"])
+        rows.append(TrainRow(**row, ok=ok))
     report = TrainReport(rows[1:], world, {"dp": dp, "tp": tp} if dp > 1 else {"tp": tp},
                          noise=_noise_words(band, tp), notes=notes)
     if unpaired:
