@@ -50,6 +50,7 @@ def grad_cases():
         ("attention", (functools.partial(models.Attention, CFG), plans.attention(), x), {}),
         ("tinylm_loss_parallel", (lm, plans.lm(), tokens), {"loss_fn": models.lm_loss}),
         ("mlp_dp2", (mlp, {}, x), {"dp": 2}),
+        ("mlp_dp2_not_averaged", (mlp, {}, x), {"dp": 2, "average_dp": False}),
         ("mlp_param_map", (mlp, megatron.parallelize, x),
          {"param_map": {"w1.weight": ("w1.weight", 0)}}),
     ]
