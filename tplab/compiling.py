@@ -90,7 +90,7 @@ def compiled(model: torch.nn.Module, mesh, plan=None, backend: str = "inductor")
     A sequence-parallel plan compiles too (it was refused on gloo after one lab run in 4
     "hung" in an all-gather; issue 28): no hang in 32 runs without tplab (2 processes,
     gloo, fresh inductor caches) nor in 7 lab runs, and the lab read dynamo compiling
-    inside an eager all-gather frame as waiting in it (tplab/rank/reports.py COMPILING)."""
+    inside an eager all-gather frame as waiting in it (tplab/rank/whereabouts.py COMPILING)."""
     if backend == "inductor":
         why = why_not_inductor()
         if why:
