@@ -50,8 +50,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 import tplab
 from tplab.core.pytrees import call_model
 from tplab.errors import LabError, PlanError, RankError, format_rank_list
+from tplab.lab.arguments import MAX_LOCAL_RANKS, check_launch_args
 from tplab.lab.engines.local import LocalKind
-from tplab.lab.validate import MAX_LOCAL_RANKS, check_launch_args
 from tplab.losses import call_loss
 from tplab.plans import parallelizer
 
