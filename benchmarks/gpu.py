@@ -4,7 +4,7 @@
 
 Checks, each printed as PASS, FAIL or SKIP with what it saw (exit status 1 on a FAIL):
 1. backend="auto" picks NCCL when every rank can have its own GPU, gloo otherwise
-   (tplab.lab.validate.resolve_backend, and a 1-rank lab's `backend`).
+   (tplab.lab.arguments.resolve_backend, and a 1-rank lab's `backend`).
 2. A 1-rank NCCL lab runs a traced tensor-parallel step (tplab.trace around an MLP under
    the Megatron plan on a CUDA mesh).
 3. Two ranks share one GPU through gloo with CUDA tensors (an all-reduce of a CUDA tensor
@@ -87,7 +87,7 @@ def tp_step(steps: int, dim: int = 1024, hidden: int = 4096, batch: int = 32) ->
 
 @check("1. backend='auto' picks NCCL with a GPU per rank, else gloo")
 def check_auto(gpus: int):
-    from tplab.lab.validate import resolve_backend
+    from tplab.lab.arguments import resolve_backend
 
     picks = {n: resolve_backend("auto", n) for n in (1, gpus, gpus + 1)}
     want = {1: "nccl", gpus: "nccl", gpus + 1: "gloo"}

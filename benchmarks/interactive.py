@@ -17,7 +17,7 @@ Prints medians and ratios:
 
 prints instead the output lag per engine kind, against local ranks in the same run: mpi
 (mpiexec on this machine), ssh (two network-namespace hosts, as tests/test_engines.py
-makes them) and Slurm (one node); ranks there forward their output (tplab/rank/forward.py).
+makes them) and Slurm (one node); ranks there forward their output (tplab/rank/output_relay.py).
 Goal: within 2x of local and under 100 ms. A kind not available here is skipped, saying why.
 """
 

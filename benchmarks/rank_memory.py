@@ -3,7 +3,7 @@ counts 1/k to each) of every rank, with the fork server and without it (fork=Fal
 
     python benchmarks/rank_memory.py [--world-sizes 4 16]
 
-The figures set tplab.lab.validate.RANK_MEMORY_GIB, which caps world_size for local ranks
+The figures set tplab.lab.arguments.RANK_MEMORY_GIB, which caps world_size for local ranks
 (with the fork server the ranks share torch's pages, so PSS is far below RSS).
 """
 

@@ -5,7 +5,7 @@ without a thread walking the main thread's stack as the reporter does, in one ru
 
 Two gloo ranks on 127.0.0.1 all-reduce a small tensor `--calls` times, first alone, then
 with a thread beside them that walks `sys._current_frames()` as
-tplab.rank.reports.where_now does: it holds each frame while it reads the frame's source
+tplab.rank.whereabouts.where_now does: it holds each frame while it reads the frame's source
 line (and its f_locals: here on every frame, where_now on a collective's only). Prints,
 per rank and round, how many tensors were still alive after the first collect and how
 many outlived 10 s. The walker holds the collective's frame only while it walks: some

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tplab
-from tplab.lab.validate import parse_rank_spec
+from tplab.lab.arguments import parse_rank_spec
 
 ANYTHING = st.one_of(st.none(), st.booleans(), st.integers(-5, 70), st.floats(allow_nan=True),
                      st.text(max_size=6), st.lists(st.integers(-2, 6), max_size=4),
@@ -25,7 +25,7 @@ def clear_error(exc: BaseException, *names: str) -> None:
     assert any(n in str(exc) for n in names), f"{names} not named in: {exc}"
     frames = traceback.extract_tb(exc.__traceback__)
     # raised by tplab's checks, not by code deeper down (ipyparallel, torch, psutil...)
-    assert "validate.py" in frames[-1].filename or "magics.py" in frames[-1].filename \
+    assert "arguments.py" in frames[-1].filename or "magics.py" in frames[-1].filename \
         or "launch.py" in frames[-1].filename or "cells.py" in frames[-1].filename \
         or "simulate.py" in frames[-1].filename, frames[-1]
 

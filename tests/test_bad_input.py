@@ -76,7 +76,7 @@ def test_bad_call_arguments_are_refused(labs):
     (" 1-3 ", [1, 2, 3]),
 ])
 def test_rank_spec_forms(line, ranks):
-    from tplab.lab.validate import parse_rank_spec
+    from tplab.lab.arguments import parse_rank_spec
 
     assert parse_rank_spec(line, 4) == ranks
 
@@ -89,7 +89,7 @@ def test_rank_spec_forms(line, ranks):
     ("-1", "%%rank takes rank numbers"),
 ])
 def test_magic_with_bad_ranks_names_the_problem(line, words):
-    from tplab.lab.validate import parse_rank_spec
+    from tplab.lab.arguments import parse_rank_spec
 
     with pytest.raises(ValueError) as info:
         parse_rank_spec(line, 4)

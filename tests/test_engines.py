@@ -271,7 +271,7 @@ def test_slurm_runs_four_ranks_and_cancels_its_job(slurm, monkeypatch):
     assert wait_gone(pids, 30) == []
 
 
-# --- live output from ranks elsewhere (tplab/rank/forward.py) -------------------------------
+# --- live output from ranks elsewhere (tplab/rank/output_relay.py) -------------------------------
 
 
 class Arrivals:

@@ -8,7 +8,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import tplab
 from tplab import exercises
-from tplab.exercises.fsdp_placements import spelled
+from tplab.core.placements import canonical
 
 STRIDED = _StridedShard(0, split_factor=2)
 
@@ -21,7 +21,7 @@ STRIDED = _StridedShard(0, split_factor=2)
     (Replicate(), "Replicate()"), ("R", "Replicate()"),
 ])
 def test_torchs_spellings_name_the_same_placement(said, truth):
-    assert spelled(said) == spelled(truth)
+    assert canonical(said) == canonical(truth)
 
 
 @pytest.mark.parametrize("wrong, truth", [
@@ -29,7 +29,7 @@ def test_torchs_spellings_name_the_same_placement(said, truth):
     ("_StridedShard(dim=0, sf=4)", "_StridedShard(dim=0, split_factor=2)"),
     ("Shard(0)", "_StridedShard(dim=0, split_factor=2)"), ("Replicate()", "Shard(0)")])
 def test_different_placements_stay_different(wrong, truth):
-    assert spelled(wrong) != spelled(truth)
+    assert canonical(wrong) != canonical(truth)
 
 
 def test_fsdp_placements_passes_an_answer_in_torchs_own_repr():

@@ -8,7 +8,7 @@ import math
 import pytest
 
 import tplab
-from tplab.widgets import Explorer
+from tplab.checks.explorer import Explorer
 
 
 @pytest.fixture(scope="module")

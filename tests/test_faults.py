@@ -233,7 +233,7 @@ def collective_then_forget():
     del x
     # after a compiled step in the same ranks the tensor was at times freed only by the
     # cycle collector (its holder not traced); a strong reference would survive this.
-    # The reporter thread, walking this thread's stack for a report (reports.where_now),
+    # The reporter thread, walking this thread's stack for a report (whereabouts.where_now),
     # holds the all_reduce frame, and so `x`, until its walk ends: the tensor once
     # outlived the first collect in CI. benchmarks/stack_walk_hold.py measures it: beside a
     # thread walking the stack as where_now does, 10 and 13 of 500 all-reduces per rank

@@ -185,13 +185,14 @@ def test_the_chain_finder_finds_the_longest_chain():
     assert longest_chain({"a": set()}) == ["a"]
 
 
-# Measured on 151d749 (issue 36 item 6): 19 files, through models -> rng -> plans -> hf ->
-# plan_check -> fit -> handovers -> tags -> errors. rng's streams (core/rng_streams.py) as a
-# leaf under models took it to 14: exercises -> exercises.catalog -> exercises.checks ->
-# core.answers.solutions -> rank.qk_norm_step -> tracing -> explain -> megatron ->
-# megatron.layers -> models -> core.rng_streams -> mesh -> errors -> core.output. The goal is
-# 10; until then this holds the line so that the tower grows no taller.
-TALLEST_CHAIN = 14
+# Measured on 151d749 (issue 36 item 6): 19 files; 14 after rng's streams became a leaf.
+# Then (r36) a few leaves many use, with consumers above them: errors names ranks itself
+# (format_rank_list; core.output reads it), compile's refusals a leaf (core/compositions.py:
+# fsdp no longer imports the compile runner), DP_REDUCTIONS with the losses, explain reads
+# megatron's operators, hf its vocab check, clip and lm the mesh and rng streams they use.
+# 10 today, e.g. exercises -> catalog -> cost -> training_run -> pipeline -> data_parallel
+# -> collectives -> nccl -> hardware -> validate.
+TALLEST_CHAIN = 10
 
 
 def test_the_import_tower_grows_no_taller():
@@ -199,6 +200,33 @@ def test_the_import_tower_grows_no_taller():
     assert len(chain) <= TALLEST_CHAIN, (
         f"the longest import chain is {len(chain)} files deep (at most {TALLEST_CHAIN}): "
         + " -> ".join(chain))
+
+
+# --- arrows that would run back up (issue 36 item 5) --------------------------------------
+# core/ is what the library is built on: it imports nothing of the rank side; figures and
+# the widgets only display: what judges a run (tplab/checks/) imports them, not the reverse
+BARRED = (("tplab.core", "tplab.rank"), ("tplab.viz", "tplab.checks"),
+          ("tplab.widgets", "tplab.checks"))
+
+
+def barred_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """The imports `a -> b` of the graph that BARRED forbids."""
+    return [f"{m} -> {dep}" for m in sorted(graph) for dep in sorted(graph[m])
+            for low, high in BARRED if under(m, (low,)) and under(dep, (high,))]
+
+
+def test_no_arrow_runs_from_core_to_the_ranks_or_from_a_display_to_the_checks():
+    bad = barred_arrows(import_graph())
+    assert not bad, "imports that run back up: " + "; ".join(bad)
+
+
+def test_the_arrow_rule_sees_a_barred_import():
+    graph = {"tplab.core.answers.qk_norm": {"tplab.rank.qk_norm_step", "tplab.losses"},
+             "tplab.widgets": {"tplab.checks.grad"}, "tplab.viz.check": {"tplab.checks"},
+             "tplab.checks.explorer": {"tplab.widgets", "tplab.rank.explore_step"}}
+    assert barred_arrows(graph) == ["tplab.core.answers.qk_norm -> tplab.rank.qk_norm_step",
+                                    "tplab.viz.check -> tplab.checks",
+                                    "tplab.widgets -> tplab.checks.grad"]
 
 
 # --- the sides -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import tplab
-from tplab.lab.validate import shadowing_folder
+from tplab.lab.arguments import shadowing_folder
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ import pytest
 
 from tplab.lab import diagnose
 from tplab.lab.watchdog import Watchdog
-from tplab.rank import reports
+from tplab.rank import whereabouts
 from tplab.rank.collectives import REPORT, WHERE_KEY
 
 
@@ -49,13 +49,13 @@ def report_state():
 def test_a_slow_running_report_never_lands_after_the_final_one(report_state):
     store = report_state.store = SlowStore()
     report_state.rank, report_state.reporting = 0, True
-    issued = reports.begin_cell(41)
-    time.sleep(reports.REPORT_INTERVAL_S * 1.5)
-    reporter = threading.Thread(target=reports.report_running)
+    issued = whereabouts.begin_cell(41)
+    time.sleep(whereabouts.REPORT_INTERVAL_S * 1.5)
+    reporter = threading.Thread(target=whereabouts.report_running)
     reporter.start()
     assert store.entered.wait(5.0), "the reporter never wrote"
     # The cell ends while the reporter's snapshot of it is still on its way to the store.
-    ender = threading.Thread(target=reports.end_cell, args=(41, issued))
+    ender = threading.Thread(target=whereabouts.end_cell, args=(41, issued))
     ender.start()
     time.sleep(0.3)
     store.release.set()
@@ -137,8 +137,8 @@ def test_a_collective_traced_by_torch_compile_is_computing_not_waiting(report_st
     collective = _frame_in("/x/torch/distributed/_functional_collectives.py",
                            "all_gather_tensor")
     tracer = _frame_in("/x/torch/fx/experimental/proxy_tensor.py", "dispatch_trace")
-    waited = collective(reports.where_now)
-    traced = tracer(lambda: collective(reports.where_now))
+    waited = collective(whereabouts.where_now)
+    traced = tracer(lambda: collective(whereabouts.where_now))
     assert waited["state"] == "in_collective" and waited["op"] == "all_gather", waited
     assert traced["state"] == "running" and "op" not in traced, traced
 
@@ -152,7 +152,7 @@ def test_dynamo_compiling_inside_a_collective_frame_is_computing_not_waiting(rep
     collective = _frame_in("/x/torch/distributed/_functional_collectives.py",
                            "all_gather_tensor")
     converter = _frame_in("/x/torch/_dynamo/convert_frame.py", "_compile")
-    inside = collective(lambda: converter(reports.where_now))
+    inside = collective(lambda: converter(whereabouts.where_now))
     assert inside["state"] == "running" and "op" not in inside, inside
     # the collective on its own is still waited in
-    assert collective(reports.where_now)["op"] == "all_gather"
+    assert collective(whereabouts.where_now)["op"] == "all_gather"

@@ -1,4 +1,4 @@
-"""tplab.widgets.Explorer: driven from code (as a papermill run does) and through its
+"""tplab.checks.explorer.Explorer: driven from code (as a papermill run does) and through its
 controls, on tplab.simulate; once on real rank processes (slow)."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import warnings
 import pytest
 
 import tplab
-from tplab.widgets import Explorer, divisors, forward_order
+from tplab.checks.explorer import Explorer
+from tplab.widgets import divisors, forward_order
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch's c10d deprecations
 

@@ -34,6 +34,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import SequenceParallel
 
+from tplab.core.compositions import (  # noqa: F401 (compiling's names: COMPOSITIONS, ...)
+    COMPOSITIONS,
+    is_compiled,
+    refusal,
+    refuse_in_fully_shard,
+)
 from tplab.errors import PlanError
 from tplab.mesh import make_mesh
 from tplab.plans import parallelizer
@@ -41,43 +47,6 @@ from tplab.tracing import trace
 
 __all__ = ["COMPOSITIONS", "collectives", "compiled", "eager_and_compiled", "is_compiled",
            "refuse_in_fully_shard", "sequence_parallel", "why_not_inductor"]
-
-# What a whole-model torch.compile does not compose with, and what torch itself raised
-# (benchmarks/compile_compositions.py: 2 processes, gloo, CPU, mesh dp=1 x tp=2; TinyLM under
-# plans.lm(loss_parallel=False) by parallelize_module, torch's checkpoint_wrapper on each
-# block, fully_shard on each block and the root; inductor). Refused, not worked around.
-COMPOSITIONS = {
-    "activation checkpointing": (
-        "TP, then activation checkpointing (checkpoint_wrapper), then torch.compile",
-        "AssertionError: expected all tensors_saved_with_vc_check to be Tensors",
-        "check the compiled plan without checkpointing, and checkpointing.checkpointed "
-        "uncompiled (it fails for tplab's lesson models; a model of yours that runs it can "
-        "call torch.compile itself: benchmarks/compile_compositions.py)"),
-    "FSDP2 per module": (
-        "TP, then torch.compile of the whole model, then fully_shard on its blocks "
-        "(fsdp_tp's per_module)",
-        "BackendCompilerFailed: AssertionError: Mixing fake modes NYI",
-        "FSDP2 on the root only (fsdp_tp without per_module) runs over a compiled model; "
-        "per block, check the plan uncompiled"),
-}
-
-
-def _refusal(name: str) -> str:
-    what, raised, instead = COMPOSITIONS[name]
-    return (f"{what}: torch {torch.__version__} fails there on CPU, in plain torch too "
-            f"({raised}), so tplab refuses it; {instead}")
-
-
-def is_compiled(model: torch.nn.Module) -> bool:
-    """Whether `model` is torch.compile's wrapper of a module (its `_orig_mod`)."""
-    return isinstance(getattr(model, "_orig_mod", None), torch.nn.Module)
-
-
-def refuse_in_fully_shard(model: torch.nn.Module, per_module) -> None:
-    """For tplab.fsdp: a PlanError when FSDP2 would shard blocks inside a compiled model."""
-    if per_module and is_compiled(model):
-        raise PlanError(_refusal("FSDP2 per module"))
-
 
 def why_not_inductor() -> str | None:
     """torch's reason why inductor's CPU backend cannot compile here (its own search for a
@@ -121,7 +90,7 @@ def compiled(model: torch.nn.Module, mesh, plan=None, backend: str = "inductor")
     A sequence-parallel plan compiles too (it was refused on gloo after one lab run in 4
     "hung" in an all-gather; issue 28): no hang in 32 runs without tplab (2 processes,
     gloo, fresh inductor caches) nor in 7 lab runs, and the lab read dynamo compiling
-    inside an eager all-gather frame as waiting in it (tplab/rank/reports.py COMPILING)."""
+    inside an eager all-gather frame as waiting in it (tplab/rank/whereabouts.py COMPILING)."""
     if backend == "inductor":
         why = why_not_inductor()
         if why:
@@ -129,7 +98,7 @@ def compiled(model: torch.nn.Module, mesh, plan=None, backend: str = "inductor")
     if plan is not None:
         model = parallelizer(plan)(model, mesh)
     if any(isinstance(m, CheckpointWrapper) for m in model.modules()):
-        raise PlanError(_refusal("activation checkpointing"))
+        raise PlanError(refusal("activation checkpointing"))
     return torch.compile(model, backend=backend)
 
 

@@ -1,8 +1,24 @@
-"""Errors raised by tplab. Every one is a `LabError`, so a notebook can catch them all."""
+"""Errors raised by tplab, and how their messages name ranks (`format_rank_list`). Every one
+is a `LabError`, so a notebook can catch them all."""
 
 from __future__ import annotations
 
-from tplab.core.output import format_rank_list
+
+def format_rank_list(ranks) -> str:
+    """[0, 1, 2, 3] -> "ranks 0-3"; [0, 2] -> "ranks 0,2"; [1] -> "rank 1"."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    spans, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        spans.append(f"{start}-{prev}" if prev - start >= 2 else
+                     ",".join(str(x) for x in range(start, prev + 1)))
+        if r is not None:
+            start = prev = r
+    return "ranks " + ",".join(spans)
 
 
 class LabError(Exception):

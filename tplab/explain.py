@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-from tplab import megatron
 from tplab.core import ops, placements
+from tplab.megatron.operators import OPERATORS
 
 __all__ = ["Explanation", "conjugate", "explain", "short_cause"]
 
@@ -54,7 +54,7 @@ def short_cause(cause: str) -> str:
     "" for a line of user code (too long for a label)."""
     if " -> " in cause:
         return placements.short(cause.partition(" (")[0])
-    if cause in megatron.OPERATORS.values() and cause not in ("f", "g"):
+    if cause in OPERATORS.values() and cause not in ("f", "g"):
         return cause
     return ""
 

@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from tplab.compiling import refuse_in_fully_shard
+from tplab.core.compositions import refuse_in_fully_shard
 from tplab.core.fsdp_layout import (
     SIMULATE_REASON,
     managed,

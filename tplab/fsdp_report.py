@@ -17,6 +17,8 @@ gradient G then comes from:
 
 from __future__ import annotations
 
+import dataclasses
+
 from tplab.core.pytrees import call_model, map_tensors
 from tplab.losses import call_loss, with_grad
 
@@ -63,16 +65,16 @@ def explain(whole, grads: list, dp: int, atol: float, rtol: float) -> tuple[str,
 
 def name_mesh_dims(rows: list[dict], wholes: dict, replicas: list[dict], dp: int,
                    atol: float, rtol: float) -> None:
-    """Give every wrong "param_grad" row its mesh dim (`row["mesh_dim"]`) and say why."""
-    for row in rows:
+    """Give every wrong "param_grad" row its mesh dim (`row["mesh_dim"]`) and say why
+    (each such row replaced, in place in `rows`)."""
+    for i, row in enumerate(rows):
         if row["kind"] != "param_grad" or row["ok"] or row["name"] not in wholes:
             continue
         grads = [r.get(row["name"]) for r in replicas]
         dim, why = explain(wholes[row["name"]], grads, dp, atol, rtol)
         if dim:
-            row["mesh_dim"] = dim
-            row["note"] = f"from the {dim} dim: {why}" + (f"; {row['note']}" if row["note"]
-                                                          else "")
+            rows[i] = dataclasses.replace(row, mesh_dim=dim, note=f"from the {dim} dim: {why}"
+                                          + (f"; {row['note']}" if row["note"] else ""))
 
 
 def dims_of(report) -> dict[str, str]:

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from tplab import parallel_styles as ps
 from tplab.errors import PlanError
 from tplab.mesh import tp_mesh
-from tplab.plan_check import check_vocab
+from tplab.plan_check.fit import check_vocab
 
 # transformers' style name -> a torch DTensor style for a module (None: nothing to plan)
 _TORCH_STYLES = {

@@ -22,9 +22,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from tplab.core.pytrees import leaves, map_tensors
 from tplab.errors import LabError
 
-__all__ = ["LOSS_PARALLEL_LOSSES", "call_loss", "loss_context", "vocab_sharded", "with_grad"]
+__all__ = ["DP_REDUCTIONS", "LOSS_PARALLEL_LOSSES", "call_loss", "loss_context", "vocab_sharded",
+           "with_grad"]
 
 # what torch's loss_parallel() computes on vocab-sharded logits (its docstring, torch 2.13)
+# how the dp replicas' losses make the one-device loss: their mean (DDP's averaged
+# gradients) or their sum (torchtitan's convention: the loss divides by the global count)
+DP_REDUCTIONS = ("mean", "sum")
+
 LOSS_PARALLEL_LOSSES = ("F.cross_entropy / nn.CrossEntropyLoss with class-index targets "
                         "(reduction mean, sum or none; ignore_index; a replicated weight), "
                         "not label_smoothing, class probabilities, or any other op on the "

@@ -4,8 +4,9 @@ Built on torch's dispatcher, like DTensor's CommDebugMode: a TorchDispatchMode s
 collective op as it is dispatched, both DTensor's functional collectives
 (`_c10d_functional.all_reduce`, ...) and plain `torch.distributed` calls (`c10d.allreduce_`,
 ...), so the hand-written f and g of `tplab.megatron` show up too. Unlike CommDebugMode it
-keeps one record per call, with the message size and the time, in the format of
-docs/CONTRACTS.md (plain dicts that travel back to the notebook).
+keeps one record per call, with the message size and the time: a `CollectiveRecord`
+(tplab/core/records.py: a frozen record read by key as the dicts it replaced, `r["op"]`),
+which travels back to the notebook by pickle.
 
 Each record's `cause` says why it ran (tplab.causes): the placements of a DTensor
 redistribution, the tplab.megatron operator ("f", "g", ...), or the user's line of code;
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -51,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tplab.causes import find_cause
 from tplab.core import ops
+from tplab.core.records import CollectiveRecord
 from tplab.explain import explain
 from tplab.mesh import GROUP_NAMES
 
@@ -282,7 +285,7 @@ class Trace(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self._defer = frozenset((DTensor, AsyncCollectiveTensor))
-        self.records: list[dict] = []
+        self.records: list[CollectiveRecord] = []
         self._pending: dict[int, tuple[dict, float, torch.Tensor]] = {}
         self._groups: dict[str | None, tuple[str, int]] = {}
         self._modules = _Modules()
@@ -324,23 +327,27 @@ class Trace(TorchDispatchMode):
             return func(*args, **kwargs)
         start = time.perf_counter()
         out = func(*args, **kwargs)
-        record = self._record(func, spec, args)
-        record["start_ms"] = (start - self._t0) * 1e3
-        if func.namespace == "c10d" and record["op"] not in _NO_WAIT:
+        record = self._record(func, spec, args, (start - self._t0) * 1e3)
+        if func.namespace == "c10d" and record.op not in _NO_WAIT:
             _wait_work(out)
-        record["duration_ms"] = (time.perf_counter() - start) * 1e3
+        self._took(record.seq, start)
         if func.namespace != "c10d":  # functional: the wait comes later (wait_tensor)
             for t in out if isinstance(out, (list, tuple)) else (out,):
-                self._pending[id(t)] = (record, start, t)
+                self._pending[id(t)] = (record.seq, start, t)
         return out
+
+    def _took(self, seq: int, start: float) -> None:
+        """Record `seq` took from `start` until now (a frozen record: replaced)."""
+        self.records[seq] = replace(self.records[seq],
+                                    duration_ms=(time.perf_counter() - start) * 1e3)
 
     def _waited(self, t) -> None:
         pending = self._pending.pop(id(t), None)
         if pending is not None:
-            record, start, _ = pending
-            record["duration_ms"] = (time.perf_counter() - start) * 1e3
+            seq, start, _ = pending
+            self._took(seq, start)
 
-    def _record(self, func, spec, args) -> dict:
+    def _record(self, func, spec, args, start_ms: float) -> CollectiveRecord:
         op, message = spec
         pg = _group_of(func, args)
         key = pg.group_name if pg is not None else None  # not id(): unbox makes new wrappers
@@ -351,21 +358,12 @@ class Trace(TorchDispatchMode):
         backward = torch._C._current_graph_task_id() != -1
         cause, node = find_cause()
         module = self._modules.reader(node) if backward else None
-        record = {
-            "rank": self._rank,
-            "seq": len(self.records),
-            "phase": "backward" if backward else "forward",
-            "module": self._modules.current(backward) if module is None else module,
-            "op": op,
-            "shape": shape,
-            "dtype": str(tensor.dtype).removeprefix("torch."),
-            "bytes": numel * tensor.element_size(),
-            "group": label,
-            "group_size": size,
-            "duration_ms": 0.0,
-            "start_ms": 0.0,
-            "cause": cause,
-        }
+        record = CollectiveRecord(
+            rank=self._rank, seq=len(self.records), phase="backward" if backward else "forward",
+            module=self._modules.current(backward) if module is None else module, op=op,
+            shape=shape, dtype=str(tensor.dtype).removeprefix("torch."),
+            bytes=numel * tensor.element_size(), group=label, group_size=size,
+            start_ms=start_ms, cause=cause)
         self.records.append(record)
         return record
 

@@ -48,11 +48,10 @@ import traceback
 from torch.distributed.tensor.parallel import ParallelStyle
 
 import tplab
-from tplab.core.output import format_rank_list
 from tplab.core.pytrees import call_model
-from tplab.errors import LabError, PlanError, RankError
+from tplab.errors import LabError, PlanError, RankError, format_rank_list
+from tplab.lab.arguments import MAX_LOCAL_RANKS, check_launch_args
 from tplab.lab.engines.local import LocalKind
-from tplab.lab.validate import MAX_LOCAL_RANKS, check_launch_args
 from tplab.losses import call_loss
 from tplab.plans import parallelizer
 

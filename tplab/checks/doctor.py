@@ -24,7 +24,7 @@ from jupyter_core.paths import jupyter_path
 
 import tplab
 from tplab import platforms
-from tplab.lab.validate import resolve_backend
+from tplab.lab.arguments import resolve_backend
 
 GiB = 2**30
 SMOKE_WORLD = 2

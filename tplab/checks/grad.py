@@ -70,11 +70,13 @@ may be numbers or numeric strings (as a config file gives them), finite and >= 0
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tplab import rng
 from tplab.checks.grad_params import assemble, param_rows
-from tplab.checks.grad_report import GradCheckReport, compare
+from tplab.checks.grad_report import GradCheckReport, GradRow, compare
 from tplab.checks.grad_tolerance import TOLERANCES, check_tolerance, kind_floors, tolerances
 from tplab.core import placements
 from tplab.core.fsdp_layout import refuse_plan_in_simulation
@@ -82,7 +84,7 @@ from tplab.core.pytrees import call_model, leaves, map_tensors
 from tplab.core.transfer import LocalShard
 from tplab.errors import LabError
 from tplab.fsdp_report import name_mesh_dims, replica_grads
-from tplab.losses import call_loss, with_grad
+from tplab.losses import DP_REDUCTIONS, call_loss, with_grad
 from tplab.mesh import MeshShape
 from tplab.plans import parallelizer
 from tplab.rank.grad_step import RANK_LOCAL, GradJob, parallel_step
@@ -91,14 +93,12 @@ __all__ = ["DP_REDUCTIONS", "RANK_LOCAL", "TOLERANCES", "GradCheckReport", "asse
            "check_tolerance", "compare", "grad_check", "mesh_shape", "output_specs",
            "state_of", "tensor_rows", "tolerances"]
 
-DP_REDUCTIONS = ("mean", "sum")
-
 
 def tensor_rows(name: str, kind: str, values: list, ref, atol: float, rtol: float,
-                note: str = "", sizes: tuple = ()) -> list[dict]:
+                note: str = "", sizes: tuple = ()) -> list[GradRow]:
     """The report's rows for one tensor from the ranks' values (one per rank): the
     assembled tensor against `ref`, and the spread across its replicas when it has any.
-    What `grad_check` and the Explorer (tplab/widgets.py) both report. `sizes`: the mesh's
+    What `grad_check` and the Explorer (tplab/checks/explorer.py) both report. `sizes`: the mesh's
     group sizes, the factors a collective that summed copies could explain."""
     full, spread = assemble(values)
     ops = [placements.parse(p)[1] for p in values[0].placements
@@ -255,7 +255,7 @@ def _sizes(shape: MeshShape) -> tuple[int, ...]:
 
 def _tensor_rows(results, out_ref, loss_ref, x_ref, job: GradJob, floors, rtol):
     """(rows, notes) of the outputs, the loss and the input gradients."""
-    rows: list[dict] = []
+    rows: list[GradRow] = []
     notes: list[str] = []
     sizes = _sizes(job.mesh)
     read_as = results[0].read_as
@@ -281,7 +281,7 @@ def _tensor_rows(results, out_ref, loss_ref, x_ref, job: GradJob, floors, rtol):
     return rows, notes
 
 
-def _per_rank_loss(rows: list[dict], read_as: dict) -> None:
+def _per_rank_loss(rows: list[GradRow], read_as: dict) -> None:
     """When the loss differs across ranks and an output held a local shard, the loss was
     computed per shard: say so on the loss row, and drop the "summed copies" notes that
     would point at a collective instead."""
@@ -290,9 +290,11 @@ def _per_rank_loss(rows: list[dict], read_as: dict) -> None:
     if not read_as or spread is None or spread["ok"]:
         return
     names = ", ".join(f"{k} ({p})" for k, (p, _) in read_as.items())
-    spread["note"] = (f"the loss differs across ranks: computed on each rank's local shard "
-                      f"of {names}? If the framework's trainer reduces it, declare it with "
-                      f"outputs={{'loss': {RANK_LOCAL!r}}}")
-    for r in rows:
-        if r["note"].startswith("= ") and "collective" in r["note"]:
-            r["note"] = ""
+    for i, r in enumerate(rows):
+        if r is spread:
+            rows[i] = replace(r, note=f"the loss differs across ranks: computed on each rank's "
+                                      f"local shard of {names}? If the framework's trainer "
+                                      f"reduces it, declare it with outputs={{'loss': "
+                                      f"{RANK_LOCAL!r}}}")
+        elif r.note.startswith("= ") and "collective" in r.note:
+            rows[i] = replace(r, note="")

@@ -2,7 +2,8 @@
 
 `compare(name, kind, value, reference)` makes a row (also what the Explorer uses);
 `GradCheckReport` holds the rows, says ok or FAILED, and prints as a table (text and HTML).
-A row: {name, kind, max_abs, max_rel, tol, ok, note, pair}: `tol` is the tolerance the row
+A row is a `GradRow` (a frozen record, read by key as the dicts it replaced: `row["ok"]`):
+name, kind, max_abs, max_rel, tol, ok, note, pair, mesh_dim. `tol` is the tolerance the row
 was judged by, `atol + rtol * max|reference|` of that tensor (as torch.testing's
 `assert_close` judges an element by `atol + rtol * |expected|`, here with the tensor's
 scale: rounding in a TP run is relative to the largest terms, not to each element), so a
@@ -21,6 +22,27 @@ from dataclasses import dataclass, field
 
 import torch
 from tabulate import tabulate
+
+from tplab.core.records import Record
+
+
+@dataclass(frozen=True)
+class GradRow(Record):
+    """One compared tensor of a grad_check report (see the module doc): its name and kind,
+    its largest absolute and relative error, the tolerance it was judged by, the verdict,
+    a note, what it was paired with on the ranks, and for a wrong parameter gradient of a
+    2-D check the mesh dim it comes from (tplab/fsdp_report.py), else None."""
+
+    name: str
+    kind: str
+    max_abs: float
+    max_rel: float
+    tol: float
+    ok: bool
+    note: str = ""
+    pair: str = ""
+    mesh_dim: str | None = None
+
 
 WORDS = {"output": "{name} wrong", "input_grad": "{name} gradient wrong",
          "param_grad": "gradient of {name} wrong",
@@ -46,7 +68,7 @@ def _ratio(value: torch.Tensor, ref: torch.Tensor, sizes: tuple = ()) -> str:
 
 
 def compare(name: str, kind: str, value, ref, atol: float, rtol: float, note: str = "",
-            pair: str = "", sizes: tuple = ()) -> dict:
+            pair: str = "", sizes: tuple = ()) -> GradRow:
     """A report row: `value` (a tensor, or a spread already measured) against `ref`.
     `sizes`: the mesh's group sizes, the only scales the note may blame on a collective."""
     ref = ref.detach() if isinstance(ref, torch.Tensor) else ref
@@ -66,28 +88,25 @@ def compare(name: str, kind: str, value, ref, atol: float, rtol: float, note: st
         max_abs = float(value)
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
     tol = atol + rtol * scale
-    return {"name": name, "kind": kind, "max_abs": max_abs, "max_rel": max_rel, "tol": tol,
-            "ok": max_abs <= tol, "note": note, "pair": pair}
+    return GradRow(name, kind, max_abs, max_rel, tol, max_abs <= tol, note, pair)
 
 
-def unpaired(name: str, note: str) -> dict:
-    return {"name": name, "kind": "unpaired", "max_abs": math.nan, "max_rel": math.nan,
-            "tol": math.nan, "ok": False, "note": note, "pair": ""}
+def unpaired(name: str, note: str) -> GradRow:
+    return GradRow(name, "unpaired", math.nan, math.nan, math.nan, False, note)
 
 
-def unreadable(name: str, note: str) -> dict:
-    return {"name": name, "kind": "unreadable", "max_abs": math.nan, "max_rel": math.nan,
-            "tol": math.nan, "ok": False, "note": note, "pair": ""}
+def unreadable(name: str, note: str) -> GradRow:
+    return GradRow(name, "unreadable", math.nan, math.nan, math.nan, False, note)
 
 
 @dataclass
 class GradCheckReport:
-    """Rows of {name, kind, max_abs, max_rel, tol, ok, note, pair}; `.ok` when every row is
+    """Rows (`GradRow`s: name, kind, max_abs, max_rel, tol, ok, note, pair); `.ok` when every row is
     within its `tol`, atol + rtol * max|that tensor's reference|, and every parameter was
     paired. `notes`: what was
     not compared, and why (buffers, parameters that need no gradient, tied ones)."""
 
-    rows: list[dict]
+    rows: list[GradRow]
     world_size: int
     atol: float | None  # given (absolute), or None: a floor per kind (`floors`)
     rtol: float
@@ -96,7 +115,7 @@ class GradCheckReport:
     notes: list[str] = field(default_factory=list)
     dtype: str = ""  # what the model computes in; the tolerances follow it (tplab.checks.grad)
     floors: dict[str, float] = field(default_factory=dict)  # {row kind: absolute floor}
-    failures: list[dict] = field(init=False)
+    failures: list[GradRow] = field(init=False)
 
     def __post_init__(self):
         self.failures = [r for r in self.rows if not r["ok"]]
@@ -106,7 +125,7 @@ class GradCheckReport:
         return not self.failures
 
     @property
-    def unpaired(self) -> list[dict]:
+    def unpaired(self) -> list[GradRow]:
         return [r for r in self.rows if r["kind"] == "unpaired"]
 
     @property

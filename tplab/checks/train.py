@@ -36,7 +36,7 @@ the first run by rounding alone, and by whatever the optimizer makes of rounding
 `first_bad_step` is the first step whose loss, parameter difference or replica spread is
 outside it; `diverged` says which of the loss, a sharded parameter or a replicated one,
 worst first. Every step's one-device parameters are kept (the ranks compare with each):
-a run that would keep more than MEMORY_LIMIT bytes is refused before it starts.
+a run that would keep more than MEMORY_LIMIT bytes (train_args.py) is refused before it starts.
 
 With `live=True` (the default in a Jupyter kernel, with a Lab) the figure is drawn while
 the ranks train, from one line per step and rank that the ranks print through the lab's
@@ -49,6 +49,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import threading
@@ -58,23 +59,32 @@ import torch
 
 from tplab import rng
 from tplab.checks.grad import state_of
-from tplab.checks.train_args import check_args, check_options
+from tplab.checks.train_args import (
+    bound_memory,
+    check_args,
+    check_options,
+    refuse_non_finite,
+    refuse_torch_dropout,
+)
 from tplab.checks.train_band import FACTOR, noise_band
 from tplab.checks.train_live import LiveTraining, live_default
-from tplab.checks.train_report import TrainReport, diverged
+from tplab.checks.train_report import TrainReport, TrainRow, diverged
 from tplab.core import placements
 from tplab.core.fsdp_layout import refuse_plan_in_simulation, tp_placement
-from tplab.core.pairing import gather
+from tplab.core.pairing import Pair, gather, pair
 from tplab.core.pytrees import map_tensors
 from tplab.errors import LabError
 from tplab.lab.contract import Ranks
+from tplab.layouts import ParamLayout
 from tplab.mesh import MeshShape
-from tplab.plans import parallelizer
+from tplab.plan_check import check_at_first_call
+from tplab.plans import apply_plan, parallelizer
 from tplab.rank.train_step import (
     TrainJob,
     batch_of,
     batch_sum,
     default_step,
+    layout_on_ranks,
     make_training,
     plain_loss,
     step_scheduler,
@@ -131,51 +141,6 @@ def reference_threads(lab: Ranks):
         torch.set_num_threads(before)
 
 
-MEMORY_LIMIT = 2 * 2**30  # bytes of one-device trajectories train_check keeps (see below)
-
-
-def _bound_memory(model, steps: int) -> None:
-    """The ranks compare every step with the one-device parameters of that step, so those
-    of every step are kept (twice: the band's run too). Refuse a run past MEMORY_LIMIT
-    before it starts, saying how many steps fit."""
-    per_step = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    if per_step * (steps + 1) > MEMORY_LIMIT:
-        fit = max(MEMORY_LIMIT // max(per_step, 1) - 1, 1)
-        gib = per_step * (steps + 1) / 2**30
-        raise ValueError(f"train_check: steps={steps} would keep {gib:.3g} GiB of one-device "
-                         f"parameters (every step's, twice: the ranks are "
-                         f"compared with each step), over its limit of "
-                         f"{MEMORY_LIMIT / 2**30:g} GiB; check at most {fit} steps")
-
-
-TORCH_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
-                  torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
-
-
-def _refuse_torch_dropout(lab: Ranks, model) -> None:
-    """tplab.simulate's ranks draw every random op per rank (LocalTensorMode), so torch's
-    own dropout there cannot draw one device's masks: say so, rather than fail a run."""
-    if not lab.in_process:
-        return
-    for name, m in model.named_modules():
-        if isinstance(m, TORCH_DROPOUTS) and m.p > 0 and m.training:
-            raise LabError(f"train_check: {name} is torch's {type(m).__name__}, which draws "
-                           "its mask from the global RNG, and tplab.simulate's ranks draw "
-                           "that per rank. Use tplab.rng.Dropout (region='replicated' outside "
-                           "the TP regions, 'tp' inside them) or check on rank processes "
-                           "(tplab.launch)")
-
-
-def _refuse_non_finite(losses: torch.Tensor) -> None:
-    """A one-device run that overflows has nothing to be compared with: say where."""
-    bad = (~torch.isfinite(losses)).nonzero()
-    if len(bad):
-        i = int(bad[0])
-        raise LabError(f"train_check: the one-device run's loss is {float(losses[i])} at step "
-                       f"{i + 1}: the training itself diverges there, so no run can be "
-                       "compared with it (lower the learning rate, or check fewer steps)")
-
-
 def _describe(model):
     """(weights, {name: shape}, {tied name: the name it shares}, {name: requires_grad})."""
     state = state_of(model)
@@ -199,14 +164,12 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
     shape = MeshShape.of(lab.world_size, dp, tp, who="train_check")
     dp, tp = shape.dp, shape.tp
     model = build_model()
-    _bound_memory(model, steps)
-    _refuse_torch_dropout(lab, model)
-    step_plan = parallelizer(plan, model, tp)  # a PlanError here, before the ranks run
+    bound_memory(model, steps)
+    refuse_torch_dropout(lab, model)
+    step_plan = _checked_plan(plan, model, tp)
     state, shapes, aliases, kinds = _describe(model)
     rng.reference_tracker(model, tp)
-    twin = build_model()
-    twin.load_state_dict(state)
-    rng.reference_tracker(twin, tp)
+    twin = _twin(build_model, state, tp)
     cancel, batches = threading.Event(), []
     start = torch.get_rng_state()  # nn.Dropout's masks: the band's run draws them again
 
@@ -223,7 +186,7 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
                                                   make_optimizer, loss_fn, dp=dp,
                                                   batches=batches, dp_reduction=dp_reduction)
         end = torch.get_rng_state()
-        _refuse_non_finite(ref_losses)
+        refuse_non_finite(ref_losses)
         # The band's run needs nothing from the ranks, nor they from it: with rank
         # processes it runs in a thread of this process while they train (benchmarks/
         # train_check.py); a Simulation computes in this process, so it runs first.
@@ -232,19 +195,60 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
             band.result()
             torch.set_rng_state(end)  # where the ranks' global RNG goes on from
         job = TrainJob(build_model, state, step_plan, make_batch, steps, step, make_optimizer,
-                       loss_fn, shape, ref, shapes, aliases, param_map, False, context,
-                       dp_reduction)
+                       loss_fn, shape, ref, context=context, dp_reduction=dp_reduction)
         try:
+            job, paired = _pair(lab, job, shapes, param_map, aliases)
             results, view = _train_ranks(lab, job, ref_losses, band, live)
         except BaseException:
             cancel.set()
             raise
         band = band.result()
         torch.set_rng_state(end)
-    report = _report(results, ref_losses, ref_sums, ref, band, job, lab.world_size, kinds)
+    report = _report(results, paired, ref_losses, ref_sums, ref, band, job, lab.world_size,
+                     kinds)
     if view is not None:
         view.finish(report)
     return report
+
+
+@dataclasses.dataclass(frozen=True)
+class Paired:
+    """tplab.core.pairing's answer for the ranks' parameters (rank 0's layouts), made here
+    as grad_check makes it: the pairs, what paired with nothing on either side, why a
+    pairing asked for did not fit, and the layout of each parameter on the ranks."""
+
+    pairs: list[Pair]
+    lone_ranks: list[str]
+    lone_ref: list[str]
+    problems: dict[str, str]
+    layout: dict[str, ParamLayout]
+
+
+def _pair(lab: Ranks, job: TrainJob, shapes, param_map, aliases) -> tuple[TrainJob, Paired]:
+    """Pair the ranks' parameters (their layouts: `layout_on_ranks`) with the reference's;
+    (the job carrying the pairs to the ranks, the pairing)."""
+    layout = lab.run(layout_on_ranks, job)[0]
+    paired = Paired(*pair(shapes, layout, job.mesh.tp, param_map, aliases), layout)
+    return dataclasses.replace(job, pairs=tuple(paired.pairs)), paired
+
+
+def _checked_plan(plan, model, tp: int):
+    """The plan checked here once, a PlanError before the ranks run (a dict's layouts at
+    the one-device reference's first call); the `(model, mesh) -> model` the ranks apply
+    unchecked."""
+    step_plan = parallelizer(plan, model, tp)
+    if not isinstance(plan, dict):
+        return step_plan
+    check_at_first_call(model, plan)
+    return functools.partial(apply_plan, plan=plan, checked="layouts")
+
+
+def _twin(build_model, state: dict, tp: int):
+    """The band's one-device model: the reference's weights and dropout streams."""
+    twin = build_model()
+    twin.load_state_dict(state)
+    rng.reference_tracker(twin, tp)
+    return twin
 
 
 def _train_ranks(lab: Ranks, job: TrainJob, ref_losses, band, live):
@@ -267,20 +271,20 @@ def _train_ranks(lab: Ranks, job: TrainJob, ref_losses, band, live):
     return results, view
 
 
-def _report(results, ref_losses, ref_sums, ref, band, job: TrainJob, world, requires_grad):
+def _report(results, paired: Paired, ref_losses, ref_sums, ref, band, job: TrainJob, world,
+            requires_grad):
     _check_batches(results, ref_sums)
     dp, tp = job.mesh.dp, job.mesh.tp
-    first = results[0]
-    pairs = first.pairs
+    pairs = paired.pairs
     names = [p.ranks for p in pairs]
-    sharded = {p.ranks: placements.is_shard(tp_placement(p.placement, first.layout.get(p.ranks)))
+    sharded = {p.ranks: placements.is_shard(tp_placement(p.placement, paired.layout.get(p.ranks)))
                for p in pairs}
     diffs = torch.stack([res.diffs for res in results])  # rank, step, parameter
     steps = len(ref_losses)
     losses = torch.stack([res.losses for res in results])  # rank, step
-    notes = [f"{n}: {why}" for n, why in first.problems.items()]
-    lone = [n for n in first.lone_ref if requires_grad.get(n, True)]
-    unpaired = first.lone_ranks + lone
+    notes = [f"{n}: {why}" for n, why in paired.problems.items()]
+    lone = [n for n in paired.lone_ref if requires_grad.get(n, True)]
+    unpaired = paired.lone_ranks + lone
     spreads = _spreads(results, pairs, ref, tp, steps)
     rows = []
     for i in range(steps + 1):
@@ -298,9 +302,9 @@ def _report(results, ref_losses, ref_sums, ref, band, job: TrainJob, world, requ
                        loss_band=band["loss"][i - 1])
         else:
             row.update(ref_loss=math.nan, losses=[], loss_diff=0.0, loss_band=0.0)
-        row["ok"] = (row["loss_diff"] <= row["loss_band"] and row["param_diff"] <=
-                     row["param_band"] and row["replica_spread"] <= row["param_band"])
-        rows.append(row)
+        ok = (row["loss_diff"] <= row["loss_band"] and row["param_diff"] <= row["param_band"]
+              and row["replica_spread"] <= row["param_band"])
+        rows.append(TrainRow(**row, ok=ok))
     report = TrainReport(rows[1:], world, {"dp": dp, "tp": tp} if dp > 1 else {"tp": tp},
                          noise=_noise_words(band, tp), notes=notes)
     if unpaired:

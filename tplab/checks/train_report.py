@@ -1,10 +1,10 @@
 """The training report: one row per step, the noise band, and what diverged first.
 
-A row (step i = the i-th optimizer step; its loss is the one computed in step i, its
-parameters are the ones after it):
-    {"step", "ref_loss", "losses" (one per rank), "loss_diff", "loss_band",
-     "param_diff", "param" (the parameter furthest from the reference), "param_band",
-     "replica_spread", "spread_param", "ok"}
+A row is a `TrainRow` (a frozen record, read by key as the dicts it replaced: `row["ok"]`;
+step i = the i-th optimizer step; its loss is the one computed in step i, its parameters
+are the ones after it): step, ref_loss, losses (one per rank), loss_diff, loss_band,
+param_diff, param (the parameter furthest from the reference), param_band,
+replica_spread, spread_param, by_kind ({"sharded"/"replicated": (drift, whose)}), ok.
 `loss_diff` is |mean of the dp replicas' losses - the reference's| (the largest over the
 tp ranks of a replica); `param_diff` the largest |parameter - reference| over every
 parameter, its pieces on the ranks paired as grad_check pairs them; `replica_spread` the
@@ -21,11 +21,30 @@ from dataclasses import dataclass, field
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from tplab.core.records import Record
 from tplab.viz.palette import BAD_COLOR, EXACT_COLOR, rank_color, style
 
 KINDS = ("loss", "sharded", "replicated")
 WORDS = {"loss": "the loss", "sharded": "a sharded parameter",
          "replicated": "a replicated parameter"}
+
+
+@dataclass(frozen=True)
+class TrainRow(Record):
+    """One step of a training report (see the module doc)."""
+
+    step: int
+    param_diff: float
+    param: str
+    param_band: float
+    replica_spread: float
+    spread_param: str
+    by_kind: dict
+    ref_loss: float
+    losses: list
+    loss_diff: float
+    loss_band: float
+    ok: bool
 
 
 @dataclass
@@ -34,7 +53,7 @@ class TrainReport:
     outside the band at the first bad step: "loss", "sharded", "replicated", worst first),
     `detail` (a sentence saying it), `noise` (how the band was measured), `figure()`."""
 
-    rows: list[dict]
+    rows: list[TrainRow]
     world_size: int
     mesh_shape: dict
     first_bad_step: int | None = None

@@ -1,10 +1,12 @@
 """Grouping per-rank output: a line printed by every rank is shown once as [ranks 0-3].
-Imports nothing: both sides use it (tplab/rank/runner.py strips colours from tracebacks
-too)."""
+Imports only tplab.errors (format_rank_list, how tplab names ranks): both sides use it
+(tplab/rank/runner.py strips colours from tracebacks too)."""
 
 from __future__ import annotations
 
 import re
+
+from tplab.errors import format_rank_list
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colour codes (IPython's tracebacks)
 
@@ -12,23 +14,6 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal colour codes (IPython's traceba
 def strip_ansi(text: str) -> str:
     """text without terminal colour codes."""
     return ANSI.sub("", text)
-
-
-def format_rank_list(ranks) -> str:
-    """[0, 1, 2, 3] -> "ranks 0-3"; [0, 2] -> "ranks 0,2"; [1] -> "rank 1"."""
-    ranks = sorted(set(ranks))
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    spans, start, prev = [], ranks[0], ranks[0]
-    for r in ranks[1:] + [None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        spans.append(f"{start}-{prev}" if prev - start >= 2 else
-                     ",".join(str(x) for x in range(start, prev + 1)))
-        if r is not None:
-            start = prev = r
-    return "ranks " + ",".join(spans)
 
 
 def print_grouped(texts: dict[int, str], file) -> None:

@@ -40,6 +40,25 @@ def name(p) -> str:
     return repr(p)
 
 
+# torch's terse str() of a placement ("S(0)", "_S(0, 2)", "R", "P(sum)") and its repr
+# ("Shard(dim=0)", "_StridedShard(dim=0, sf=2)") name the same placements as the
+# constructors' spelling ("Shard(0)", "_StridedShard(dim=0, split_factor=2)")
+TERSE = {"S": "Shard", "_S": "_StridedShard", "R": "Replicate", "P": "Partial"}
+
+
+def canonical(p) -> str:
+    """One spelling of a placement written any way torch writes it (object, constructor,
+    repr, str()): the class and its arguments' values, without keywords or spaces."""
+    if not isinstance(p, str):
+        p = name(p)
+    head, paren, args = p.strip().partition("(")
+    head = TERSE.get(head.strip(), head.strip())
+    if not paren:
+        return f"{head}()" if head == "Replicate" else p.strip()
+    values = [a.split("=")[-1].strip() for a in args.rstrip().rstrip(")").split(",")]
+    return f"{head}({','.join(v for v in values if v)})"
+
+
 def parse(text: str) -> tuple[str, int | str | None]:
     """ "Shard(0)", "S(0)", "_S(0, 2)", "_StridedShard(dim=0, ...)" -> ("shard", 0);
     "Replicate()", "R" -> ("replicate", None); "Partial(sum)", "P(sum)" -> ("partial", "sum").

@@ -1,4 +1,4 @@
-"""One validation of the cost model's inputs, as the lab has one (`tplab.lab.validate`).
+"""One validation of the cost model's inputs, as the lab has one (`tplab.lab.arguments`).
 
 Every public function of `tplab.cost` checks its arguments here before it computes anything,
 so that a bad input gives a TypeError (wrong type) or ValueError (wrong value) whose message

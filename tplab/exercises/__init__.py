@@ -36,9 +36,9 @@ from tplab.exercises.feedback import (
     time_bounded,
     too_long,
 )
+from tplab.lab.arguments import check_timeout
 from tplab.lab.contract import Ranks
 from tplab.lab.time_limit import TimeLimitReached
-from tplab.lab.validate import check_timeout
 
 # every exercise's reference solution, and its typical mistakes: those the ranks run
 # (tplab/core/answers/) and those the notebook judges alone (predictions.py)

@@ -15,8 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from tplab.core.output import format_rank_list
-from tplab.errors import CellTimeout, CollectiveHang, LabError, PlanError, RankDied, RankError
+from tplab.errors import (
+    CellTimeout,
+    CollectiveHang,
+    LabError,
+    PlanError,
+    RankDied,
+    RankError,
+    format_rank_list,
+)
 from tplab.lab.contract import Ranks
 
 CHECK_TIMEOUT_S = 10.0  # an answer that waits longer than this in a collective is stuck

@@ -31,25 +31,6 @@ HINTS = ("TP first: wq is ColwiseParallel (rows split over tp), wo RowwiseParall
          "lives on the dp mesh only.",
          "wq: {'dp': '_StridedShard(dim=0, split_factor=2)', 'tp': 'Shard(0)'}; wo: {'dp': "
          "'Shard(0)', 'tp': 'Shard(1)'}; attention_norm: {'dp': 'Shard(0)'}.")
-# torch's terse str() of a placement ("S(0)", "_S(0, 2)", "R", "P(sum)") and its repr
-# ("Shard(dim=0)", "_StridedShard(dim=0, sf=2)") name the same placements as the
-# constructors' spelling ("Shard(0)", "_StridedShard(dim=0, split_factor=2)")
-TERSE = {"S": "Shard", "_S": "_StridedShard", "R": "Replicate", "P": "Partial"}
-
-
-def spelled(p) -> str:
-    """One spelling of a placement written any way torch writes it (object, constructor,
-    repr, str()): the class and its arguments' values, without keywords or spaces."""
-    if not isinstance(p, str):
-        p = placements.name(p)
-    head, paren, args = p.strip().partition("(")
-    head = TERSE.get(head.strip(), head.strip())
-    if not paren:
-        return f"{head}()" if head == "Replicate" else p.strip()
-    values = [a.split("=")[-1].strip() for a in args.rstrip().rstrip(")").split(",")]
-    return f"{head}({','.join(v for v in values if v)})"
-
-
 def check_fsdp_placements(name, answer, lab=None):
     if not isinstance(answer, dict) or set(answer) != set(NAMES):
         raise fail(name, f"the answer is a dict with the keys {', '.join(NAMES)}, each a "
@@ -70,7 +51,7 @@ def check_fsdp_placements(name, answer, lab=None):
                                                   " dp mesh only" if set(want) == {"dp"}
                                                   else ""))
         for dim, placement in want.items():
-            if spelled(said[dim]) != spelled(placement):
+            if placements.canonical(said[dim]) != placements.canonical(placement):
                 why = (": FSDP2 shards dim 0 of the tp rank's piece, a strided shard"
                        if "Strided" in placement else "")
                 raise fail(name, f"{param} on {dim}: you said {said[dim]!r}, the ranks hold "

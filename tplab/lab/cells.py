@@ -14,14 +14,13 @@ import types
 
 import cloudpickle
 
-from tplab.core.output import format_rank_list
-from tplab.errors import LabError, RankError
+from tplab.errors import LabError, RankError, format_rank_list
 from tplab.lab import modules
+from tplab.lab.arguments import check_ranks
 from tplab.lab.cluster import LabProcesses
 from tplab.lab.displays import show_rank_displays
 from tplab.lab.names import RankNames, payload_for_run
 from tplab.lab.results import RankResults
-from tplab.lab.validate import check_ranks
 from tplab.lab.watchdog import Watchdog
 from tplab.rank import runner as rank_side
 

@@ -1,6 +1,6 @@
 """Reading the ranks' reports of where they are: who waits for whom, and in words.
 
-A report (tplab/rank/reports.py `where_now`) says whether a rank computes or waits in a
+A report (tplab/rank/whereabouts.py `where_now`) says whether a rank computes or waits in a
 collective, and how many collectives it has issued on each of its groups. From these:
 - `owed`: collectives that a rank waits in and a peer will never call, because the peer
   finished the cell (or was not asked to run it) with fewer collectives on that group;
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tplab.core.output import format_rank_list
+from tplab.errors import format_rank_list
 
 STALE_S = 1.0  # a report older than this says nothing about the rank now
 

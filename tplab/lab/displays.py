@@ -16,7 +16,7 @@ import json
 from IPython import get_ipython
 from IPython.display import publish_display_data
 
-from tplab.core.output import format_rank_list
+from tplab.errors import format_rank_list
 
 OUTPUTS_WAIT_S = 1.0  # the display messages of a finished cell follow its reply closely
 

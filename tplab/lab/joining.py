@@ -19,6 +19,8 @@ import os
 import socket
 import time
 
+import psutil
+
 from tplab.lab import processes
 from tplab.rank.entry import output_paths
 
@@ -51,7 +53,8 @@ def cores() -> int:
 
 def others_ready_to_run() -> float:
     """How many other processes compete for the cores now: the runnable tasks of
-    /proc/loadavg (less this one), or the one-minute load average where that is all."""
+    /proc/loadavg (less this one; psutil gives the load averages, not this count), or the
+    one-minute load average where that is all."""
     found = 0.0
     try:
         with open("/proc/loadavg") as f:
@@ -76,25 +79,27 @@ def cpu_seconds(pid: int) -> float | None:
     total, known = 0.0, False
     for p in processes.tree([pid]) or [pid]:
         try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            known = True
-        except (OSError, IndexError, ValueError):
+            used = psutil.Process(p).cpu_times()
+        except psutil.Error:
             continue
+        total += used.user + used.system
+        known = True
     return total if known else None
 
 
+STATES = {psutil.STATUS_RUNNING: "running", psutil.STATUS_SLEEPING: "sleeping (waiting)",
+          psutil.STATUS_DISK_SLEEP: "waiting for the disk", psutil.STATUS_ZOMBIE: "exited",
+          psutil.STATUS_STOPPED: "stopped"}
+
+
 def process_state(pid: int) -> str:
-    """'running', 'sleeping' (waiting for something), ... of `pid`, from /proc."""
-    names = {"R": "running", "S": "sleeping (waiting)", "D": "waiting for the disk",
-             "Z": "exited", "T": "stopped"}
+    """'running', 'sleeping (waiting)' (waiting for something), ... of `pid` (psutil's
+    status in words), or 'unknown'."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            code = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        status = psutil.Process(pid).status()
+    except psutil.Error:
         return "unknown"
-    return names.get(code, code)
+    return STATES.get(status, status)
 
 
 class StartWait:

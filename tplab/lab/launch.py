@@ -26,6 +26,12 @@ from tplab.core.output import strip_ansi
 from tplab.errors import CellTimeout, LabError
 from tplab.lab import joining
 from tplab.lab.addresses import address
+from tplab.lab.arguments import (
+    check_launch_args,
+    check_threads,
+    check_timeout,
+    split_cluster_options,
+)
 from tplab.lab.cell_watch import deferred_interrupts
 from tplab.lab.cells import Cells
 from tplab.lab.cluster import LabProcesses, choose_kind
@@ -33,12 +39,6 @@ from tplab.lab.joining import Rendezvous
 from tplab.lab.magics import register_magics
 from tplab.lab.names import RankNames
 from tplab.lab.time_limit import stop_after
-from tplab.lab.validate import (
-    check_launch_args,
-    check_threads,
-    check_timeout,
-    split_cluster_options,
-)
 from tplab.lab.watchdog import Watchdog
 from tplab.rank import network
 from tplab.rank import runner as rank_side

@@ -13,10 +13,9 @@ import weakref
 from IPython import get_ipython
 from IPython.core.displayhook import DisplayHook
 
-from tplab.core.output import format_rank_list
-from tplab.errors import LabError
+from tplab.errors import LabError, format_rank_list
+from tplab.lab.arguments import check_timeout, parse_rank_spec
 from tplab.lab.orphans import check_earlier_labs
-from tplab.lab.validate import check_timeout, parse_rank_spec
 
 _labs: list = []  # weak references, oldest first: the magics must not keep a lab alive
 

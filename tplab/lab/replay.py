@@ -10,7 +10,7 @@ are replayed; otherwise the lab restarts (tplab/lab/watchdog.py).
 
 from __future__ import annotations
 
-from tplab.core.output import format_rank_list
+from tplab.errors import format_rank_list
 
 
 def replays(views, debts) -> dict | None:

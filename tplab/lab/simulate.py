@@ -61,8 +61,8 @@ from tplab.core.output import format_rank_list
 from tplab.core.pytrees import map_leaves
 from tplab.core.transfer import LocalShard, describe_dtensor
 from tplab.errors import LabError, PlanError, RankError, RankPlanError
+from tplab.lab.arguments import check_ranks, check_timeout, check_world_size
 from tplab.lab.time_limit import stop_after
-from tplab.lab.validate import check_ranks, check_timeout, check_world_size
 from tplab.rank import torch_log
 
 

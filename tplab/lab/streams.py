@@ -27,7 +27,7 @@ import time
 import IPython.display
 from IPython import get_ipython
 
-from tplab.core.output import format_rank_list
+from tplab.errors import format_rank_list
 
 WINDOW_S = 0.03  # how long a line waits for the same line from the other ranks
 ALIKE_WINDOW_S = 1.0  # ... from a rank behind in line order, or last shown with it (at least)

@@ -8,7 +8,7 @@ and which of their pids this machine may kill.
   (streams.RankFiles); a death is an exit code, which the launcher keeps.
 - `RemoteTransport`: ranks elsewhere. A pid means nothing here: signals go through
   ipyparallel (the engines' nannies), no pid is killed here, the output is forwarded to
-  this machine (forwarded.py, tplab/rank/forward.py), and a rank whose forwarded stream
+  this machine (relayed_output.py, tplab/rank/output_relay.py), and a rank whose forwarded stream
   closed has ended.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from tplab.lab.forwarded import ForwardedOutput
+from tplab.lab.relayed_output import ForwardedOutput
 from tplab.lab.streams import RankFiles
 
 
@@ -63,7 +63,7 @@ class RemoteTransport:
         self.output = ForwardedOutput()
 
     def output_to(self, listen: str, contact: str, generation: int) -> dict:
-        """Where the ranks forward their output (tplab/rank/forward.py): this machine's
+        """Where the ranks forward their output (tplab/rank/output_relay.py): this machine's
         receiver, taking output from this start of the ranks only."""
         self.output.expect(generation)
         port = self.output.listen(listen)

@@ -52,7 +52,7 @@ class Watchdog:
         self._store = None
 
     def where(self) -> dict[int, dict]:
-        """rank -> the latest report of that rank (see reports.where_now)."""
+        """rank -> the latest report of that rank (see whereabouts.where_now)."""
         found = {}
         if self._store is None:
             return found
@@ -76,7 +76,7 @@ class Watchdog:
 
     def views_now(self, res: RankResults, cell: int) -> dict[int, diagnose.RankView]:
         """What each rank is doing now. Which ranks finished is read before their reports:
-        a rank whose reply came has its final report in the store (reports.end_cell),
+        a rank whose reply came has its final report in the store (whereabouts.end_cell),
         while a report read first and a reply that came just after would pair a finished
         rank with an older, running report, whose lower collective counts look like
         collectives the rank never called (a false mismatch, and a replay that hangs)."""

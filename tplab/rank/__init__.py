@@ -7,9 +7,10 @@ no plotly or ipywidgets (tests/test_imports.py checks, from each module's path).
   send results back); `collectives`: which collectives this rank issued and where it waits;
 - `entry`: `python -m tplab.rank.entry engine|controller|zygote`, the processes a lab starts;
   `stream`: a rank's stdout and stderr (the engine's out_stream_factory);
-- `forward`: `python -m tplab.rank.forward`, a rank's output to the notebook from another host;
+- `output_relay`: `python -m tplab.rank.output_relay`, a rank's output to the notebook from
+  another host;
   `network`: where a rank is reachable; `torch_log`: torch's log of a failed propagation;
-  `reports`: where this rank is, for the notebook's watchdog;
+  `whereabouts`: where this rank is, for the notebook's watchdog;
 - the rank halves of the notebook's checks: `grad_step` (tplab.grad_check), `train_step`
   (tplab.train_check), `explore_step` (the Explorer), `exercise_steps` and `qk_norm_step`
   (the exercises).

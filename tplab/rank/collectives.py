@@ -7,7 +7,7 @@ functional collectives (`funcol.all_reduce`..., which DTensor uses) is wrapped o
 and its arguments' shapes, described at the call so that no tensor is kept (a kept tensor
 would hold its autograd graph, and a checkpoint's recomputed storages, alive): a few
 microseconds per collective, nothing per op. A reporter thread writes where the rank is
-to the rendezvous store (tplab/rank/reports.py), so the notebook can tell, without asking
+to the rendezvous store (tplab/rank/whereabouts.py), so the notebook can tell, without asking
 the busy rank, whether it computes or waits, and in which collective of which group.
 
 When a peer finished a cell without calling a collective that this rank waits in (the

@@ -32,14 +32,14 @@ POLL_S = 0.5
 
 
 def process_start_time(pid: int) -> str | None:
-    """Start time of `pid` in clock ticks since boot (field 22 of /proc/pid/stat), or None.
+    """When `pid` started (psutil's create_time), or None. Comparing it guards against a
+    new process that reused the owner's pid."""
+    # deferred: this module loads before the torch-warming thread starts (see _watch_heartbeat)
+    import psutil
 
-    Comparing it guards against a new process that reused the owner's pid.
-    """
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        return repr(psutil.Process(pid).create_time())
+    except psutil.Error:
         return None
 
 
@@ -75,7 +75,7 @@ def owner_alive(token: str) -> bool:
         return False
     except psutil.Error:
         pass   # AccessDenied: no verdict from its state; the checks below decide
-    if start and os.path.exists("/proc"):
+    if start:
         return process_start_time(pid) == start
     try:
         os.kill(pid, 0)

@@ -1,4 +1,4 @@
-"""Rank side of the Explorer (tplab/widgets.py): the one TP step each control change runs.
+"""Rank side of the Explorer (tplab/checks/explorer.py): the one TP step each control change runs.
 
 `explore_step` builds the chosen model with the notebook's weights, parallelises it by the
 hand-written Megatron path or a DTensor plan, runs forward and backward under

@@ -37,7 +37,7 @@ import tplab
 from tplab import platforms
 from tplab.core.output import strip_ansi
 from tplab.core.transfer import to_wire, unsendable_part
-from tplab.rank import collectives, forward, reports, torch_log
+from tplab.rank import collectives, output_relay, torch_log, whereabouts
 from tplab.rank.collectives import REPORT
 from tplab.rank.entry import STATE_DIR_ENV, output_paths
 
@@ -64,7 +64,7 @@ class Reply:
     names: list[str] | None = None
     shadowed: dict[str, str] = field(default_factory=dict)
     # Ranks elsewhere: (offset, bytes) of what fds 1 and 2 got during the cell, so that the
-    # notebook has it all even when the forwarder (forward.py) is a little behind.
+    # notebook has it all even when the forwarder (output_relay.py) is a little behind.
     output: tuple | None = None
 
 
@@ -127,7 +127,7 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     another launcher started get the names of their launcher's variables that hold it
     (the engine kind's `local_rank`: SLURM_LOCALID, OMPI_COMM_WORLD_LOCAL_RANK...). output_to
     (host, port, key, generation), for ranks whose files the notebook cannot read: where
-    this rank's forwarder (forward.py) sends its output.
+    this rank's forwarder (output_relay.py) sends its output.
     """
     if not isinstance(local_rank, int):
         local_rank = int(next((os.environ[v] for v in local_rank if v in os.environ), 0))
@@ -162,20 +162,20 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
                             **kwargs)
     collectives.note_collectives()
     REPORT.rank, REPORT.store = rank, store
-    REPORT.library_parts = ("<frozen", "threading.py", *reports.package_dirs())
+    REPORT.library_parts = ("<frozen", "threading.py", *whereabouts.package_dirs())
     NAMES.forward_output = output_to is not None
     faulthandler.enable(file=sys.__stderr__, all_threads=False)  # fd 2: the rank's err file
     sys.breakpointhook = _no_breakpoint
     _user_ns().update(rank=rank, world_size=world_size, torch=torch, dist=dist, tplab=tplab)
-    threading.Thread(target=reports.report_loop, daemon=True, name="tplab-reporter").start()
-    reports.report_now()  # a first report: every group's count, for idle ranks
+    threading.Thread(target=whereabouts.report_loop, daemon=True, name="tplab-reporter").start()
+    whereabouts.report_now()  # a first report: every group's count, for idle ranks
     state_dir = os.environ.get(STATE_DIR_ENV) or "/tmp"
     paths = output_paths(state_dir, os.getpid())
     # torch's log of a failed sharding propagation: the rank's own file, not the notebook
     torch_log.route_to_file(paths[1][:-len(".err")] + ".torch.log")
     if output_to is not None and not _FORWARDER:
-        _FORWARDER.append(forward.start(rank, output_to["generation"], output_to["host"],
-                                        output_to["port"], output_to["key"], *paths))
+        _FORWARDER.append(output_relay.start(rank, output_to["generation"], output_to["host"],
+                                             output_to["port"], output_to["key"], *paths))
     return {"pid": os.getpid(), "host": socket.gethostname(), "output": paths}
 
 
@@ -222,7 +222,7 @@ def _run_cell(cell: int, body) -> tuple:
     ns = _user_ns()
     offsets = _offsets()
     reply = Reply(None)
-    issued = reports.begin_cell(cell)
+    issued = whereabouts.begin_cell(cell)
     try:
         reply.value = body(reply)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
@@ -231,7 +231,7 @@ def _run_cell(cell: int, body) -> tuple:
         # The notebook reads finished ranks' collective counts from their last report:
         # end_cell writes one (when the cell changed them, or the reporter wrote a
         # "running" one) before the reply can leave.
-        reports.end_cell(cell, issued)
+        whereabouts.end_cell(cell, issued)
         sys.stdout.flush()
         sys.stderr.flush()
     # A notebook name the cell assigned on the rank (`global x`, x = ... in %%ranks) is

@@ -27,13 +27,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tplab.core import placements
 from tplab.core.fsdp_layout import managed, refuse_in_simulation, tp_view
-from tplab.core.pairing import Pair, pair
+from tplab.core.pairing import Pair
 from tplab.core.pytrees import call_model, leaves, map_tensors
+from tplab.core.rng_streams import rank_free_randomness
 from tplab.layouts import ParamLayout, tp_layout
 from tplab.losses import call_loss, loss_context
 from tplab.mesh import MeshShape, split, tp_group
 from tplab.rank.grad_step import replica_slice, sum_convention
-from tplab.rng import rank_free_randomness
 
 LIVE_PREFIX = "\x1b[8m[tplab-train]"  # concealed: an old terminal shows nothing of it
 LIVE_SUFFIX = "\x1b[0m"
@@ -41,18 +41,12 @@ LIVE_SUFFIX = "\x1b[0m"
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TrainResult:
-    """What one rank's `train_on_ranks` hands the notebook (by pickle). `pairs`,
-    `lone_ranks`, `lone_ref`, `problems`: tplab.core.pairing's answer; `layout`: each paired
-    parameter's ParamLayout (no value); `losses` (step), `batch_sums` (step, 2): the
-    checksums of the batches the rank drew; `diffs` (step 0..steps, paired parameter): how
-    far each local piece is from the reference's; `replicas`: {name: (step 0..steps, ...)}
-    the copies of the parameters every rank of a group should hold alike."""
+    """What one rank's `train_on_ranks` hands the notebook (by pickle): `losses` (step),
+    `batch_sums` (step, 2): the checksums of the batches the rank drew; `diffs` (step
+    0..steps, pair of `TrainJob.pairs`): how far each local piece is from the reference's;
+    `replicas`: {name: (step 0..steps, ...)} the copies of the parameters every rank of a
+    group should hold alike."""
 
-    pairs: list[Pair]
-    lone_ranks: list[str]
-    lone_ref: list[str]
-    problems: dict[str, str]
-    layout: dict[str, ParamLayout]
     losses: torch.Tensor
     batch_sums: torch.Tensor
     diffs: torch.Tensor
@@ -252,11 +246,12 @@ def emit_live(step: int, loss, diffs: dict[str, torch.Tensor], rank: int) -> Non
 @dataclasses.dataclass(frozen=True, eq=False)
 class TrainJob:
     """What train_check sends every rank (by pickle), made and checked in the notebook:
-    the model's builder and initial weights, the plan (`plans.parallelizer`'s function),
-    the user's batches and step, the mesh shape, the one-device run (`reference`: its
-    parameters of every step, or the path of a file holding them), what the ranks pair
-    with (`ref_shapes`, `aliases`, `param_map`), and the options: `context` (a factory of
-    a context manager entered around each step), `dp_reduction` ("mean" or "sum"), `live`."""
+    the model's builder and initial weights, the plan (applied unchecked: checked in the
+    notebook), the user's batches and step, the mesh shape, the one-device run
+    (`reference`: its parameters of every step, or the path of a file holding them), the
+    pairs of the ranks' parameters with it (made in the notebook from `layout_on_ranks`'
+    answer, tplab.core.pairing), and the options: `context` (a factory of a context
+    manager entered around each step), `dp_reduction` ("mean" or "sum"), `live`."""
 
     build_model: Callable
     state: dict
@@ -268,27 +263,42 @@ class TrainJob:
     loss_fn: Callable | None
     mesh: MeshShape
     reference: object
-    ref_shapes: dict[str, tuple]
-    aliases: dict[str, str]
-    param_map: dict | None = None
+    pairs: tuple[Pair, ...] = ()
     live: bool = False
     context: Callable | None = None
     dp_reduction: str = "mean"
 
 
-def train_on_ranks(job: TrainJob) -> TrainResult:
-    """Rank side: build, load the notebook's weights, parallelise, then `steps` of the
-    user's step; see the module doc. Returns losses, batch checksums, per-step parameter
-    differences (by the ranks' parameter names) and the replicated parameters' copies."""
-    mesh, dp = job.mesh.make(), job.mesh.dp
-    reference = job.reference
-    if isinstance(reference, str):
-        reference = torch.load(reference, mmap=True, weights_only=True)
+def parallel_model(job: TrainJob, mesh):
+    """Build, load the notebook's weights, parallelise: the model the ranks train."""
     model = job.build_model()
     model.load_state_dict(job.state)
     per_rank_parameters(model)
     model = job.plan(model, mesh)
     refuse_in_simulation(model)
+    return model
+
+
+def layout_on_ranks(job: TrainJob) -> dict[str, ParamLayout]:
+    """Before training: the parallel model's parameters as `tp_layout` describes them (no
+    values), which the notebook pairs with the reference's. Built under `fork_rng`, so
+    that the global RNG the training draws from goes on as if this had not run."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        model = parallel_model(job, job.mesh.make())
+        return {n: dataclasses.replace(i, value=None)
+                for n, i in tp_layout(model, of="param").items()}
+
+
+def train_on_ranks(job: TrainJob) -> TrainResult:
+    """Rank side: build, load the notebook's weights, parallelise, then `steps` of the
+    user's step; see the module doc. Returns losses, batch checksums, per-step parameter
+    differences (one per pair of `job.pairs`) and the replicated parameters' copies."""
+    mesh, dp = job.mesh.make(), job.mesh.dp
+    reference = job.reference
+    if isinstance(reference, str):
+        reference = torch.load(reference, mmap=True, weights_only=True)
+    model = parallel_model(job, mesh)
     if job.dp_reduction == "sum":
         sum_convention(model)
     if dp > 1:
@@ -296,8 +306,7 @@ def train_on_ranks(job: TrainJob) -> TrainResult:
     optimizer, scheduler = make_training(job.make_optimizer, model.parameters())
     described = {n: dataclasses.replace(i, value=None)
                  for n, i in tp_layout(model, of="param").items()}
-    pairs, lone_ranks, lone_ref, problems = pair(job.ref_shapes, described, job.mesh.tp,
-                                                 job.param_map, job.aliases)
+    pairs = list(job.pairs)
     drift = Drift(model, pairs, described, reference, mesh, dp)
     losses, sums = [], []
     user_step = job.step or (lambda m, o, b: default_step(m, o, b, job.loss_fn))
@@ -316,7 +325,6 @@ def train_on_ranks(job: TrainJob) -> TrainResult:
             emit_live(i + 1, losses[-1], drift.diffs[-1], rank)
     names = [p.ranks for p in pairs]
     return TrainResult(
-        pairs, lone_ranks, lone_ref, problems, {n: described[n] for n in names},
         torch.stack(losses) if losses else torch.zeros(0),
         torch.stack(sums) if sums else torch.zeros(0, 2, dtype=torch.float64),
         torch.stack([torch.stack([d[n] for n in names]) if names else torch.zeros(0)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from tplab.core import placements
 from tplab.layouts import tp_layout
-from tplab.megatron import tp_group
+from tplab.mesh import tp_group
 
 
 def find_mesh(model: torch.nn.Module):

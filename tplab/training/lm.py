@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tplab import models
-from tplab.rng import Dropout, RNGTracker
+from tplab.core.rng_streams import Dropout, RNGTracker
 
 
 class DropoutFeedForward(models.FeedForward):

@@ -18,7 +18,7 @@ What a lab asks of its kind (tplab/lab/cluster.py calls these, and nothing else 
 - `local_pids(engine_set)`: local processes the lab may kill (never a pid elsewhere);
 - `transport()`: how the running ranks are reached (tplab/lab/transports.py): a
   LocalTransport (pids of this machine: signals by pid, output files read here) or a
-  RemoteTransport (output forwarded, tplab/rank/forward.py; interrupts through ipyparallel);
+  RemoteTransport (output forwarded, tplab/rank/output_relay.py; interrupts through ipyparallel);
 - `check(engine_set, remote, state_dir)`: a start failure, said with the fix;
 - `stop(engine_sets)`: end what runs elsewhere (ssh engines, batch jobs).
 """

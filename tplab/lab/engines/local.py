@@ -11,10 +11,10 @@ import psutil
 
 from tplab.errors import LabError
 from tplab.lab import processes
+from tplab.lab.arguments import MAX_LOCAL_RANKS, RANK_MEMORY_GIB, gpu_count, resolve_backend
 from tplab.lab.engines.kind import EngineKind
 from tplab.lab.joining import Rendezvous
 from tplab.lab.transports import LocalTransport
-from tplab.lab.validate import MAX_LOCAL_RANKS, RANK_MEMORY_GIB, gpu_count, resolve_backend
 
 
 class LocalKind(EngineKind):

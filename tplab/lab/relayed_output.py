@@ -1,4 +1,4 @@
-"""Output forwarded by ranks on other hosts: notebook side of tplab/rank/forward.py.
+"""Output forwarded by ranks on other hosts: notebook side of tplab/rank/output_relay.py.
 
 `ForwardedOutput` listens on the lab's address; each rank's forwarder connects, says who
 it is (with the lab's key), and sends what the rank writes to fds 1 and 2, with the byte
@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 
-from tplab.rank.forward import ENDED, FRAME
+from tplab.rank.output_relay import ENDED, FRAME
 
 TAIL_BYTES = 65536
 STREAMS = ("stdout", "stderr")

@@ -1,11 +1,11 @@
 """Forwarding a rank's output to the notebook, for ranks on other hosts: rank side (runs
-as `python -m tplab.rank.forward`, a child of the rank; imports nothing from the notebook
+as `python -m tplab.rank.output_relay`, a child of the rank; imports nothing from the notebook
 side, nor torch: it starts in a few tens of milliseconds).
 
 A rank's fds 1 and 2 point at two files of its own (tplab/rank/entry.py); on the notebook's
 machine the notebook reads them as they grow (tplab/lab/streams.py). A rank elsewhere
 starts this forwarder instead: it reads the same two files as they grow and sends what is
-new to the notebook over one TCP connection (tplab/lab/forwarded.py), every POLL_S. It is
+new to the notebook over one TCP connection (tplab/lab/relayed_output.py), every POLL_S. It is
 a process of its own so that a rank that hangs, crashes or is interrupted loses nothing:
 when the rank is gone (its parent changed) it sends the files' last bytes, then an
 "ended" frame, and exits. The connection opens with the lab's key (a random secret sent
@@ -38,7 +38,7 @@ def start(rank: int, generation: int, host: str, port: int, key: str, out_path: 
             "files": [out_path, err_path], "parent": os.getpid()}
     log = os.path.join(os.path.dirname(out_path), f"{os.getpid()}.forward.log")
     with open(log, "ab") as f:  # never fds 1 and 2: they are what is forwarded
-        return subprocess.Popen([sys.executable, "-m", "tplab.rank.forward", json.dumps(spec)],
+        return subprocess.Popen([sys.executable, "-m", "tplab.rank.output_relay", json.dumps(spec)],
                                 stdin=subprocess.DEVNULL, stdout=f, stderr=f,
                                 env={**os.environ, KEY_ENV: key}, close_fds=True)
 
