@@ -25,7 +25,7 @@ import sys
 import torch
 
 from tplab.core import placements
-from tplab.parallel_styles import REPLICATED_GRAD_RULE
+from tplab.parallel_styles.weights import REPLICATED_GRAD_RULE
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TPLAB = os.path.dirname(os.path.abspath(__file__)) + os.sep  # tplab/

@@ -30,9 +30,22 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from tplab import parallel_styles as ps
 from tplab.errors import PlanError
 from tplab.mesh import tp_mesh
+from tplab.parallel_styles.activations import (
+    AllReduceOutput,
+    MlaKvAProj,
+    MoEExperts,
+    PackedColwise,
+    ScaleInput,
+)
+from tplab.parallel_styles.weights import (
+    LocalParams,
+    ReplicatedGradAllReduce,
+    ShardParameters,
+    Styles,
+    packed_placement,
+)
 from tplab.plan_check.fit import check_vocab
 
 # transformers' style name -> a torch DTensor style for a module (None: nothing to plan)
@@ -148,9 +161,9 @@ def _param_placement(style: str, p: torch.Tensor, name: str):
     if style in ("rowwise", "rowwise_rep", "rowwise_split_input"):
         return Replicate() if name == "bias" or p.ndim == 1 else Shard(p.ndim - 1)
     if style == "packed_colwise":
-        return ps.packed_placement(max(p.ndim - 2, 0), 2)
+        return packed_placement(max(p.ndim - 2, 0), 2)
     if style == "packed_rowwise":
-        return Replicate() if p.ndim == 1 else ps.packed_placement(p.ndim - 1, 2)
+        return Replicate() if p.ndim == 1 else packed_placement(p.ndim - 1, 2)
     if style == "embedding_rowwise":
         return Shard(0)
     if style == "embedding_colwise":
@@ -162,23 +175,23 @@ def _module_style(style: str, config):
     if style in _TORCH_STYLES:
         return _TORCH_STYLES[style]()
     if style == "replicated_with_grad_allreduce":
-        return ps.ReplicatedGradAllReduce()
+        return ReplicatedGradAllReduce()
     if style == "packed_colwise":
-        return ps.PackedColwise()
+        return PackedColwise()
     if style == "moe_tp_experts":
-        return ps.MoEExperts()
+        return MoEExperts()
     if style == "all_reduce":
-        return ps.AllReduceOutput()
+        return AllReduceOutput()
     if style == "moe_identity_expert":
-        return ps.ScaleInput()
+        return ScaleInput()
     if style == "local_params":
-        return ps.LocalParams()
+        return LocalParams()
     if style == "mla_kv_a_proj":
         rope = getattr(config, "qk_rope_head_dim", None)
         if rope is None:
             raise PlanError(f"{type(config).__name__}: mla_kv_a_proj needs qk_rope_head_dim "
                             "in the config")
-        return ps.MlaKvAProj(rope)
+        return MlaKvAProj(rope)
     raise AssertionError(style)
 
 
@@ -305,10 +318,10 @@ def _translate(published: dict, tree, config) -> dict:
         modules.setdefault(module_key, [])
     plan = {}
     for key, names in modules.items():
-        styles = [ps.ShardParameters(params[key])] if key in params else []
+        styles = [ShardParameters(params[key])] if key in params else []
         styles += [s for s in (_module_style(n, config) for n in names) if s is not None]
         if styles:
-            plan[key] = styles[0] if len(styles) == 1 else ps.Styles(*styles)
+            plan[key] = styles[0] if len(styles) == 1 else Styles(*styles)
     return plan
 
 

@@ -12,7 +12,9 @@ import numbers
 from dataclasses import dataclass, field
 
 import tplab
-from tplab import cost, models
+from tplab import models
+from tplab.cost.collectives import collective_terms, collective_time
+from tplab.cost.hardware import HARDWARE
 from tplab.cost.lab_models import lab_memory
 from tplab.exercises import checks, fsdp_placements, qk_norm
 from tplab.exercises.feedback import fail, fmt_counts
@@ -118,9 +120,9 @@ def _predict_cost(name, answer, lab=None):
         missing = f" (it lacks {', '.join(lacks)})" if lacks else ""
         raise fail(name, f'the answer is a dict {{"bytes": ..., "seconds": ...}}, not {answer!r}'
                          + missing)
-    nbytes, n, hw = 1 * 4096 * 8192 * 2, 8, cost.HARDWARE["H100 SXM"]
+    nbytes, n, hw = 1 * 4096 * 8192 * 2, 8, HARDWARE["H100 SXM"]
     sent = 2 * (n - 1) / n * nbytes
-    seconds = cost.collective_time("all_reduce", nbytes, n, hw)
+    seconds = collective_time("all_reduce", nbytes, n, hw)
     b = _number(name, answer, "bytes", "the bytes each GPU sends")
     if not math.isclose(b, sent, rel_tol=0.01):
         ratio = b / sent if sent else float("inf")
@@ -134,7 +136,7 @@ def _predict_cost(name, answer, lab=None):
                          f"(yours is {ratio:.2f}x that): {hint}")
     s = _number(name, answer, "seconds", "the all-reduce's time in seconds")
     if not math.isclose(s, seconds, rel_tol=0.05):
-        latency, transfer = cost.collective_terms("all_reduce", nbytes, n, hw)
+        latency, transfer = collective_terms("all_reduce", nbytes, n, hw)
         raise fail(name, f"seconds: you said {s * 1e6:.1f} us, the model says "
                          f"{seconds * 1e6:.1f} us = {latency * 1e6:.1f} us of latency "
                          f"({hw.intra.base_latency * 1e6:.1f} us per call + 2 (n-1) steps x "
