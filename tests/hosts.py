@@ -186,6 +186,7 @@ class Slurm:
         self.tmp = tempfile.mkdtemp(prefix="tplab-slurm-")
         self.cpus = cpus
         self.pids: list[int] = []
+        self.procs: list[subprocess.Popen] = []  # waited for at stop: no zombie is left
         self.conf = os.path.join(self.tmp, "slurm.conf")
         self.env = {"SLURM_CONF": self.conf}
         self.munge_dir = ""
@@ -219,6 +220,7 @@ class Slurm:
              f"--seed-file={munge_dir}/seed"],
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(munge_dir, "munged.log"), "w"))
         self.pids.append(munged.pid)
+        self.procs.append(munged)
         _wait_file(socket_path, 10)
         import psutil
 
@@ -255,6 +257,7 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
             proc = subprocess.Popen([which(daemon), "-D", "-f", self.conf], env=env,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             self.pids.append(proc.pid)
+            self.procs.append(proc)
         deadline = time.monotonic() + 30
         while "idle" not in self.sinfo():
             if time.monotonic() > deadline or not all(alive([p]) for p in self.pids):
@@ -310,6 +313,11 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubsc
         for pid in wait_gone(steps, 10):
             _kill(pid)
         wait_gone(steps, 5)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         shutil.rmtree(self.tmp, ignore_errors=True)
         shutil.rmtree(self.munge_dir, ignore_errors=True)
 
