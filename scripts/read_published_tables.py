@@ -3,15 +3,19 @@
     python scripts/read_published_tables.py llm-foundry /path/to/llm-foundry.git
     python scripts/read_published_tables.py torchtitan-memory /path/to/torchtitan.git
     python scripts/read_published_tables.py megatron-bridge /path/to/Megatron-Bridge.git
+    python scripts/read_published_tables.py dgxc /path/to/dgxc-benchmarking.git
 
 Each row keeps the table it is read from and its line in the file; nothing is typed by hand.
 The files it writes are what `tplab.cost.published` loads (no download at run time).
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from tplab import cost
 
 DATA = Path(__file__).resolve().parents[1] / "tplab" / "cost" / "data"
 FOUNDRY_COMMIT = "495218376830947dce625efabc4d86be7c47cc45"   # the README's last change
@@ -29,6 +33,14 @@ BRIDGE_SYSTEMS = {"DGX-GB200": "GB200 NVL72", "DGX-B200": "B200", "DGX-H100": "H
 BRIDGE_MODELS = {"LLAMA3_8B": "Llama-3 8B", "LLAMA3_70B": "Llama-3 70B",
                  "LLAMA3.1_405B": "Llama-3.1 405B"}
 BRIDGE_PRECISIONS = {"FP8-CS": "fp8", "FP8": "fp8", "BF16": "bf16"}
+
+# dgxc-benchmarking's llama3.1 README printed measured step times in the releases below (later
+# releases print configurations only, and an illustrative `llmb-run jobs` listing).
+DGXC_FILE = "llama3.1/README.md"
+DGXC_RELEASES = {"85380ff": ("v25.04.01", "H100 SXM", "25.02.01"),
+                 "68eaf7e": ("v25.05", "GB200 NVL72", "25.04.01")}
+DGXC_MODELS = {"8b": "Llama-3 8B", "70b": "Llama-3 70B", "405b": "Llama-3.1 405B",
+               "405b-Proxy": "Llama-3.1 405B"}
 
 
 def show(git_dir: str, commit: str, path: str) -> list[str]:
@@ -148,6 +160,95 @@ def megatron_bridge(git_dir: str) -> None:
     print(f"Megatron-Bridge: {len(rows)} rows")
 
 
+def cells_of(text: str) -> list[str]:
+    return [c.strip() for c in text.strip().strip("|").split("|")]
+
+
+def dgxc_tables(lines: list[str]) -> tuple[list[dict], list[tuple[str, str, list, int]]]:
+    """The launch-configuration rows (dicts by header) and the measured tables
+    (size, precision, [(gpus, step seconds)], line) of one release's README."""
+    configs, times, header, title = [], [], None, None
+    for i, text in enumerate(lines, 1):
+        if not text.startswith("|"):
+            header = title = None
+            continue
+        cells = cells_of(text)
+        if cells[0] in ("Size", "GPUs"):
+            header = cells
+        elif header and not cells[0].startswith("-"):
+            configs.append(dict(zip(header, cells, strict=False)))
+        elif cells[0].startswith("Llama"):
+            title = cells
+        elif title and cells[0].startswith("Training step time"):
+            size, precision = title[0].split()[-2:]
+            gpus = [int(t.split("x")[0]) for t in title[1:] if t]
+            steps = [float(c) for c in cells[1:] if c]
+            times.append((size, precision, list(zip(gpus, steps, strict=False)), i, []))
+        elif title and cells[0].startswith("Throughput in tokens per second"):
+            times[-1][4].extend(float(c) for c in cells[1:] if c)
+    return configs, times
+
+
+def dgxc_config(configs: list[dict], size: str, precision: str, gpus: int) -> dict:
+    """The launch row for (size, precision, GPUs): a row printed 'BF16/FP8' holds both."""
+    for c in configs:
+        if (int(c["GPUs"]) == gpus and c.get("Size", size).startswith(size)
+                and precision in c.get("Precision", precision).split("/")):
+            return c
+    raise ValueError(f"dgxc: no launch row for {size} {precision} on {gpus} GPUs")
+
+
+def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: tuple) -> dict:
+    release, hardware, container, line = where
+    name = DGXC_MODELS[c.get("Size", size)]
+    layers, seq, gbs = int(c["Layers"]), int(c["SeqLen"]), int(c["GBS"])
+    model: str | dict = name
+    if layers != cost.MODELS[name].layers:      # a proxy: the model with fewer layers
+        model = dataclasses.asdict(dataclasses.replace(
+            cost.MODELS[name], layers=layers, name=f"{name} proxy ({layers} layers)"))
+    return {"where": f"{release} {hardware} table, {c.get('Size', size)} {precision} on "
+            f"{gpus} GPUs", "line": line, "commit": commit_of(release), "release": release,
+            "container": f"nvcr.io/nvidia/nemo:{container}", "model": model,
+            "hardware": hardware, "gpus": gpus, "tp": int(c["TP"]), "pp": int(c["PP"]),
+            "vpp": 1 if c["VP"] in ("NA", "n/a") else int(c["VP"]), "cp": int(c["CP"]),
+            "micro_batch": int(c["MBS"]), "global_batch": gbs, "seq_len": seq,
+            "recompute": "none", "sharding": "fsdp" if c.get("FSDP", "0") not in ("0", "False")
+            else "zero1", "precision": precision.lower(), "stack": "megatron-bridge",
+            "printed": f"{step} s per step", "measured": round(seq * gbs / (step * gpus), 4),
+            "assumed": ["recompute none"] + (["FP8 delayed scaling as fp8"]
+                                             if precision == "FP8" else [])}
+
+
+RELEASE_COMMITS: dict[str, str] = {}
+
+
+def commit_of(release: str) -> str:
+    return RELEASE_COMMITS[release]
+
+
+def dgxc(git_dir: str) -> None:
+    rows = []
+    for short, (release, hardware, container) in DGXC_RELEASES.items():
+        RELEASE_COMMITS[release] = subprocess.run(
+            ["git", "-C", git_dir, "rev-parse", short], check=True, capture_output=True,
+            text=True).stdout.strip()
+        configs, times = dgxc_tables(show(git_dir, short, DGXC_FILE))
+        for size, precision, steps, line, throughputs in times:
+            for (gpus, step), tps in zip(steps, throughputs, strict=True):
+                c = dgxc_config(configs, size, precision, gpus)
+                rows.append(dgxc_row(c, size, precision, gpus, step,
+                                     (release, hardware, container, line))
+                            | {"printed_tokens_per_s": tps})
+    dump(DATA / "dgxc.json", {
+        "source": "NVIDIA/dgxc-benchmarking llama3.1/README.md",
+        "repository": "NVIDIA/dgxc-benchmarking", "commit": RELEASE_COMMITS["v25.05"],
+        "file": DGXC_FILE, "tables": "every 'Training step time (seconds per step)' table of "
+        "llama3.1/README.md in v25.04.01 (H100; NeMo 25.02.01) and v25.05 (GB200; NeMo "
+        "25.04.01), each with its launch row from the same file; each row names its commit. "
+        "Later releases print configurations only"}, rows)
+    print(f"dgxc: {len(rows)} rows")
+
+
 if __name__ == "__main__":
     {"llm-foundry": llm_foundry, "torchtitan-memory": torchtitan_memory,
-     "megatron-bridge": megatron_bridge}[sys.argv[1]](sys.argv[2])
+     "megatron-bridge": megatron_bridge, "dgxc": dgxc}[sys.argv[1]](sys.argv[2])
