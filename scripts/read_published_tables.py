@@ -36,11 +36,15 @@ BRIDGE_PRECISIONS = {"FP8-CS": "fp8", "FP8": "fp8", "BF16": "bf16"}
 
 # dgxc-benchmarking's llama3.1 README printed measured step times in the releases below (later
 # releases print configurations only, and an illustrative `llmb-run jobs` listing).
+# (release commit, file): release, system, NeMo container (each recipe's launch.sh FW_VERSION)
 DGXC_FILE = "llama3.1/README.md"
-DGXC_RELEASES = {"85380ff": ("v25.04.01", "H100 SXM", "25.02.01"),
-                 "68eaf7e": ("v25.05", "GB200 NVL72", "25.04.01")}
+DGXC_READS = {("85380ff", "llama3.1/README.md"): ("v25.04.01", "H100 SXM", "25.02.01"),
+              ("85380ff", "nemo_megatron/README_175b.md"): ("v25.04.01", "H100 SXM", "24.12"),
+              ("85380ff", "nemotron/README.md"): ("v25.04.01", "H100 SXM", "25.02.01"),
+              ("68eaf7e", "llama3.1/README.md"): ("v25.05", "GB200 NVL72", "25.04.01")}
 DGXC_MODELS = {"8b": "Llama-3 8B", "70b": "Llama-3 70B", "405b": "Llama-3.1 405B",
-               "405b-Proxy": "Llama-3.1 405B"}
+               "405b-Proxy": "Llama-3.1 405B", "175b": "GPT-3 175B",
+               "15b": None, "340b": None}    # Nemotron-4: no cost.MODELS shape, kept unscored
 
 
 def show(git_dir: str, commit: str, path: str) -> list[str]:
@@ -169,7 +173,7 @@ def dgxc_tables(lines: list[str]) -> tuple[list[dict], list[tuple[str, str, list
     (size, precision, [(gpus, step seconds)], line) of one release's README."""
     configs, times, header, title = [], [], None, None
     for i, text in enumerate(lines, 1):
-        if not text.startswith("|"):
+        if "|" not in text or not (text.startswith("|") or title):   # nemotron: no lead |
             header = title = None
             continue
         cells = cells_of(text)
@@ -177,10 +181,13 @@ def dgxc_tables(lines: list[str]) -> tuple[list[dict], list[tuple[str, str, list
             header = cells
         elif header and not cells[0].startswith("-"):
             configs.append(dict(zip(header, cells, strict=False)))
-        elif cells[0].startswith("Llama"):
+        elif cells[0].startswith(("Llama", "NeMo Megatron", "Nemotron")):
             title = cells
         elif title and cells[0].startswith("Training step time"):
             size, precision = title[0].split()[-2:]
+            sizes = {c.get("Size") for c in configs}
+            if size not in sizes and len(sizes) == 1:     # "NeMo Megatron BF16": one size
+                size = sizes.pop() or size
             gpus = [int(t.split("x")[0]) for t in title[1:] if t]
             steps = [float(c) for c in cells[1:] if c]
             times.append((size, precision, list(zip(gpus, steps, strict=False)), i, []))
@@ -198,54 +205,61 @@ def dgxc_config(configs: list[dict], size: str, precision: str, gpus: int) -> di
     raise ValueError(f"dgxc: no launch row for {size} {precision} on {gpus} GPUs")
 
 
+def dgxc_batch(c: dict) -> tuple[int, list[str]]:
+    """The global batch: MBS x DP x GA where the printed GBS disagrees with that product
+    (nemo_megatron's 175B on 512 GPUs prints 1204 with DP 16, GA 64, MBS 1; its printed
+    throughput, 2048 x 1024 / 8.42, is the product's), noted as read."""
+    gbs, product = int(c["GBS"]), int(c["MBS"]) * int(c["DP"]) * int(c["GA"])
+    if gbs == product:
+        return gbs, []
+    return product, [f"GBS {product} = MBS x DP x GA (printed {gbs})"]
+
+
 def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: tuple) -> dict:
-    release, hardware, container, line = where
+    release, hardware, container, line, commit, file = where
     name = DGXC_MODELS[c.get("Size", size)]
-    layers, seq, gbs = int(c["Layers"]), int(c["SeqLen"]), int(c["GBS"])
-    model: str | dict = name
-    if layers != cost.MODELS[name].layers:      # a proxy: the model with fewer layers
+    layers, seq = int(c["Layers"]), int(c["SeqLen"])
+    gbs, notes = dgxc_batch(c)
+    model: str | dict | None = name
+    if name and layers != cost.MODELS[name].layers:    # a proxy: the model, fewer layers
         model = dataclasses.asdict(dataclasses.replace(
             cost.MODELS[name], layers=layers, name=f"{name} proxy ({layers} layers)"))
     return {"where": f"{release} {hardware} table, {c.get('Size', size)} {precision} on "
-            f"{gpus} GPUs", "line": line, "commit": commit_of(release), "release": release,
+            f"{gpus} GPUs", "line": line, "commit": commit, "file": file, "release": release,
             "container": f"nvcr.io/nvidia/nemo:{container}", "model": model,
+            "printed_model": f"{file.split('/')[0]} {c.get('Size', size)}",
             "hardware": hardware, "gpus": gpus, "tp": int(c["TP"]), "pp": int(c["PP"]),
             "vpp": 1 if c["VP"] in ("NA", "n/a") else int(c["VP"]), "cp": int(c["CP"]),
             "micro_batch": int(c["MBS"]), "global_batch": gbs, "seq_len": seq,
             "recompute": "none", "sharding": "fsdp" if c.get("FSDP", "0") not in ("0", "False")
             else "zero1", "precision": precision.lower(), "stack": "megatron-bridge",
             "printed": f"{step} s per step", "measured": round(seq * gbs / (step * gpus), 4),
-            "assumed": ["recompute none"] + (["FP8 delayed scaling as fp8"]
-                                             if precision == "FP8" else [])}
-
-
-RELEASE_COMMITS: dict[str, str] = {}
-
-
-def commit_of(release: str) -> str:
-    return RELEASE_COMMITS[release]
+            "assumed": ["recompute none"] + notes + (["FP8 delayed scaling as fp8"]
+                                                     if precision == "FP8" else [])}
 
 
 def dgxc(git_dir: str) -> None:
-    rows = []
-    for short, (release, hardware, container) in DGXC_RELEASES.items():
-        RELEASE_COMMITS[release] = subprocess.run(
+    rows, commits = [], {}
+    for (short, file), (release, hardware, container) in DGXC_READS.items():
+        commits[release] = subprocess.run(
             ["git", "-C", git_dir, "rev-parse", short], check=True, capture_output=True,
             text=True).stdout.strip()
-        configs, times = dgxc_tables(show(git_dir, short, DGXC_FILE))
+        configs, times = dgxc_tables(show(git_dir, short, file))
         for size, precision, steps, line, throughputs in times:
             for (gpus, step), tps in zip(steps, throughputs, strict=True):
                 c = dgxc_config(configs, size, precision, gpus)
-                rows.append(dgxc_row(c, size, precision, gpus, step,
-                                     (release, hardware, container, line))
+                where = (release, hardware, container, line, commits[release], file)
+                rows.append(dgxc_row(c, size, precision, gpus, step, where)
                             | {"printed_tokens_per_s": tps})
     dump(DATA / "dgxc.json", {
-        "source": "NVIDIA/dgxc-benchmarking llama3.1/README.md",
-        "repository": "NVIDIA/dgxc-benchmarking", "commit": RELEASE_COMMITS["v25.05"],
+        "source": "NVIDIA/dgxc-benchmarking recipe READMEs",
+        "repository": "NVIDIA/dgxc-benchmarking", "commit": commits["v25.05"],
         "file": DGXC_FILE, "tables": "every 'Training step time (seconds per step)' table of "
         "llama3.1/README.md in v25.04.01 (H100; NeMo 25.02.01) and v25.05 (GB200; NeMo "
-        "25.04.01), each with its launch row from the same file; each row names its commit. "
-        "Later releases print configurations only"}, rows)
+        "25.04.01), nemo_megatron/README_175b.md (GPT-3 175B; NeMo 24.12) and "
+        "nemotron/README.md (Nemotron-4 15B, 340B: no cost.MODELS shape, kept unscored) in "
+        "v25.04.01, each with its launch row from the same file; each row names its commit "
+        "and file. Later releases print configurations only"}, rows)
     print(f"dgxc: {len(rows)} rows")
 
 
