@@ -28,7 +28,6 @@ FOUNDRY_PRECISIONS = {"amp_bf16": "bf16", "bf16": "bf16", "amp_fp8": "fp8"}
 TITAN_COMMIT = "eaea6f6"
 BRIDGE_COMMIT = "4ab94dfad"        # docs/performance-summary-archive.md's last change read
 BRIDGE_FILE = "docs/performance-summary-archive.md"
-BRIDGE_CONTAINERS = ("## 26.02 NeMo Container", "## 25.11 NeMo Container")
 BRIDGE_SYSTEMS = {"DGX-GB200": "GB200 NVL72", "DGX-B200": "B200", "DGX-H100": "H100 SXM"}
 BRIDGE_MODELS = {"LLAMA3_8B": "Llama-3 8B", "LLAMA3_70B": "Llama-3 70B",
                  "LLAMA3.1_405B": "Llama-3.1 405B"}
@@ -118,10 +117,12 @@ def bridge_row(container: str, heading: str, cells: dict, line: int) -> dict:
     """One row of a Megatron-Bridge pre-training table; `model`, `hardware` or
     `precision` None where the library has no name for what it prints (MoE models,
     GB300/B300 systems, MXFP8/NVFP4): kept, and left out by `published.exclusion`."""
+    # "FP8-CS (FP8-MX)", "64 (0)": a second configuration in parentheses; the first is read
+    # in every cell, the throughput's first figure with it; footnote marks dropped
+    cells = {k: v if k in ("Model", "System") else v.split(" (")[0].split("[^")[0].strip()
+             for k, v in cells.items()}
     system, model = cells.get("System", heading), cells.get("Model", heading)
     precision, tps = cells["Precision"], cells["Tokens / sec / GPU"]
-    if "(" in precision:              # "FP8-CS (FP8-MX)": the first figure is FP8-CS's
-        precision, tps = precision.split(" (")[0], tps.split(" (")[0]
     vp = cells["VP"]
     return {"where": f"{container} container, {system}, {model} {precision}", "line": line,
             "model": BRIDGE_MODELS.get(model), "printed_model": model,
@@ -130,7 +131,7 @@ def bridge_row(container: str, heading: str, cells: dict, line: int) -> dict:
             "vpp": 1 if vp == "n/a" else int(vp), "cp": int(cells["CP"]),
             "micro_batch": int(cells["MBS"]), "global_batch": int(cells["GBS"]),
             "seq_len": int(cells["Sequence Length"]), "recompute": "none",
-            "sharding": "fsdp" if int(cells["FSDP"]) > 0 else "zero1",
+            "sharding": "fsdp" if int(cells.get("FSDP", "0")) > 0 else "zero1",
             "precision": BRIDGE_PRECISIONS.get(precision), "printed_precision": precision,
             "stack": "megatron-bridge", "printed": f"{tps} Tokens / sec / GPU",
             "measured": float(tps),
@@ -141,9 +142,10 @@ def bridge_row(container: str, heading: str, cells: dict, line: int) -> dict:
 def megatron_bridge(git_dir: str) -> None:
     lines = show(git_dir, BRIDGE_COMMIT, BRIDGE_FILE)
     rows, container, pretraining, heading, header = [], None, False, "", None
+    skipped: set[str] = set()
     for i, text in enumerate(lines, 1):
         if text.startswith("## "):
-            container = text.split()[1] if text.strip() in BRIDGE_CONTAINERS else None
+            container = text.split()[1] if text.strip().endswith("NeMo Container") else None
         elif text.startswith("### "):
             pretraining = text.strip() == "### Pre-Training Performance"
         elif text.startswith("#### "):
@@ -152,16 +154,19 @@ def megatron_bridge(git_dir: str) -> None:
             cells = [c.strip() for c in text.strip().strip("|").split("|")]
             if header is None:
                 header = cells
-            elif not cells[0].startswith("-"):
+            elif not cells[0].startswith("-") and "Precision" in header:
                 rows.append(bridge_row(container, heading, dict(zip(header, cells, strict=True)),
                                        i))
+            elif not cells[0].startswith("-"):
+                skipped.add(container)      # 25.09: no precision printed; not read
     dump(DATA / "megatron_bridge.json", {
         "source": "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md",
         "repository": "NVIDIA-NeMo/Megatron-Bridge", "commit": BRIDGE_COMMIT,
-        "file": BRIDGE_FILE, "tables": "26.02 and 25.11 NeMo containers, Pre-Training "
-        "Performance, every row (MoE models, GB300/B300, MXFP8 and NVFP4 kept, not scored)"},
+        "file": BRIDGE_FILE, "tables": "every NeMo container's Pre-Training Performance "
+        "table that prints a precision, every row (MoE models, GB300/B300, MXFP8 and NVFP4 "
+        f"kept, not scored); not read (no precision column): {', '.join(sorted(skipped))}"},
         rows)
-    print(f"Megatron-Bridge: {len(rows)} rows")
+    print(f"Megatron-Bridge: {len(rows)} rows; not read: {sorted(skipped)}")
 
 
 def cells_of(text: str) -> list[str]:
