@@ -243,6 +243,62 @@ def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: 
                                                      if precision == "FP8" else [])}
 
 
+# v25.03 (NeMo 24.12) printed one README per size, each table's settings in its title
+# ("Llama 3.1 405b BF16 (TP=8, PP=9, CP=2, VP=7, MBS=1, GA=63)"), a column per GPU count,
+# and per-column rows (Layers, GBS, PP, VP) where a column differs
+DGXC_SPLIT = ("1b9bb6b", "v25.03", "24.12",
+              ("llama3.1/README_8b.md", "llama3.1/README_70b.md", "llama3.1/README_405b.md"))
+
+
+def dgxc_split_tables(lines: list[str]) -> list[tuple[dict, int]]:
+    """(launch settings, line) for every column of every measured table of one v25.03
+    README: the title's settings, the column's GPUs (and GBS where its header prints it),
+    then the per-column rows."""
+    out, cols, line = [], None, 0
+    for i, text in enumerate(lines, 1):
+        if not text.startswith("|"):
+            cols = None
+            continue
+        cells = cells_of(text)
+        if cells[0].startswith("Llama") and "(" in cells[0]:
+            name, settings = cells[0].split(" (", 1)
+            size, precision = name.split()[-2:]
+            base = {"Size": size, "Precision": precision, "SeqLen": "8192"}
+            base |= dict(kv.split("=") for kv in settings.rstrip(")").split(", "))
+            cols = []
+            for head in (c for c in cells[1:] if c):
+                col = base | {"GPUs": head.split("x")[0].split()[-1]}
+                if "GBS=" in head:
+                    col["GBS"] = head.split("GBS=")[1].rstrip(")")
+                cols.append(col)
+        elif cols is not None and not cells[0].startswith("-"):
+            key = {"Training step time (seconds per step)": "step",
+                   "Throughput in tokens per second": "tps"}.get(cells[0], cells[0])
+            for col, v in zip(cols, (c for c in cells[1:] if c), strict=False):
+                col[key] = v
+            if key == "step":
+                line = i
+            if key == "tps":
+                out.extend((c, line) for c in cols)
+    return out
+
+
+def dgxc_split(git_dir: str, rows: list[dict], commits: dict) -> None:
+    short, release, container, files = DGXC_SPLIT
+    commits[release] = subprocess.run(["git", "-C", git_dir, "rev-parse", short], check=True,
+                                      capture_output=True, text=True).stdout.strip()
+    for file in files:
+        for c, line in dgxc_split_tables(show(git_dir, short, file)):
+            c.setdefault("Layers", str(cost.MODELS[DGXC_MODELS[c["Size"]]].layers))
+            dp = int(c["GPUs"]) // (int(c["TP"]) * int(c.get("PP", "1")) * int(c["CP"]))
+            c |= {"DP": str(dp), "PP": c.get("PP", "1"), "VP": c.get("VP", "n/a")}
+            c.setdefault("GBS", str(int(c["MBS"]) * dp * int(c["GA"])))
+            where = (release, "H100 SXM", container, line, commits[release], file)
+            rows.append(dgxc_row(c, c["Size"], c["Precision"], int(c["GPUs"]),
+                                 float(c["step"]), where)
+                        | {"printed_tokens_per_s": float(c["tps"])})
+
+
 def dgxc(git_dir: str) -> None:
     rows, commits = [], {}
     for (short, file), (release, hardware, container) in DGXC_READS.items():
@@ -256,10 +312,12 @@ def dgxc(git_dir: str) -> None:
                 where = (release, hardware, container, line, commits[release], file)
                 rows.append(dgxc_row(c, size, precision, gpus, step, where)
                             | {"printed_tokens_per_s": tps})
+    dgxc_split(git_dir, rows, commits)
     dump(DATA / "dgxc.json", {
         "source": "NVIDIA/dgxc-benchmarking recipe READMEs",
         "repository": "NVIDIA/dgxc-benchmarking", "commit": commits["v25.05"],
         "file": DGXC_FILE, "tables": "every 'Training step time (seconds per step)' table of "
+        "llama3.1/README_{8b,70b,405b}.md in v25.03 (H100; NeMo 24.12), "
         "llama3.1/README.md in v25.04.01 (H100; NeMo 25.02.01) and v25.05 (GB200; NeMo "
         "25.04.01), nemo_megatron/README_175b.md (GPT-3 175B; NeMo 24.12) and "
         "nemotron/README.md (Nemotron-4 15B, 340B: no cost.MODELS shape, kept unscored) in "
