@@ -41,7 +41,7 @@ KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198), Tables 3 and 5"
 TITAN = ("pytorch/torchtitan docs/performance.md (64 A100 80GB; Llama 3.1 405B on 128 "
          "H100)")
 FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
-DGXC = "NVIDIA/dgxc-benchmarking llama3.1/README.md"
+DGXC = "NVIDIA/dgxc-benchmarking recipe READMEs"
 BRIDGE = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md"
 NARAYANAN = "Narayanan et al. 2021 (arXiv 2104.04473), Tables 1 and 2"
 TITAN_H100 = "pytorch/torchtitan docs/performance.md (Llama 3.1, H100 96GB, commit eaea6f6)"
@@ -195,12 +195,12 @@ def exclusion(r: dict) -> str:
 
 def unexpressible(r: dict) -> str:
     """Why `TrainingRun` cannot express a row at all ("" if it can): a printed model with
-    no `cost.MODELS` shape (mixture-of-experts), a system with no `cost.HARDWARE` preset
-    (GB300, B300) or a precision the model does not price (MXFP8, NVFP4: block-scaled
-    formats; the model's fp8 is tensorwise). Such rows stay in the data, counted and
-    listed (`UNSCORED`), and are not scored."""
+    no `cost.MODELS` shape (mixture-of-experts; dgxc's Nemotron-4), a system with no
+    `cost.HARDWARE` preset (GB300, B300) or a precision the model does not price (MXFP8,
+    NVFP4: block-scaled formats; the model's fp8 is tensorwise). Such rows stay in the
+    data, counted and listed (`UNSCORED`), and are not scored."""
     if r["model"] is None:
-        return f"model {r.get('printed_model')!r}: no cost.MODELS shape (experts)"
+        return f"model {r.get('printed_model')!r}: no cost.MODELS shape"
     if r["hardware"] is None:
         return f"system {r.get('printed_system')!r}: no cost.HARDWARE preset"
     if r["precision"] is None:
