@@ -4,7 +4,7 @@ at every world size it claims (tplab.lessons.SIZES).
 A notebook's claims are asserted in its own cells, so a run that ends without error has
 checked the lesson, not only that the cells ran. The default run has world 2 in processes,
 the laptop case, for every notebook (and 06 at 4, for its 2-D mesh and FSDP2 over dp > 1;
-12's is the browser test's Run All when Chromium and playwright are here);
+00's and 12's are the browser test's Run All when Chromium and playwright are here);
 simulated mode at world 2 runs in the browser test (01 and 08 in the default run, every
 notebook in the extended run); every other claimed size and mode is `extended` (make
 test-extended), which keeps the default run within its 15 minutes on 2 cores. 13 (FSDP2 x
@@ -48,7 +48,8 @@ DEFAULT_SIZE = 2  # the laptop case: every notebook in processes in the default 
 # JupyterLab, every cell's asserts included (tests/test_browser.py fails on an error output).
 # Run here as well, it would train the same five runs twice in the default run. 13 (FSDP2 x
 # TP) runs both ways, as issue 28 asks: papermill here, Run All in the browser test.
-IN_THE_BROWSER = (("12",) if os.path.exists(browser.CHROMIUM)
+# 00 likewise: the browser test's Run All is the same run (world 2, ranks in processes).
+IN_THE_BROWSER = (("00", "12") if os.path.exists(browser.CHROMIUM)
                   and importlib.util.find_spec("playwright") else ())
 
 
