@@ -125,7 +125,9 @@ def _loss(job: GradJob, out, x, read_as: dict, outs: dict):
             "planned with use_local_output=True, whose logits are the rank's own slice of "
             "the vocab. Plan it with use_local_output=False (a DTensor: its loss runs under "
             "loss_parallel()) or gather it (output_layouts=Replicate()), or compute the "
-            f"loss with the framework's vocab-parallel loss. ({type(e).__name__}: "
+            "loss with the framework's vocab-parallel loss; a framework whose modules "
+            "redistribute only inside its training context (torchtitan's) needs that "
+            f"context entered on the ranks: grad_check(..., context=...). ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''})") from e
 
 
