@@ -38,8 +38,7 @@ def test_short_and_long_forms():
 
 def test_only_a_plain_shard_has_a_dim():
     assert placements.shard_dim("Shard(-1)") == -1 and placements.is_shard("Shard(3)")
-    for text in ("_StridedShard(dim=1, split_factor=2)", "Replicate()", "Partial(sum)", None,
-                 placements.MESH):
+    for text in ("_StridedShard(dim=1, split_factor=2)", "Replicate()", "Partial(sum)", None):
         assert placements.shard_dim(text) is None and not placements.is_shard(text)
     assert placements.is_partial("Partial(avg)") and not placements.is_partial(None)
     assert placements.placement(None) == Replicate()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tplab
+from tplab.checks.grad_params import param_rows
 from tplab.core.pairing import Pair, pair
 from tplab.layouts import ParamLayout, tp_layout
 from tplab.mesh import make_mesh
@@ -57,3 +58,38 @@ def test_a_step_result_is_frozen():
     result = StepResult({}, torch.zeros(()), {}, {})
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.loss = torch.ones(())
+
+
+def _whole_mesh_layout(weight, grad):
+    """A rank's tp_layout of a weight and its gradient on the whole (dp, tp) mesh, held as
+    FSDP2 x TP holds them: Replicate() over dp, Shard(0) over tp."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = make_mesh(dp=2, tp=2)
+    model = torch.nn.Linear(4, 6, bias=False)
+    model.weight = torch.nn.Parameter(distribute_tensor(weight, mesh, [Replicate(), Shard(0)]))
+    model.weight.grad = distribute_tensor(grad, mesh, [Replicate(), Shard(0)])
+    return tp_layout(model)
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0], ids=["right", "twice the gradient"])
+def test_a_dtensor_on_the_whole_mesh_is_paired_by_its_tp_placement_and_placed_whole(scale):
+    # no "mesh" pseudo-placement: the layout says whole_mesh and its placement on tp; the
+    # report's pair column shows its placement on each mesh dim; the verdict is judged
+    # against the whole gradient set by hand
+    ref = torch.nn.Linear(4, 6, bias=False)
+    ref.weight.grad = torch.randn(6, 4)
+    layouts = tplab.simulate(4).run(_whole_mesh_layout, ref.weight.detach().clone(),
+                                    ref.weight.grad * scale)
+    info = layouts[0]["weight"]
+    assert (info.whole_mesh, info.placement, info.index) == (True, "Shard(0)", None)
+    assert pair({"weight": (6, 4)}, layouts[0], 2)[0] == [
+        Pair("weight", "weight", "Shard(0)", 0, "name", whole_mesh=True)]
+    rows: list = []
+    param_rows(ref, [StepResult({}, torch.zeros(()), {}, got) for got in layouts], 2, None,
+               rows, 1e-6, 1e-6)
+    (row,) = [r for r in rows if r["kind"] == "param_grad"]
+    assert row["pair"] == "dp: Replicate(), tp: Shard(0)"
+    assert row["ok"] == (scale == 1.0)
+    assert row["note"] == ("" if scale == 1.0 else "= 2 x the reference (a collective summed "
+                                                   "2 copies?)")

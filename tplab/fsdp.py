@@ -52,7 +52,6 @@ from tplab.core.fsdp_layout import (
     managed,
     over_piece,
     refuse_in_simulation,
-    tp_placement,
     tp_view,
 )
 from tplab.core.pytrees import call_model, leaves, map_tensors
@@ -65,7 +64,7 @@ from tplab.tracing import trace
 
 __all__ = ["SIMULATE_REASON", "FSDPPlan", "accumulate_step", "apply_fsdp_tp", "carry_grad_hooks",
            "fsdp_tp", "hsdp", "managed", "over_piece", "placements_after",
-           "refuse_in_simulation", "tp_placement", "traced_step", "tp_view"]
+           "refuse_in_simulation", "traced_step", "tp_view"]
 
 ON_TP_DTENSOR = ("fsdp_tp: on='tp' over a DTensor plan: FSDP2 would shard parameters that "
                  "are already DTensors on the tp dim over that same dim, and torch refuses it "

@@ -32,14 +32,15 @@ class ParamLayout:
 
     `value` is the local gradient or parameter; `placement` its layout on the tp dim as a
     string ("Shard(0)", "Replicate()", "Partial(sum)",
-    "_StridedShard(dim=1, split_factor=2)"), "mesh" for a DTensor on a mesh of more than one
-    dim (FSDP2 over dp x tp: kept whole, the notebook places it), or None when nothing says.
-    `shape` is the local shape, `global_shape` a DTensor's (else None). `index`: the flat
-    global index of each local element of a DTensor on the tp dim (`global_index`), or
-    `unreadable`: why not. `fsdp`: FSDP2 manages it (its gradient is FSDP's, averaged over
-    dp). `dp_placement`: FSDP2 sharded it over dp alone, on top of a hand-written TP piece
-    (then `value` is that TP piece, all-gathered over dp). `mesh_placements`: a DTensor's
-    {mesh dim name: placement}."""
+    "_StridedShard(dim=1, split_factor=2)"), or None when nothing says. `whole_mesh`: a
+    DTensor on a mesh of more than one dim (FSDP2 over dp x tp): `value` is kept whole (the
+    notebook places its LocalShards) and `placement` is its placement on the mesh dim named
+    "tp" (None when the mesh has none). `shape` is the local shape, `global_shape` a
+    DTensor's (else None). `index`: the flat global index of each local element of a
+    DTensor on the tp dim (`global_index`), or `unreadable`: why not. `fsdp`: FSDP2 manages
+    it (its gradient is FSDP's, averaged over dp). `dp_placement`: FSDP2 sharded it over dp
+    alone, on top of a hand-written TP piece (then `value` is that TP piece, all-gathered
+    over dp). `mesh_placements`: a DTensor's {mesh dim name: placement}."""
 
     value: torch.Tensor | None
     placement: str | None
@@ -51,6 +52,7 @@ class ParamLayout:
     fsdp: bool = False
     dp_placement: str | None = None
     mesh_placements: dict[str, str] | None = None
+    whole_mesh: bool = False
 
 
 def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, ParamLayout]:
@@ -83,19 +85,20 @@ def tp_layout(model: torch.nn.Module, of: str = "grad") -> dict[str, ParamLayout
                 global_shape = tuple(p.shape)
                 placement = p.placements[-1]
             index = unreadable = None
-            if isinstance(value, DTensor):
-                if value.device_mesh.ndim > 1:
-                    placement = placements.MESH
-                else:
-                    index, unreadable = global_index(value)
-                    placement, value = value.placements[-1], value.to_local()
+            mesh_placements = _mesh_placements(p)
+            whole_mesh = isinstance(value, DTensor) and value.device_mesh.ndim > 1
+            if whole_mesh:  # placed whole in the notebook; its placement on the tp dim
+                placement = (mesh_placements or {}).get("tp")
+            elif isinstance(value, DTensor):
+                index, unreadable = global_index(value)
+                placement, value = value.placements[-1], value.to_local()
             elif isinstance(p, DTensor) and p.device_mesh.ndim == 1:
                 index, unreadable = global_index(p)
             local = p.to_local() if isinstance(p, DTensor) else p
             out[f"{path}.{name}" if path else name] = ParamLayout(
                 value, _named(placement, local.ndim), tuple(local.shape), global_shape,
                 p.requires_grad, index, unreadable, id(p) in fsdp,
-                mesh_placements=_mesh_placements(p))
+                mesh_placements=mesh_placements, whole_mesh=whole_mesh)
     return out
 
 

@@ -135,7 +135,7 @@ def _grad_rows(name, p, got: list[Pair], results, tp, aliases, atol, rtol, whole
     full = None if any(w is None for w in fulls) else sum(fulls[1:], fulls[0])
     if wholes is not None:
         wholes[name] = full
-    label, note = _pair_words(name, got, aliases)
+    label, note = _pair_words(name, got, aliases, results[0].params)
     rows = [compare(name, "param_grad", full, p.grad, atol, rtol, note, label, sizes)]
     spread = max((s for _, _, s in pieces if s is not None), default=None)
     if spread is not None:
@@ -145,8 +145,8 @@ def _grad_rows(name, p, got: list[Pair], results, tp, aliases, atol, rtol, whole
 
 def _placed_by(q: Pair, infos: list[ParamLayout]) -> str:
     """Which of ASSEMBLERS puts this pair's pieces together."""
-    if q.placement == placements.MESH:
-        return "mesh"
+    if q.whole_mesh:
+        return "whole mesh"
     if infos[0].index is not None:
         return "indexed"
     return "by placement"
@@ -177,24 +177,35 @@ def _by_placement(q: Pair, infos, p, tp):
 
 
 # how a pair's pieces become the whole gradient: (pair, whole, spread) by _placed_by's answer
-ASSEMBLERS = {"mesh": _on_whole_mesh, "indexed": _by_global_index,
+ASSEMBLERS = {"whole mesh": _on_whole_mesh, "indexed": _by_global_index,
               "by placement": _by_placement}
 
 
-def _pair_words(name: str, got: list[Pair], aliases: dict) -> tuple[str, str]:
-    """(what the row says it was compared with on the ranks, its note)."""
+def _pair_words(name: str, got: list[Pair], aliases: dict,
+                layouts: dict[str, ParamLayout]) -> tuple[str, str]:
+    """(what the row says it was compared with on the ranks, its note). `layouts`: rank 0's
+    `tp_layout`, for the placements of a DTensor on the whole mesh."""
     tied = [a for a, b in aliases.items() if b == name]
-    label = "; ".join(q.placement if q.ranks == name else
-                      f"{q.ranks} {q.placement} ({q.how})" for q in got)
+    held = {q.ranks: _held_as(q, layouts[q.ranks]) for q in got}
+    label = "; ".join(held[q.ranks] if q.ranks == name else
+                      f"{q.ranks} {held[q.ranks]} ({q.how})" for q in got)
     note = f"tied: also {', '.join(tied)}" if tied else ""
     if len(got) > 1:
         note = ("tied in the reference, separate on the ranks: their gradients are summed "
                 "here, but an optimizer step would make the copies differ")
-    if any(placements.is_partial(q.placement) for q in got):
+    if any(placements.is_partial(q.placement) and not q.whole_mesh for q in got):
         note = note or "Partial on the ranks (not yet reduced); summed here"
     if any(q.padded for q in got):
         note = note or f"padded to {got[0].padded} on the ranks; the padding is not compared"
     return label, note
+
+
+def _held_as(q: Pair, info: ParamLayout) -> str:
+    """How the ranks hold a pair's parameter: its placement on the tp dim, or for a DTensor
+    on the whole mesh its placement on each mesh dim ("dp: Shard(0), tp: Shard(1)")."""
+    if not q.whole_mesh:
+        return q.placement
+    return ", ".join(f"{dim}: {p}" for dim, p in info.mesh_placements.items())
 
 
 def _unpaired_rows(ref, ranks, lone_ranks, lone_ref, problems, notes) -> list[dict]:

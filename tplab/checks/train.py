@@ -70,12 +70,11 @@ from tplab.checks.train_band import FACTOR, noise_band
 from tplab.checks.train_live import LiveTraining, live_default
 from tplab.checks.train_report import TrainReport, TrainRow, diverged
 from tplab.core import placements
-from tplab.core.fsdp_layout import refuse_plan_in_simulation, tp_placement
+from tplab.core.fsdp_layout import refuse_plan_in_simulation
 from tplab.core.pairing import Pair, gather, pair
 from tplab.core.pytrees import map_tensors
 from tplab.errors import LabError
 from tplab.lab.contract import Ranks
-from tplab.layouts import ParamLayout
 from tplab.mesh import MeshShape
 from tplab.plan_check import check_at_first_call
 from tplab.plans import apply_plan, parallelizer
@@ -215,20 +214,19 @@ def train_check(lab: Ranks, build_model, plan, make_batch, steps: int = 50, step
 class Paired:
     """tplab.core.pairing's answer for the ranks' parameters (rank 0's layouts), made here
     as grad_check makes it: the pairs, what paired with nothing on either side, why a
-    pairing asked for did not fit, and the layout of each parameter on the ranks."""
+    pairing asked for did not fit."""
 
     pairs: list[Pair]
     lone_ranks: list[str]
     lone_ref: list[str]
     problems: dict[str, str]
-    layout: dict[str, ParamLayout]
 
 
 def _pair(lab: Ranks, job: TrainJob, shapes, param_map, aliases) -> tuple[TrainJob, Paired]:
     """Pair the ranks' parameters (their layouts: `layout_on_ranks`) with the reference's;
     (the job carrying the pairs to the ranks, the pairing)."""
     layout = lab.run(layout_on_ranks, job)[0]
-    paired = Paired(*pair(shapes, layout, job.mesh.tp, param_map, aliases), layout)
+    paired = Paired(*pair(shapes, layout, job.mesh.tp, param_map, aliases))
     return dataclasses.replace(job, pairs=tuple(paired.pairs)), paired
 
 
@@ -277,8 +275,7 @@ def _report(results, paired: Paired, ref_losses, ref_sums, ref, band, job: Train
     dp, tp = job.mesh.dp, job.mesh.tp
     pairs = paired.pairs
     names = [p.ranks for p in pairs]
-    sharded = {p.ranks: placements.is_shard(tp_placement(p.placement, paired.layout.get(p.ranks)))
-               for p in pairs}
+    sharded = {p.ranks: placements.is_shard(p.placement) for p in pairs}
     diffs = torch.stack([res.diffs for res in results])  # rank, step, parameter
     steps = len(ref_losses)
     losses = torch.stack([res.losses for res in results])  # rank, step

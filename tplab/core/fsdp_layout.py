@@ -10,11 +10,10 @@ from torch.distributed._local_tensor import enabled_local_tensor_mode
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from tplab.core.placements import MESH
 from tplab.errors import PlanError
 
 __all__ = ["SIMULATE_REASON", "managed", "over_piece", "refuse_in_simulation",
-           "refuse_plan_in_simulation", "tp_placement", "tp_view"]
+           "refuse_plan_in_simulation", "tp_view"]
 
 SIMULATE_REASON = (
     "FSDP2 (fully_shard) does not run under tplab.simulate: after each forward FSDP2 frees "
@@ -47,15 +46,6 @@ def tp_view(value):
     if isinstance(value, DTensor):
         return value.full_tensor()
     return value
-
-
-def tp_placement(placement: str | None, info) -> str | None:
-    """A parameter's placement on the tp dim: its own, or, for a DTensor on the whole
-    (dp, tp) mesh ("mesh"), its placement on the mesh dim named "tp" (`info`: its
-    `tplab.layouts.ParamLayout`, or None)."""
-    if placement == MESH and info is not None and info.mesh_placements:
-        return info.mesh_placements.get("tp", placement)
-    return placement
 
 
 def refuse_in_simulation(model) -> None:

@@ -33,15 +33,18 @@ from tplab.layouts import ParamLayout
 class Pair:
     """A parameter on the ranks (`ranks`, its name there) paired with the reference's
     `ref`: its `placement` on the tp dim, `padded` (the length a padded Shard dim has on
-    the ranks, else 0) and `how` it was paired ("param_map", "name", "order and shape").
-    It travels from the ranks to the notebook by pickle (tplab.train_check pairs there);
-    a pair that learns more is a new one (`dataclasses.replace`)."""
+    the ranks, else 0), `how` it was paired ("param_map", "name", "order and shape") and
+    `whole_mesh`: a DTensor on the whole (dp, tp) mesh (`ParamLayout.whole_mesh`: FSDP2 x
+    TP), placed whole from its own placements. It travels from the ranks to the notebook by
+    pickle (tplab.train_check pairs there); a pair that learns more is a new one
+    (`dataclasses.replace`)."""
 
     ranks: str
     ref: str
     placement: str | None
     padded: int
     how: str
+    whole_mesh: bool = False
 
 
 def infer_layout(local: tuple, ref: tuple, tp: int) -> tuple[str, int] | None:
@@ -76,9 +79,9 @@ def expected_shape(ref: tuple, placement: str, tp: int) -> tuple:
 
 def _fits(info: ParamLayout, ref_shape: tuple, tp: int, placement: str | None = None):
     """(placement, padded) when the ranks' parameter fits the reference's shape, else None."""
-    if info.placement == placements.MESH:
+    if info.whole_mesh:  # placed from its own placements: only its global shape must fit
         ok = info.global_shape is not None and tuple(info.global_shape) == tuple(ref_shape)
-        return (placements.MESH, 0) if ok else None
+        return (info.placement, 0) if ok else None
     if info.global_shape is not None:  # a DTensor: its global shape says it
         if tuple(info.global_shape) != tuple(ref_shape):
             return None
@@ -153,7 +156,8 @@ class _Pairing:
         self.free_ref, self.free_ranks = list(ref), list(ranks)
 
     def take(self, rname: str, refname: str, fit: tuple, how: str) -> None:
-        self.pairs.append(Pair(rname, refname, fit[0], fit[1], how))
+        self.pairs.append(Pair(rname, refname, fit[0], fit[1], how,
+                               self.ranks[rname].whole_mesh))
         self.free_ranks.remove(rname)
         if refname in self.free_ref:
             self.free_ref.remove(refname)

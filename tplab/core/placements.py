@@ -15,9 +15,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 REPLICATE = "Replicate()"
 PARTIAL = "Partial(sum)"
-# `tp_layout`'s name for a DTensor on a mesh of more than one dim (FSDP2 over dp x tp): kept
-# whole, placed by the notebook from its own placements
-MESH = "mesh"
 SHARD_KIND, REPLICATE_KIND, PARTIAL_KIND = "shard", "replicate", "partial"
 
 

@@ -201,7 +201,7 @@ def _on_whole_mesh(mesh, outs, loss, grads, params, job: GradJob, read_as):
     reduced = dict(params)
     for name, info in params.items():
         g = info.value
-        if g is not None and info.placement != placements.MESH and job.average_dp and \
+        if g is not None and not info.whole_mesh and job.average_dp and \
                 not info.fsdp:
             g = g.detach().clone()
             dist.all_reduce(g, group=mesh.get_group("dp"))

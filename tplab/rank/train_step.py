@@ -345,7 +345,7 @@ class Drift:
         # reference's piece instead (every element is held by some rank)
         self.copies = [p.ranks for p in pairs if (dp > 1 or not (
             placements.is_shard(p.placement) or placements.is_partial(p.placement)))
-            and not described[p.ranks].fsdp and p.placement != placements.MESH]
+            and not described[p.ranks].fsdp and not p.whole_mesh]
         self.replicas: dict[str, list[torch.Tensor]] = {name: [] for name in self.copies}
         self.diffs: list[dict[str, torch.Tensor]] = []
         # every step's expected piece cut once (a DTensor's placing costs a millisecond a
