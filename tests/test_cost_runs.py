@@ -10,7 +10,6 @@ from tplab import cost
 from tplab.cost import (
     data_parallel,
     kernels,
-    memory,
     nccl,
     pipeline,
     published,
@@ -388,21 +387,6 @@ def test_tp_stays_inside_the_nvlink_domain_at_equal_memory():
     assert tp16.breakdown["tp_exposed_s"] > 2 * pp2.breakdown["tp_exposed_s"]
 
 
-def test_memory_counts_the_first_stages_in_flight_micro_batches_and_headroom():
-    assert pipeline.in_flight(1, 1, 8) == 1
-    assert pipeline.in_flight(8, 1, 64) == 8 and pipeline.in_flight(8, 1, 4) == 4
-    assert pipeline.in_flight(8, 2, 64) == pytest.approx(8 * (1 + 7 / 16))
-    p = cost.predict(cost.TrainingRun("Llama-3.1 405B", "H100 SXM", 8, tp=8,
-                                      global_batch=8, seq_len=8192))
-    assert not p.fits                 # 405B on one node of H100 does not fit
-    p = cost.predict(cost.TrainingRun("Llama-3 8B", "H100 SXM", 8, global_batch=8,
-                                      seq_len=8192, sharding="fsdp"))
-    m = p.memory
-    assert m["logits_bytes"] == 2 * 4 * 8192 * 128256
-    assert m["headroom_bytes"] >= H100.memory_reserve + pipeline.NCCL_RESERVE
-    assert p.memory_per_gpu == pytest.approx(sum(v for k, v in m.items() if k != "total_bytes"))
-
-
 def test_zero2_and_fsdp_reduce_scatter_every_micro_batch():
     kw = dict(gpus=64, global_batch=64 * 8, seq_len=4096)
     comm = {s: cost.predict(cost.TrainingRun("Llama-3 8B", "H100 SXM", sharding=s, **kw)
@@ -513,139 +497,9 @@ def test_k_and_v_are_whole_heads_past_n_kv_heads():
     assert kernels.linear_gemms(shape, 4096, 16)[0][1] == 8192 // 16 + 2 * 128   # not 64
 
 
-def test_op_recompute_keeps_what_torchtitans_op_level_sac_saves():
-    # _save_list keeps mm outputs "except every second mm": of wq, wk, wv, wo, w1, w3, w2
-    # the first, third, fifth and seventh; plus SDPA's output and logsumexp, and the input
-    shape = cost.MODELS["Llama-3 8B"]
-    saved = memory.op_sac_layer(shape)
-    names = [s.module for s in saved if s.what == "mm output"]
-    assert names == ["attention.wq", "attention.wv", "feed_forward.w1", "feed_forward.w2"]
-    h, kv, f = 4096, 1024, 14336
-    assert sum(s.per_token * s.element_bytes for s in saved) == (
-        2 * (h + h + kv + f + h + h) + 4 * 32)
-    # against torchtitan's printed peaks of its op-SAC runs (Tables 1 and 3, 8 and 128 H100s)
-    rows = [r for r in published.RUNS if r["recompute"] == "op" and r["peak_gib"]]
-    assert len(rows) == 6
-    for r in rows:
-        p = cost.predict(published.to_run(r))
-        assert p.fits and published.allocator_reserved(p) / 2**30 == pytest.approx(
-            r["peak_gib"], rel=0.10)
-
-
-def test_op_recompute_reruns_the_matmuls_op_level_sac_does_not_keep():
-    # the same policy prices time: what is not kept is re-run (wk, wo, w3), plus the
-    # element-wise ops; the kept mm's (wq, wv, w1, w2) and attention are not
-    run = cost.TrainingRun("Llama-3 8B", "H100 SXM", 8, seq_len=8192, recompute="op",
-                           sharding="fsdp", stack="torchtitan")
-    none = dataclasses.replace(run, recompute="none")
-    lt, base = training_run.layer_times(run), training_run.layer_times(none)
-    t = 8192
-    rerun = sum(kernels.gemm_time(m, n, k, run.hw) for m, n, k in (
-        (t, 1024, 4096), (t, 4096, 4096), (t, 14336, 4096)))
-    assert lt.backward_s - base.backward_s == pytest.approx(rerun + lt.elementwise_s)
-    assert rerun < 0.5 * lt.gemm_fwd_s          # under half the layer's linear FLOPs
-
-
-def test_mpts_block_saves_what_llm_foundrys_code_keeps_and_its_runs_fit():
-    # memory.mpt_layer, read from llm-foundry v0.3.0: per token 32h + 4a + 16 bytes (no
-    # dropout masks at p = 0, q, k, v views of one qkv tensor, flash's fp32 logsumexp)
-    shape = cost.MODELS["MPT 760M"]
-    h, a = shape.hidden, shape.heads
-    assert sum(s.per_token * s.element_bytes for s in memory.mpt_layer(shape)) == (
-        32 * h + 4 * a + 16)
-    assert cost.STACKS["llm-foundry-2023"].block == "mpt"
-    # flash-attn 1.0.9's fused cross entropy: bf16 logits and their bf16 gradient
-    assert cost.STACKS["llm-foundry-2023"].logits_bytes == 4
-    # the 760M rows at 24 x 2048 tokens without recomputation ran on 80 GB (the model of
-    # the last round said 88 GiB: the GPT layer's dropout masks, 8 bytes per logit)
-    rows = [r for r in published.RUNS if r["source"] == published.FOUNDRY
-            and r["model"] == "MPT 760M" and r["recompute"] == "none"]
-    assert len(rows) >= 10
-    for r in rows:
-        p = cost.predict(published.to_run(r))
-        assert p.fits, (r["where"], p.memory_per_gpu / 2**30)
-
-
-def test_a_fully_sharded_rank_keeps_the_fp32_shard_as_its_master():
-    # FSDP's sharded parameter is the fp32 one the optimizer steps: 4 + 4 + 8 bytes per
-    # parameter over the shard, where ZeRO-1 keeps bf16 parameters, fp32 gradients and
-    # 12 bytes of optimizer state (6 + 12/d)
-    kw = dict(model="Llama-3 8B", hardware="H100 SXM", gpus=8, global_batch=8, seq_len=4096)
-    fsdp = cost.predict(cost.TrainingRun(**kw, sharding="fsdp")).memory
-    zero1 = cost.predict(cost.TrainingRun(**kw, sharding="zero1")).memory
-    n = zero1["param_bytes"] / 2
-    assert fsdp["param_bytes"] + fsdp["grad_bytes"] + fsdp["optimizer_bytes"] == \
-        pytest.approx(16 * n / 8)
-    assert zero1["grad_bytes"] + zero1["optimizer_bytes"] == pytest.approx(4 * n + 12 * n / 8)
-
-
-def test_deepspeed_2021_gathers_one_parameter_at_a_time_so_its_zero3_rows_fit():
-    # DEEPSPEED_ZERO3_2021: one all_gather per parameter, the next prefetched within
-    # prefetch_bucket_size (5e7 elements): not two whole layers of 529.6B (5e9 elements)
-    zero3 = [r for r in published.RUNS if r["stack"] == "deepspeed-2021"]
-    for r in zero3:
-        p = cost.predict(published.to_run(r))
-        assert p.fits, (r["where"], p.memory_per_gpu / 2**30)
-    run = published.to_run(max(zero3, key=lambda r: r["shape"].hidden))
-    h = run.shape.hidden
-    per_layer = 12 * h * h                              # GPT: qkv 3h^2, wo h^2, fc 8h^2
-    held = pipeline.gathered_elements(run, per_layer)
-    assert held == 4 * h * h + 5e7                      # fc1, the largest, and the bucket
-    assert held < 2 * per_layer / 5
-
-
-def test_printed_peaks_are_the_allocators_reserved_bytes():
-    # torchtitan logs max_reserved_gib (torch.cuda.memory_stats' reserved_bytes.all.peak):
-    # the model's bytes less what lives outside the allocator (NCCL's, the CUDA context)
-    r = next(r for r in published.RUNS if r["peak_gib"])
-    p = cost.predict(published.to_run(r))
-    assert published.allocator_reserved(p) == pytest.approx(
-        p.memory_per_gpu - pipeline.NCCL_RESERVE - p.run.hw.memory_reserve)
-    assert cost.STACKS["torchtitan"].logits_bytes == 12
-
-
-def test_torchtitans_tp_keeps_each_linears_gathered_input_whole():
-    # apply_tp (9dec370): PrepareModuleInput turns the Shard(1) norm output Replicate before
-    # wq/wk/wv and w1/w3, so those linears keep the whole sequence; Megatron-LM keeps 1/t
-    run = cost.TrainingRun("Llama-3 70B", "H100 SXM", 8, tp=8, global_batch=8, seq_len=8192,
-                           stack="torchtitan+compile")
-    megatron = dataclasses.replace(run, stack="megatron-lm")
-    assert run.settings.sp_saves == "gathered" and megatron.settings.sp_saves == "shard"
-    extra = (pipeline.layer_bytes(run, run.shape, "selective")
-             - pipeline.layer_bytes(megatron, run.shape, "selective"))
-    assert extra == pytest.approx(2 * 2 * 8192 * 8192 * 8192 * (1 - 1 / 8) / 8192)
-
-
 def test_llm_foundrys_h100_rows_over_25_percent_are_named_by_the_stacks_h100_ratio(scored):
     # FOUNDRY_STACK (the pairs property asserted above) is the cause printed for them
     h100 = [(r, why) for r, why in scored["over"]
             if r["source"] == published.FOUNDRY and r["hardware"] == "H100 SXM"]
     assert len(h100) >= 15
     assert all("FOUNDRY_STACK" in why for _, why in h100)
-
-
-@pytest.mark.parametrize("sharding", ["ddp", "zero1", "zero2", "fsdp"])
-def test_step_time_and_training_run_share_one_dp_and_memory_model(sharding):
-    # issue 36 item 3: dp_times / gpu_memory (step_time's terms) and TrainingRun's are the
-    # same functions (data_parallel.sync_seconds, memory.state_bytes): the same run, asked
-    # both ways, costs the same DP seconds and holds the same model-state bytes
-    zero = memory.ZERO_STAGES[sharding]
-    run = cost.TrainingRun("Llama-3 8B", "H100 SXM", 64, tp=2, global_batch=128,
-                           seq_len=4096, sharding=sharding, recompute="selective")
-    p, m = cost.predict(run), run.micro_batches
-    assert m == 4
-    lt = training_run.layer_times(run)
-    layers = run.shape.layers
-    dp = cost.dp_times(run.shape, run.tp, run.hw, dp=run.dp, zero=zero, micro_batches=m,
-                       forward_s=layers * lt.forward_s, backward_s=layers * lt.backward_s)
-    assert m * dp["dp_comm_s"] == pytest.approx(p.breakdown["dp_comm_s"])
-    assert m * dp["dp_exposed_s"] == pytest.approx(p.breakdown["dp_exposed_s"])
-    states = cost.gpu_memory(run.shape, run.tp, True, run.recompute, dp=run.dp, zero=zero,
-                             **cost.BLOCK_SAVES["megatron"])
-    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes"):
-        assert states[key] == pytest.approx(p.memory[key]), key
-    # a gradient reduce-scatter overlaps the backward only, not the forward before it
-    if sharding == "zero2":
-        rs = next(r["time_s"] for r in dp["dp_records"] if r["op"] == "reduce_scatter")
-        behind = layers * lt.backward_s
-        assert m * dp["dp_exposed_s"] >= m * max(0.0, rs - behind)
