@@ -11,6 +11,13 @@ for _var, _sub in [("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "jupyter-co
                    ("MPLCONFIGDIR", "matplotlib")]:
     os.environ[_var] = os.path.join(_STATE, _sub)
 
+import signal  # noqa: E402
+
+# The stop button is pressed in tests with _thread.interrupt_main, which does nothing while
+# SIGINT is ignored, as it is when the suite runs as a shell's background job (`make test &`).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import pytest  # noqa: E402
 import report  # noqa: E402  (tests/report.py)
 from xdist.scheduler import LoadScopeScheduling  # noqa: E402
