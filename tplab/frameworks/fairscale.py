@@ -19,7 +19,6 @@ import contextlib
 import io
 from collections.abc import Callable
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -28,8 +27,6 @@ from tplab.frameworks.shards import (
     BuiltAt,
     FromShards,
     ParallelStates,
-    one_rank_group,
-    tp_coordinate,
 )
 
 mp = require("fairscale.nn.model_parallel", "fairscale", "0.4.13")
@@ -65,25 +62,8 @@ def init(tp: int | DeviceMesh) -> None:
     group first made with 1 rank when there is none: the notebook); kept when it already
     has that size. fairscale puts model-parallel ranks innermost, as `tplab.make_mesh(dp=,
     tp=)` does, and this is checked against the mesh."""
-    mesh = tp if isinstance(tp, DeviceMesh) else None
-    if mesh is not None:
-        _, tp = tp_coordinate(mesh)
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"fairscale.init: tp must be an int >= 1 or a DeviceMesh, got {tp!r}")
-    if mesh is None:  # the reference's build, in the notebook: a 1-rank group
-        one_rank_group()
-    if dist.get_world_size() % tp:
-        raise ValueError(f"fairscale.init: tp={tp} does not divide the world size "
-                         f"{dist.get_world_size()}")
-    init_ = mp.initialize
-    _STATES.use(tp, _bring_up)
-    if mesh is not None:
-        names = mesh.mesh_dim_names or ()
-        ours = dist.get_process_group_ranks(mesh.get_group("tp" if "tp" in names else 0))
-        theirs = dist.get_process_group_ranks(init_.get_model_parallel_group())
-        if sorted(ours) != sorted(theirs):
-            raise RuntimeError(f"fairscale.init: its model-parallel group is ranks "
-                               f"{sorted(theirs)}, the mesh's tp dim is {sorted(ours)}")
+    _STATES.init("fairscale.init", tp, _bring_up,
+                 lambda: mp.initialize.get_model_parallel_group())
 
 
 def reference(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:

@@ -38,7 +38,6 @@ import warnings
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -47,8 +46,6 @@ from tplab.frameworks.shards import (
     BuiltAt,
     FromShards,
     ParallelStates,
-    one_rank_group,
-    tp_coordinate,
 )
 
 parallel_state = require("megatron.core.parallel_state", "megatron-core", "0.16.1")
@@ -116,18 +113,6 @@ def _on_cpu() -> None:
         parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
 
 
-def _same_groups(mesh: DeviceMesh) -> None:
-    """Megatron orders ranks tp-first, as `tplab.make_mesh(dp=, tp=)` does: its tp group is
-    the mesh's. Said, not assumed."""
-    names = mesh.mesh_dim_names or ()
-    ours = dist.get_process_group_ranks(mesh.get_group("tp" if "tp" in names else 0))
-    theirs = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
-    if sorted(ours) != sorted(theirs):
-        raise RuntimeError(f"megatron.init: Megatron's tensor-parallel group is ranks "
-                           f"{sorted(theirs)}, the mesh's tp dim is {sorted(ours)}: make the "
-                           "mesh tp-innermost (tplab.make_mesh(dp=, tp=))")
-
-
 _STATES = ParallelStates(parallel_state)  # one per tp size (tplab/frameworks/shards.py)
 
 
@@ -143,19 +128,8 @@ def init(tp: int | DeviceMesh) -> None:
     "tp" dim gives it) on this process's ranks: `initialize_model_parallel`, torch's default
     group first made with 1 rank when there is none (the notebook). Kept when it already
     has that size."""
-    mesh = tp if isinstance(tp, DeviceMesh) else None
-    if mesh is not None:
-        _, tp = tp_coordinate(mesh)
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"megatron.init: tp must be an int >= 1 or a DeviceMesh, got {tp!r}")
-    if mesh is None:  # the reference's build, in the notebook: a 1-rank group
-        one_rank_group()
-    if dist.get_world_size() % tp:
-        raise ValueError(f"megatron.init: tp={tp} does not divide the world size "
-                         f"{dist.get_world_size()}")
-    _STATES.use(tp, _bring_up)
-    if mesh is not None:
-        _same_groups(mesh)
+    _STATES.init("megatron.init", tp, _bring_up,
+                 parallel_state.get_tensor_model_parallel_group)
     _on_cpu()
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
 

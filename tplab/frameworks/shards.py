@@ -80,6 +80,34 @@ class ParallelStates:
         self.current: int | None = None
         self.kept: dict[int, dict] = {}
 
+    def init(self, who: str, tp: int | DeviceMesh, bring_up: Callable[[int], None],
+             tp_group: Callable[[], dist.ProcessGroup]) -> None:
+        """An adapter's `init`: the framework's state at tensor-parallel size `tp` (an int,
+        or a mesh whose "tp" dim gives it) on this process's ranks, torch's default group
+        first made with 1 rank when there is none (the notebook's reference). On a mesh,
+        the framework's tp group (`tp_group()`) is checked to be the mesh's tp dim: said,
+        not assumed. `who` names the adapter in errors."""
+        mesh = tp if isinstance(tp, DeviceMesh) else None
+        if mesh is not None:
+            _, tp = tp_coordinate(mesh)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"{who}: tp must be an int >= 1 or a DeviceMesh, got {tp!r}")
+        if mesh is None:  # the reference's build, in the notebook: a 1-rank group
+            one_rank_group()
+        if dist.get_world_size() % tp:
+            raise ValueError(f"{who}: tp={tp} does not divide the world size "
+                             f"{dist.get_world_size()}")
+        self.use(tp, bring_up)
+        if mesh is None:
+            return
+        names = mesh.mesh_dim_names or ()
+        ours = sorted(dist.get_process_group_ranks(mesh.get_group("tp" if "tp" in names else 0)))
+        theirs = sorted(dist.get_process_group_ranks(tp_group()))
+        if ours != theirs:
+            raise RuntimeError(f"{who}: the framework's tensor-parallel group is ranks "
+                               f"{theirs}, the mesh's tp dim is {ours}: make the mesh "
+                               "tp-innermost (tplab.make_mesh(dp=, tp=))")
+
     def use(self, tp: int, bring_up: Callable[[int], None]) -> None:
         """The framework's state at `tp`: kept, or brought up by `bring_up(tp)`."""
         if self.world is not dist.group.WORLD:
