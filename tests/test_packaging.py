@@ -17,10 +17,28 @@ def test_torch_is_a_lower_bound_and_the_pin_is_a_constraint():
     assert spec.replace(" ", "") == "torch>=2.10", spec
     pins = [ln.strip() for ln in (ROOT / "scripts/constraints.txt").read_text().splitlines()
             if ln.strip() and not ln.startswith("#")]
-    # torch, and the test runner's workers (make test's options are pytest-xdist 3.8's)
-    assert pins == ["torch==2.13.0", "pytest-xdist==3.8.0"]
+    # torch, and the test runner's workers (make test's options are pytest-xdist 3.8's), first
+    assert pins[:2] == ["torch==2.13.0", "pytest-xdist==3.8.0"]
+    # then every other package, each to one release and each once: a new release on PyPI
+    # cannot change what a clean clone installs
+    names = [p.split("==")[0].lower().replace("_", "-") for p in pins]
+    assert all(p.count("==") == 1 for p in pins) and len(set(names)) == len(names)
+    assert {"transformers", "accelerate", "ipyparallel", "jupyterlab"} <= set(names)
     assert "-c scripts/constraints.txt" in (ROOT / "scripts/env.sh").read_text()
     assert torch.__version__.split("+")[0] == "2.13.0"  # what the set-up installed here
+
+
+def test_the_environment_is_what_the_constraints_pin():
+    import importlib.metadata
+
+    pins = [ln.strip().split("==") for ln in (ROOT / "scripts/constraints.txt").read_text()
+            .splitlines() if ln.strip() and not ln.startswith("#")]
+    installed = {d.metadata["Name"].lower().replace("_", "-"): d.version
+                 for d in importlib.metadata.distributions()}
+    differ = {name: (version, installed[name.lower().replace("_", "-")])
+              for name, version in pins
+              if installed.get(name.lower().replace("_", "-"), version).split("+")[0] != version}
+    assert not differ, f"(pinned, installed) differ: {differ}"
 
 
 def test_playwright_is_a_dev_dependency():
