@@ -68,14 +68,6 @@ def test_shutdown_leaves_no_process(own_lab):
         own_lab.run(lambda: 1)
 
 
-def test_garbage_collected_lab_ends_its_processes():
-    lab = tplab.launch(2)
-    pids = lab.pids
-    del lab
-    gc.collect()
-    assert wait_gone(pids, 5) == []
-
-
 OWNER = """
 import json, sys, time
 import tplab
@@ -86,9 +78,10 @@ time.sleep(600)
 """
 
 
-# world 4 in the extended run: the same owner watch, twice the ranks (and the forced kernel
-# restart below is a SIGKILLed owner too)
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.extended)])
+# World 2: the forced kernel restart below is this claim at world 2 (Jupyter SIGKILLs the
+# kernel's process group, which holds no lab process: the kernel is a SIGKILLed owner, and
+# the same assertions run there). World 4 in the extended run: twice the ranks.
+@pytest.mark.parametrize("world_size", [pytest.param(4, marks=pytest.mark.extended)])
 def test_processes_exit_when_the_owner_is_sigkilled(world_size, tmp_path):
     owner = subprocess.Popen([sys.executable, "-c", OWNER.format(n=world_size)],
                              stdout=subprocess.PIPE, text=True, cwd=tmp_path)
@@ -106,41 +99,74 @@ def test_processes_exit_when_the_owner_is_sigkilled(world_size, tmp_path):
         owner.kill()
 
 
-@pytest.mark.parametrize("now", [False, True], ids=["restart", "forced-restart"])
-def test_kernel_restart_ends_the_lab(now, tmp_path):
-    """A Jupyter kernel that starts a lab, then is restarted (politely, or killed at once
-    as Jupyter does when the kernel does not answer): no lab process survives."""
+def lab_in_kernel(kc) -> tuple[int, str, list[int]]:
+    """Start a lab of 2 in the kernel: (the kernel's pid, the lab's state folder, the pids
+    of its processes)."""
+    outputs: list = []
+    reply = kc.execute_interactive(
+        "import json, os, tplab\nlab = tplab.launch(2)\n"
+        "print(json.dumps([os.getpid(), lab.state_dir, lab.pids]))",
+        timeout=120, output_hook=lambda msg: outputs.append(msg))
+    assert reply["content"]["status"] == "ok"
+    text = "".join(m["content"].get("text", "") for m in outputs
+                   if m["msg_type"] == "stream")
+    return tuple(json.loads(text.strip().splitlines()[-1]))
+
+
+def test_kernel_restart_ends_the_lab(tmp_path):
+    """A Jupyter kernel that starts a lab, then is restarted politely; the new kernel
+    starts a lab, then is restarted at once (its process group SIGKILLed, as Jupyter does
+    when the kernel does not answer): no lab process survives either (one kernel for both:
+    each costs seconds). The forced restart is test_processes_exit_when_the_owner_is_sigkilled
+    at world 2: no lab process is in the kernel's group, so the SIGKILL ends the owner only,
+    and the lab's processes and state folder go by its owner watch."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
-    outputs: list = []
     try:
-        reply = kc.execute_interactive(
-            "import json, tplab\nlab = tplab.launch(2)\nprint(json.dumps(lab.pids))",
-            timeout=120, output_hook=lambda msg: outputs.append(msg))
-        assert reply["content"]["status"] == "ok"
-        text = "".join(m["content"].get("text", "") for m in outputs
-                       if m["msg_type"] == "stream")
-        pids = json.loads(text.strip().splitlines()[-1])
-        assert len(alive(pids)) == len(pids) >= 3
-        km.restart_kernel(now=now)
-        assert wait_gone(pids, 10) == []
+        for now in (False, True):
+            kernel, state_dir, pids = lab_in_kernel(kc)
+            assert os.path.isdir(state_dir)
+            assert len(pids) >= 2 + 1
+            assert alive(pids) == sorted(pids)
+            assert os.getpgid(kernel) not in {os.getpgid(p) for p in pids}
+            km.restart_kernel(now=now)
+            assert wait_gone(pids, 10) == [], f"lab processes outlived restart_kernel(now={now})"
+            if now:
+                assert not os.path.exists(state_dir), "the lab's state folder outlived its owner"
+            kc.wait_for_ready(timeout=120)
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
 
 
+def died_on_rank_1(lab) -> str:
+    """The RankDied text of a cell in which rank 1 exits (no traceback kept: it would hold
+    the lab)."""
+    with pytest.raises(tplab.RankDied) as info:
+        lab.execute("import os\nif rank == 1:\n    os._exit(7)\ndist.barrier()")
+    return str(info.value)
 
-def test_ranks_started_without_the_fork_server(capfd):
+
+def test_ranks_started_without_the_fork_server_and_a_garbage_collected_lab(capfd):
     """fork=False: ipyparallel's own launcher starts each rank (with its nanny); the lab
-    works, reports a death (without the nanny's log lines), and ends every process."""
-    with tplab.launch(2, fork=False) as lab:
+    works and reports a death (without the nanny's log lines). Then the lab is dropped,
+    not shut down: garbage collected, it ends every process, nannies too (one lab for
+    both claims: each lab started costs seconds of CPU)."""
+    lab = tplab.launch(2, fork=False)
+    try:
         assert lab.execute("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()") \
             == [3.0, 3.0]
-        with pytest.raises(tplab.RankDied, match="rank 1 exited with status 7") as info:
-            lab.execute("import os\nif rank == 1:\n    os._exit(7)\ndist.barrier()")
-        assert "KernelNanny" not in str(info.value)
+        text = died_on_rank_1(lab)
+        assert "rank 1 exited with status 7" in text
+        assert "KernelNanny" not in text
         assert "KernelNanny" not in capfd.readouterr().err
         assert lab.execute("rank") == [0, 1]
         pids = lab.pids
+        assert len(pids) >= 5  # the controller, and 2 ranks with their nannies at least
+    except BaseException:
+        lab.shutdown()
+        raise
+    del lab
+    gc.collect()
     assert wait_gone(pids, 10) == []

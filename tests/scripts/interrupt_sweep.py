@@ -29,6 +29,28 @@ PHASES = {
 }
 
 
+BOUND_S = 30  # generous: a bound on waits that end on an event, for a loaded machine
+
+
+def running(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def gone_within(pids, seconds: float) -> list[int]:
+    """Wait up to `seconds` for every pid to exit (not a fixed time); those still running."""
+    deadline = time.monotonic() + seconds
+    while running(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return running(pids)
+
+
 def children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
@@ -41,12 +63,20 @@ def interrupt(after: list[float]) -> list[threading.Timer]:
 
 
 def settle(timers) -> None:
-    for t in timers:
-        t.cancel()
-    try:
-        time.sleep(0.05)  # a timer that fired just now raises here, not later
-    except KeyboardInterrupt:
-        pass
+    """No press of these timers comes later: each is cancelled, and joined (one that woke
+    before cancel() has pressed once its thread ended; on a loaded machine that can be
+    well after 0.05 s, and its press once broke the next round); a press raises here."""
+    pending = list(timers)
+    while pending:
+        try:
+            for t in pending:
+                t.cancel()
+            for t in pending:
+                t.join()
+            pending = []
+            time.sleep(0.05)  # a press from a timer that just ended raises here, not later
+        except KeyboardInterrupt:
+            pass
 
 
 def answers(lab, n: int) -> str:
@@ -71,9 +101,8 @@ def main(seed: int, n: int, rounds: int) -> None:
     except KeyboardInterrupt:
         pass
     settle(timers)
-    time.sleep(0.5)
-    leaked = children() - before
-    assert not [p for p in leaked if psutil.Process(p).status() != psutil.STATUS_ZOMBIE], leaked
+    leaked = gone_within(children() - before, BOUND_S)  # they end on their own: wait for it
+    assert not leaked, leaked
     lab = tplab.launch(n)
     outcomes: dict[str, int] = {}
     for _ in range(rounds):
@@ -92,10 +121,8 @@ def main(seed: int, n: int, rounds: int) -> None:
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     pids = lab.pids
     lab.shutdown()
-    time.sleep(0.5)
-    alive = [p for p in pids if psutil.pid_exists(p)
-             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert not alive, f"still running after shutdown: {alive}"
+    alive = gone_within(pids, BOUND_S)
+    assert not alive, f"still running {BOUND_S} s after shutdown: {alive}"
     print(f"sweep ok: seed {seed}, world {n}, {rounds} interrupts, {outcomes}", flush=True)
 
 
