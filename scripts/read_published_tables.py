@@ -220,6 +220,15 @@ def dgxc_batch(c: dict) -> tuple[int, list[str]]:
     return product, [f"GBS {product} = MBS x DP x GA (printed {gbs})"]
 
 
+NEMO_1_FILES = ("llama3.1/README_8b.md", "llama3.1/README_70b.md",
+                "llama3.1/README_405b.md", "nemo_megatron/README_175b.md")
+"""dgxc READMEs whose runs launch NeMo 1 launcher yamls (Apex distributed_fused_adam):
+stack "nemo-1" (`cost.STACKS`). The others launch NeMo 2.0's performance scripts
+(`performance_mode=True`): "megatron-bridge". v25.03's llama3.1_8b.yaml (1b9bb6b) sets
+`grad_sync_dtype: bf16` under `optim`, read as grad_bytes 2 (`DGXC_GRAD_BF16`)."""
+DGXC_GRAD_BF16 = {("v25.03", "llama3.1/README_8b.md")}
+
+
 def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: tuple) -> dict:
     release, hardware, container, line, commit, file = where
     name = DGXC_MODELS[c.get("Size", size)]
@@ -229,7 +238,7 @@ def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: 
     if name and layers != cost.MODELS[name].layers:    # a proxy: the model, fewer layers
         model = dataclasses.asdict(dataclasses.replace(
             cost.MODELS[name], layers=layers, name=f"{name} proxy ({layers} layers)"))
-    return {"where": f"{release} {hardware} table, {c.get('Size', size)} {precision} on "
+    return ({"where": f"{release} {hardware} table, {c.get('Size', size)} {precision} on "
             f"{gpus} GPUs", "line": line, "commit": commit, "file": file, "release": release,
             "container": f"nvcr.io/nvidia/nemo:{container}", "model": model,
             "printed_model": f"{file.split('/')[0]} {c.get('Size', size)}",
@@ -237,10 +246,12 @@ def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: 
             "vpp": 1 if c["VP"] in ("NA", "n/a") else int(c["VP"]), "cp": int(c["CP"]),
             "micro_batch": int(c["MBS"]), "global_batch": gbs, "seq_len": seq,
             "recompute": "none", "sharding": "fsdp" if c.get("FSDP", "0") not in ("0", "False")
-            else "zero1", "precision": precision.lower(), "stack": "megatron-bridge",
+            else "zero1", "precision": precision.lower(),
+            "stack": "nemo-1" if file in NEMO_1_FILES else "megatron-bridge",
             "printed": f"{step} s per step", "measured": round(seq * gbs / (step * gpus), 4),
             "assumed": ["recompute none"] + notes + (["FP8 delayed scaling as fp8"]
                                                      if precision == "FP8" else [])}
+            | ({"grad_bytes": 2} if (release, file) in DGXC_GRAD_BF16 else {}))
 
 
 # v25.03 (NeMo 24.12) printed one README per size, each table's settings in its title
@@ -299,6 +310,25 @@ def dgxc_split(git_dir: str, rows: list[dict], commits: dict) -> None:
                         | {"printed_tokens_per_s": float(c["tps"])})
 
 
+def dgxc_peak(lines: list[str], rows: list[dict], release: str, file: str) -> None:
+    """v25.04.01's llama3.1/README.md shows one log line of a run with launch.sh's defaults
+    (DTYPE bf16, MODEL_SIZE 8b; its MFU example divides by 8 GPUs) at its global batch:
+    `peak_memory_usage` is `torch.cuda.max_memory_reserved()` (NeMo's MegatronStrategy,
+    megatron_strategy.py at d2b21556, `log_memory_usage`), the allocator-reserved peak, the
+    counter torchtitan prints. It goes on the 8B BF16 row of that batch as `peak_gib`."""
+    for i, text in enumerate(lines, 1):
+        if "peak_memory_usage:" not in text:
+            continue
+        fields = dict(f.strip().split(": ", 1) for f in text.split("|") if ": " in f)
+        gbs, peak = int(fields["global_batch_size"]), int(fields["peak_memory_usage"])
+        for r in rows:
+            if (r["release"], r["file"], r["printed_model"], r["precision"], r["gpus"],
+                    r["global_batch"]) == (release, file, "llama3.1 8b", "bf16", 8, gbs):
+                r |= {"peak_gib": round(peak / 2**30, 2), "peak_line": i,
+                      "peak_printed": f"peak_memory_usage: {peak} (step "
+                      f"{fields['train_step_timing in s']} s in that log)"}
+
+
 def dgxc(git_dir: str) -> None:
     rows, commits = [], {}
     for (short, file), (release, hardware, container) in DGXC_READS.items():
@@ -312,6 +342,7 @@ def dgxc(git_dir: str) -> None:
                 where = (release, hardware, container, line, commits[release], file)
                 rows.append(dgxc_row(c, size, precision, gpus, step, where)
                             | {"printed_tokens_per_s": tps})
+        dgxc_peak(show(git_dir, short, file), rows, release, file)
     dgxc_split(git_dir, rows, commits)
     dump(DATA / "dgxc.json", {
         "source": "NVIDIA/dgxc-benchmarking recipe READMEs",
