@@ -220,15 +220,6 @@ def dgxc_batch(c: dict) -> tuple[int, list[str]]:
     return product, [f"GBS {product} = MBS x DP x GA (printed {gbs})"]
 
 
-NEMO_1_FILES = ("llama3.1/README_8b.md", "llama3.1/README_70b.md",
-                "llama3.1/README_405b.md", "nemo_megatron/README_175b.md")
-"""dgxc READMEs whose runs launch NeMo 1 launcher yamls (Apex distributed_fused_adam):
-stack "nemo-1" (`cost.STACKS`). The others launch NeMo 2.0's performance scripts
-(`performance_mode=True`): "megatron-bridge". v25.03's llama3.1_8b.yaml (1b9bb6b) sets
-`grad_sync_dtype: bf16` under `optim`, read as grad_bytes 2 (`DGXC_GRAD_BF16`)."""
-DGXC_GRAD_BF16 = {("v25.03", "llama3.1/README_8b.md")}
-
-
 def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: tuple) -> dict:
     release, hardware, container, line, commit, file = where
     name = DGXC_MODELS[c.get("Size", size)]
@@ -238,7 +229,7 @@ def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: 
     if name and layers != cost.MODELS[name].layers:    # a proxy: the model, fewer layers
         model = dataclasses.asdict(dataclasses.replace(
             cost.MODELS[name], layers=layers, name=f"{name} proxy ({layers} layers)"))
-    return ({"where": f"{release} {hardware} table, {c.get('Size', size)} {precision} on "
+    return {"where": f"{release} {hardware} table, {c.get('Size', size)} {precision} on "
             f"{gpus} GPUs", "line": line, "commit": commit, "file": file, "release": release,
             "container": f"nvcr.io/nvidia/nemo:{container}", "model": model,
             "printed_model": f"{file.split('/')[0]} {c.get('Size', size)}",
@@ -247,11 +238,10 @@ def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: 
             "micro_batch": int(c["MBS"]), "global_batch": gbs, "seq_len": seq,
             "recompute": "none", "sharding": "fsdp" if c.get("FSDP", "0") not in ("0", "False")
             else "zero1", "precision": precision.lower(),
-            "stack": "nemo-1" if file in NEMO_1_FILES else "megatron-bridge",
+            "stack": "megatron-bridge",
             "printed": f"{step} s per step", "measured": round(seq * gbs / (step * gpus), 4),
             "assumed": ["recompute none"] + notes + (["FP8 delayed scaling as fp8"]
                                                      if precision == "FP8" else [])}
-            | ({"grad_bytes": 2} if (release, file) in DGXC_GRAD_BF16 else {}))
 
 
 # v25.03 (NeMo 24.12) printed one README per size, each table's settings in its title

@@ -219,8 +219,6 @@ def to_run(r: dict, **changes) -> TrainingRun:
     """The `TrainingRun` a published row describes (its stack included); `changes` replace
     fields, e.g. another stack."""
     fields = {k: r[k] for k in KEYS} | {"precision": r["precision"], "stack": r["stack"]}
-    if "grad_bytes" in r:             # a printed gradient dtype (dgxc v25.03's 8B yaml)
-        fields["grad_bytes"] = r["grad_bytes"]
     fields["model"] = r.get("shape", r["model"])
     return TrainingRun(**(fields | changes))
 

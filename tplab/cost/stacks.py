@@ -153,13 +153,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "`pretrain_performance_optimizations` at NeMo d2b21556 and 7a8f1cc7, the commits "
           "dgxc-benchmarking v25.04.01 and v25.05 check out; MegatronStrategy copies the "
           "plugin's value into the DDP config, megatron_strategy.py "
-          "update_config_with_dtype_overrides)"),
-    Stack("nemo-1", cites="NeMo 1 launcher yamls with Apex's distributed_fused_adam "
-          "(dgxc-benchmarking v25.03 llama3.1_{8b,70b,405b}.yaml at 1b9bb6b, "
-          "nemo_megatron/cfg/gpt3_175b_hydra.yaml at 85380ffe; NeMo 24.12): "
-          "grad_sync_dtype defaults to the optimizer's dtype, fp32 "
-          "(apex/contrib/optimizers/distributed_fused_adam.py), the gradient buffer "
-          "in that dtype; otherwise as megatron-bridge"),
+          "update_config_with_dtype_overrides); NeMo 1 launcher yamls set "
+          "`grad_sync_dtype: bf16` for Apex's distributed_fused_adam, whose contiguous "
+          "gradient buffer takes that dtype (dgxc-benchmarking llama3.1_{8b,70b,405b}.yaml "
+          "at v25.01 and 1b9bb6b, nemo_megatron/cfg/gpt3_175b_hydra.yaml at 85380ffe; "
+          "apex/contrib/optimizers/distributed_fused_adam.py)"),
     Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, sp_saves="gathered",
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
           "context_parallel"),
