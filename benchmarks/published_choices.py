@@ -6,8 +6,9 @@ alternative gives (docs/VALIDATION.md, "Frozen protocol"):
 
 `--before` prices the same rows with every term issue 35 added switched off at once
 (llm-foundry at FA2's rate with its FSDP traffic hidden, `recompute="op"` as Korthikanti's
-selective in memory and half the GEMMs in time, 8 bytes per logit, rows priced as assumed
-whether they fit or not) and prints the goal figures: the "before" of docs/VALIDATION.md.
+selective in memory and half the GEMMs in time, 8 bytes per logit, fp32 gradients on every
+stack, rows priced as assumed whether they fit or not) and prints the goal figures: the
+"before" of docs/VALIDATION.md.
 
 For each: the median |error| over all rows, the source(s) the choice was read from, and
 every source held out (`tplab.cost.scores.leave_one_source_out`, "after"), as chosen and
@@ -57,7 +58,8 @@ def figures() -> dict:
     return {"median": s["all"]["median"], "p90": s["all"]["p90"],
             "goal": s["goal"]["median"], "signed": s["all"]["signed"],
             "loso": {k: v["after"] for k, v in s["loso_goal"].items()},
-            "memory": s["memory"]["within_10"], "not_fit": len(s["memory"]["not_fitting"])}
+            "memory": s["memory"]["within_10"], "peaks": len(s["memory"]["rows"]),
+            "not_fit": len(s["memory"]["not_fitting"])}
 
 
 def show(name: str, chosen: dict, other: dict, sources: tuple[str, ...]) -> None:
@@ -68,7 +70,7 @@ def show(name: str, chosen: dict, other: dict, sources: tuple[str, ...]) -> None
         print(f"  {label:11s} median |error| {f['median']:5.1%} (goal set {f['goal']:5.1%}), "
               f"p90 {f['p90']:5.1%}; read "
               f"from: {read}; held out, worst source {worst:5.1%}; peaks within 10% "
-              f"{f['memory']}/18, runs not fitting {f['not_fit']}")
+              f"{f['memory']}/{f['peaks']}, runs not fitting {f['not_fit']}")
 
 
 @contextlib.contextmanager
@@ -87,7 +89,7 @@ def issue_26_model():
                 stack_as("torchtitan", logits_bytes=8, sp_saves="shard"), \
                 stack_as("torchtitan+compile", logits_bytes=8, sp_saves="shard"), \
                 stack_as("deepspeed-2021", gathers="layer"), fsdp_states_as(2, 12), \
-                peaks_as_total():
+                stack_as("megatron-bridge", grad_bytes=4), peaks_as_total():
             yield
     finally:
         pipeline.layer_bytes, kernels.op_sac_recomputed_gemms = layer_bytes, recomputed
@@ -134,7 +136,7 @@ def before() -> None:
                   f"{lo['after']:.1%}")
     k, m = s["korthikanti"], s["memory"]
     print(f"Korthikanti's 8 runs: mean {k['mean']:.2%}, max {k['max']:.2%}; peaks within 10%: "
-          f"{m['within_10']}/18 (worst {m['worst']:+.0%}); runs not fitting "
+          f"{m['within_10']}/{len(m['rows'])} (worst {m['worst']:+.0%}); runs not fitting "
           f"{len(m['not_fitting'])}; over 25% {len(s['over'])}, unexplained "
           f"{sum(why == 'unexplained' for _, why in s['over'])}")
 
@@ -174,6 +176,10 @@ def main() -> None:
     with stack_as("deepspeed-2021", gathers="layer"):
         show("deepspeed-2021: one parameter gathered at a time vs two layers", base,
              figures(), (published.NARAYANAN,))
+    with stack_as("megatron-bridge", grad_bytes=4):
+        show("megatron-bridge (NeMo 1 yamls, NeMo 2 and Megatron-Bridge recipes): "
+             "gradients reduced in bf16 vs fp32", base, figures(),
+             (published.BRIDGE, published.DGXC))
     with peaks_as_total():
         show("peaks compared as allocator-reserved bytes vs the model's whole bytes", base,
              figures(), (titan_h100,))

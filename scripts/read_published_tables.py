@@ -237,17 +237,24 @@ def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: 
             "vpp": 1 if c["VP"] in ("NA", "n/a") else int(c["VP"]), "cp": int(c["CP"]),
             "micro_batch": int(c["MBS"]), "global_batch": gbs, "seq_len": seq,
             "recompute": "none", "sharding": "fsdp" if c.get("FSDP", "0") not in ("0", "False")
-            else "zero1", "precision": precision.lower(), "stack": "megatron-bridge",
+            else "zero1", "precision": precision.lower(),
+            "stack": "megatron-bridge",
             "printed": f"{step} s per step", "measured": round(seq * gbs / (step * gpus), 4),
             "assumed": ["recompute none"] + notes + (["FP8 delayed scaling as fp8"]
                                                      if precision == "FP8" else [])}
 
 
-# v25.03 (NeMo 24.12) printed one README per size, each table's settings in its title
+# v25.01 (NeMo 24.09) and v25.03 (NeMo 24.12) printed one README per size, each table's
+# settings in its title
 # ("Llama 3.1 405b BF16 (TP=8, PP=9, CP=2, VP=7, MBS=1, GA=63)"), a column per GPU count,
 # and per-column rows (Layers, GBS, PP, VP) where a column differs
-DGXC_SPLIT = ("1b9bb6b", "v25.03", "24.12",
-              ("llama3.1/README_8b.md", "llama3.1/README_70b.md", "llama3.1/README_405b.md"))
+DGXC_SPLIT_FILES = ("llama3.1/README_8b.md", "llama3.1/README_70b.md",
+                    "llama3.1/README_405b.md")
+DGXC_SPLITS = (("143b90d", "v25.01", "24.09", DGXC_SPLIT_FILES),
+               ("1b9bb6b", "v25.03", "24.12", DGXC_SPLIT_FILES))
+"""The releases printed that way, each read once: v25.01 (NeMo 24.09; v24.11.1's tables
+are the same), v25.03 (NeMo 24.12; v25.02's are the same). v25.01's titles name the
+container ("Llama 3.1 70b 24.09 BF16 (...)")."""
 
 
 def dgxc_split_tables(lines: list[str]) -> list[tuple[dict, int]]:
@@ -262,7 +269,8 @@ def dgxc_split_tables(lines: list[str]) -> list[tuple[dict, int]]:
         cells = cells_of(text)
         if cells[0].startswith("Llama") and "(" in cells[0]:
             name, settings = cells[0].split(" (", 1)
-            size, precision = name.split()[-2:]
+            size = next(w for w in name.split() if w in DGXC_MODELS)
+            precision = name.split()[-1]
             base = {"Size": size, "Precision": precision, "SeqLen": "8192"}
             base |= dict(kv.split("=") for kv in settings.rstrip(")").split(", "))
             cols = []
@@ -284,7 +292,17 @@ def dgxc_split_tables(lines: list[str]) -> list[tuple[dict, int]]:
 
 
 def dgxc_split(git_dir: str, rows: list[dict], commits: dict) -> None:
-    short, release, container, files = DGXC_SPLIT
+    for split in DGXC_SPLITS:
+        dgxc_split_release(git_dir, rows, commits, *split)
+
+
+def dgxc_split_release(git_dir: str, rows: list[dict], commits: dict, short: str,
+                       release: str, container: str, files: tuple[str, ...]) -> None:
+    """Every column of every table of one release's per-size READMEs; a step cell printed
+    with a stray space (v25.01's 405B on 96 GPUs, "8.7  5") is read without it, which the
+    throughput printed beside it confirms (tests/test_cost_runs.py). Where the step and the
+    throughput disagree (v25.01's 70B BF16 on 2048 GPUs: 14.98 s printed, its throughput
+    and MFU those of 14.92 s), the throughput is read, and the row says so."""
     commits[release] = subprocess.run(["git", "-C", git_dir, "rev-parse", short], check=True,
                                       capture_output=True, text=True).stdout.strip()
     for file in files:
@@ -294,9 +312,33 @@ def dgxc_split(git_dir: str, rows: list[dict], commits: dict) -> None:
             c |= {"DP": str(dp), "PP": c.get("PP", "1"), "VP": c.get("VP", "n/a")}
             c.setdefault("GBS", str(int(c["MBS"]) * dp * int(c["GA"])))
             where = (release, "H100 SXM", container, line, commits[release], file)
-            rows.append(dgxc_row(c, c["Size"], c["Precision"], int(c["GPUs"]),
-                                 float(c["step"]), where)
-                        | {"printed_tokens_per_s": float(c["tps"])})
+            step, tps = float(c["step"].replace(" ", "")), float(c["tps"])
+            row = dgxc_row(c, c["Size"], c["Precision"], int(c["GPUs"]), step, where)
+            by_tps = row["seq_len"] * row["global_batch"] / tps
+            if abs(by_tps / step - 1) > 1e-3:       # the throughput (and MFU) decide
+                row["measured"] = round(tps / row["gpus"], 4)
+                row["assumed"] = row["assumed"] + [
+                    f"step {by_tps:.2f} s = tokens / printed throughput (printed {step})"]
+            rows.append(row | {"printed_tokens_per_s": tps})
+
+
+def dgxc_peak(lines: list[str], rows: list[dict], release: str, file: str) -> None:
+    """v25.04.01's llama3.1/README.md shows one log line of a run with launch.sh's defaults
+    (DTYPE bf16, MODEL_SIZE 8b; its MFU example divides by 8 GPUs) at its global batch:
+    `peak_memory_usage` is `torch.cuda.max_memory_reserved()` (NeMo's MegatronStrategy,
+    megatron_strategy.py at d2b21556, `log_memory_usage`), the allocator-reserved peak, the
+    counter torchtitan prints. It goes on the 8B BF16 row of that batch as `peak_gib`."""
+    for i, text in enumerate(lines, 1):
+        if "peak_memory_usage:" not in text:
+            continue
+        fields = dict(f.strip().split(": ", 1) for f in text.split("|") if ": " in f)
+        gbs, peak = int(fields["global_batch_size"]), int(fields["peak_memory_usage"])
+        for r in rows:
+            if (r["release"], r["file"], r["printed_model"], r["precision"], r["gpus"],
+                    r["global_batch"]) == (release, file, "llama3.1 8b", "bf16", 8, gbs):
+                r |= {"peak_gib": round(peak / 2**30, 2), "peak_line": i,
+                      "peak_printed": f"peak_memory_usage: {peak} (step "
+                      f"{fields['train_step_timing in s']} s in that log)"}
 
 
 def dgxc(git_dir: str) -> None:
@@ -312,12 +354,14 @@ def dgxc(git_dir: str) -> None:
                 where = (release, hardware, container, line, commits[release], file)
                 rows.append(dgxc_row(c, size, precision, gpus, step, where)
                             | {"printed_tokens_per_s": tps})
+        dgxc_peak(show(git_dir, short, file), rows, release, file)
     dgxc_split(git_dir, rows, commits)
     dump(DATA / "dgxc.json", {
         "source": "NVIDIA/dgxc-benchmarking recipe READMEs",
         "repository": "NVIDIA/dgxc-benchmarking", "commit": commits["v25.05"],
         "file": DGXC_FILE, "tables": "every 'Training step time (seconds per step)' table of "
-        "llama3.1/README_{8b,70b,405b}.md in v25.03 (H100; NeMo 24.12), "
+        "llama3.1/README_{8b,70b,405b}.md in v25.01 (H100; NeMo 24.09) and v25.03 (H100; "
+        "NeMo 24.12), "
         "llama3.1/README.md in v25.04.01 (H100; NeMo 25.02.01) and v25.05 (GB200; NeMo "
         "25.04.01), nemo_megatron/README_175b.md (GPT-3 175B; NeMo 24.12) and "
         "nemotron/README.md (Nemotron-4 15B, 340B: no cost.MODELS shape, kept unscored) in "

@@ -164,3 +164,32 @@ def test_step_time_and_training_run_share_one_dp_and_memory_model(sharding):
         rs = next(r["time_s"] for r in dp["dp_records"] if r["op"] == "reduce_scatter")
         behind = layers * lt.backward_s
         assert m * dp["dp_exposed_s"] >= m * max(0.0, rs - behind)
+
+
+def test_nemo_and_bridge_benchmark_recipes_reduce_gradients_in_bf16_as_their_log_peak_says():
+    # Megatron-Bridge's and NeMo 2's performance recipes set grad_reduce_in_fp32 = False
+    # and NeMo 1's yamls set Apex's grad_sync_dtype: bf16 (cost.STACKS "megatron-bridge"):
+    # the gradient buffer is bf16, 2 bytes a parameter, and the DP reduce-scatter moves half
+    bridge = cost.STACKS["megatron-bridge"]
+    assert bridge.grad_bytes == 2 and cost.STACKS["megatron-lm"].grad_bytes == 4
+    assert all(c in bridge.cites for c in ("grad_reduce_in_fp32", "d2b21556", "grad_sync_dtype"))
+    kw = dict(model="Llama-3 8B", hardware="H100 SXM", gpus=8, cp=2, global_batch=128,
+              seq_len=8192)
+    bf16 = cost.predict(cost.TrainingRun(**kw, stack="megatron-bridge"))
+    fp32 = cost.predict(cost.TrainingRun(**kw, stack="megatron-bridge", grad_bytes=4))
+    assert bf16.memory["grad_bytes"] == pytest.approx(fp32.memory["grad_bytes"] / 2)
+    assert bf16.breakdown["dp_comm_s"] < fp32.breakdown["dp_comm_s"]
+    with pytest.raises(ValueError, match="grad_bytes = 3"):
+        cost.TrainingRun(**kw, grad_bytes=3)
+    # dgxc v25.04.01's README logs that run (8B BF16, 8 H100s, GBS 128):
+    # peak_memory_usage, NeMo's torch.cuda.max_memory_reserved(), 70833405952 bytes;
+    # with fp32 gradients the model holds 79 GiB and says the run does not fit
+    row = next(r for r in published.RUNS if r.get("peak_gib") and r["source"] == published.DGXC)
+    assert row["peak_gib"] == pytest.approx(70833405952 / 2**30, abs=0.01)
+    p = cost.predict(published.to_run(row))
+    assert p.fits and not cost.predict(published.to_run(row, grad_bytes=4)).fits
+    assert published.allocator_reserved(p) / 2**30 == pytest.approx(row["peak_gib"], rel=0.05)
+    # every dgxc row fits as its recipe sets it (no recomputation): none needs the full
+    # recomputation published.fitting falls back to
+    out = published.compare([r for r in published.RUNS if r["source"] == published.DGXC])
+    assert not [r["where"] for r in out["rows"] if r["fit_setting"]]

@@ -39,7 +39,6 @@ from tplab.cost.data_parallel import dp_group_hardware, sync_seconds
 from tplab.cost.hardware import GiB
 from tplab.cost.kernels import local_params
 from tplab.cost.memory import (
-    GRAD_BYTES,
     OPTIMIZER_BYTES,
     PARAM_BYTES,
     ZERO_STAGES,
@@ -50,10 +49,11 @@ from tplab.cost.memory import (
 )
 from tplab.cost.stacks import ZERO3_PREFETCH_ELEMENTS
 
-PARAM, GRAD = PARAM_BYTES["mixed"], GRAD_BYTES["mixed"]
+PARAM = PARAM_BYTES["mixed"]
 STATES = OPTIMIZER_BYTES["adam"]["mixed"]
 """Bytes per parameter of a run (Megatron-LM's bf16 recipe, `tplab.cost.memory`'s "mixed"
-with Adam: bf16 parameters, fp32 gradients, fp32 master and moments), the same constants
+with Adam: bf16 parameters, fp32 master and moments; the gradients' bytes are the stack's,
+`Stack.grad_bytes`: fp32, or bf16 as "mixed_bf16_grads"), the same constants
 `cost.gpu_memory` and `cost.dp_collectives` use; a fully sharded run's states are
 `memory.state_bytes`'s (its fp32 shard is the master, `memory.MASTER_IS_SHARD`)."""
 FRAGMENTATION = 0.10
@@ -152,8 +152,9 @@ def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
     def t(op, nbytes, size=shard):
         return collective_time(op, nbytes, size, view, "auto") if size > 1 else 0.0
 
-    rs, ag = t("reduce_scatter", GRAD * n), t("all_gather", PARAM * n)
-    ar = t("all_reduce", GRAD * n) if run.sharding == "ddp" else 0.0
+    grad = run.settings.grad_bytes
+    rs, ag = t("reduce_scatter", grad * n), t("all_gather", PARAM * n)
+    ar = t("all_reduce", grad * n) if run.sharding == "ddp" else 0.0
     # the rule dp_times uses (data_parallel.sync_seconds); grad_overlap=False: reduced
     # after the last backward, gathered after the step; FSDP without PP reshards after
     # forward and gathers again for backward; fsdp_exposed: every micro-batch in the open
@@ -162,7 +163,7 @@ def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
         overlap=run.grad_overlap or run.sharding not in ("ddp", "zero1"),
         waits=run.settings.fsdp_exposed, gathers=1 if run.pp > 1 else 2)
     if run.sharding == "hsdp" and group > shard:
-        ar = t("all_reduce", GRAD * n / shard, group // shard)
+        ar = t("all_reduce", grad * n / shard, group // shard)
         comm, exposed = comm + ar, exposed + max(0.0, ar - bwd)
     return DataParallel(comm, exposed)
 
@@ -213,7 +214,8 @@ def memory(run) -> dict:
     group = run.dp * cp
     shard = {"ddp": 1, "hsdp": min(group, max(1, hw.gpus_per_node // (tp * cp)))}.get(
         run.sharding, group)
-    states = state_bytes(n, ZERO_STAGES[run.sharding], shard)   # gpu_memory's count
+    precision = "mixed_bf16_grads" if run.settings.grad_bytes == 2 else "mixed"
+    states = state_bytes(n, ZERO_STAGES[run.sharding], shard, precision)   # gpu_memory's
     local = shape.with_(seq=shape.seq // cp)
     # flash attention keeps no s x s scores: what "selective" drops is never saved;
     # "op" keeps what torchtitan's op-level SAC saves (memory.op_sac_layer);

@@ -109,9 +109,10 @@ CAUSES = (
      "(published.FOUNDRY_STACK, published.foundry_pairs)"),
     (lambda r: r.get("fit_setting", {}).get("recompute") == "full",
      "priced at full recomputation, the fastest unprinted setting that fits "
-     "(published.fitting); NVIDIA's recipes offload activations to the CPU instead "
-     "(Megatron-Bridge perf_recipes/llama/gb200/llama3.py at 067f987d: 70B FP8-CS, "
-     "cpu_offloading_num_layers = 40), which TrainingRun cannot express"),
+     "(published.fitting): the model's memory refuses the setting the run used "
+     "(Megatron-Bridge's GB200 405B FP8-CS config sets neither recomputation nor CPU "
+     "offload, scripts/performance/configs/llama/llama31_workload_base_configs.py at "
+     "v0.3.0; Llama 3 prints neither; docs/VALIDATION.md)"),
 )
 
 

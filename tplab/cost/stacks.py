@@ -81,6 +81,9 @@ class Stack:
     layer and the prefetched next one, torch FSDP and Composer's `limit_all_gathers`;
     "parameter": DeepSpeed 2021's ZeRO-3, one parameter at a time plus its prefetch bucket,
     `ZERO3_PREFETCH_ELEMENTS`).
+    `grad_bytes`: bytes of the gradient buffer each rank keeps and reduces per parameter
+    (4: Megatron's fp32 `main_grad`, `grad_reduce_in_fp32=True`; 2: reduced in bf16, NeMo
+    2's and Megatron-Bridge's performance recipes).
     `cites` says where each setting is read."""
 
     name: str
@@ -96,6 +99,7 @@ class Stack:
     block: str = "megatron"
     sp_saves: str = "shard"
     gathers: str = "layer"
+    grad_bytes: int = 4
     cites: str = ""
 
     def __post_init__(self):
@@ -111,6 +115,9 @@ class Stack:
                              "'gathered'")
         if self.gathers not in GATHERS:
             raise ValueError(f"Stack.gathers = {self.gathers!r}: expected one of {GATHERS}")
+        if self.grad_bytes not in (2, 4):
+            raise ValueError(f"Stack.grad_bytes = {self.grad_bytes!r}: expected 4 (fp32 main "
+                             "gradients) or 2 (reduced in bf16)")
         if not 0 < self.attention_scale <= 1:
             raise ValueError(f"Stack.attention_scale = {self.attention_scale!r}: expected a "
                              "fraction in (0, 1]")
@@ -135,8 +142,22 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack("megatron-lm-2021", attention="unfused", grad_overlap=False, tp_overlap=False,
           p2p_overlap=False, cites="Megatron-LM aed2f75 (2021-04-11), Narayanan et al. "
           "2021: synchronous TP all-reduce, gradients after the pipeline"),
-    Stack("megatron-bridge", cites="NVIDIA-NeMo/Megatron-Bridge recipes and NeMo "
-          "containers: Transformer Engine, flash attention, every overlap on"),
+    Stack("megatron-bridge", grad_bytes=2,
+          cites="NVIDIA-NeMo/Megatron-Bridge recipes and NeMo "
+          "containers: Transformer Engine, flash attention, every overlap on; gradients "
+          "reduced in bf16: Megatron-Bridge's performance configs set "
+          "`grad_reduce_in_fp32 = False` (scripts/performance/configs/llama3/"
+          "llama3_llm_pretrain.py at v0.2.0, configs/llama/llama31_llm_pretrain.py at "
+          "v0.5.0, perf_recipes/_common.py `_benchmark_common` at 067f987d), as NeMo 2.0's "
+          "performance recipes do (llama3_8b.py, llama3_70b.py, llama31_405b.py "
+          "`pretrain_performance_optimizations` at NeMo d2b21556 and 7a8f1cc7, the commits "
+          "dgxc-benchmarking v25.04.01 and v25.05 check out; MegatronStrategy copies the "
+          "plugin's value into the DDP config, megatron_strategy.py "
+          "update_config_with_dtype_overrides); NeMo 1 launcher yamls set "
+          "`grad_sync_dtype: bf16` for Apex's distributed_fused_adam, whose contiguous "
+          "gradient buffer takes that dtype (dgxc-benchmarking llama3.1_{8b,70b,405b}.yaml "
+          "at v25.01 and 1b9bb6b, nemo_megatron/cfg/gpt3_175b_hydra.yaml at 85380ffe; "
+          "apex/contrib/optimizers/distributed_fused_adam.py)"),
     Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, sp_saves="gathered",
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
           "context_parallel"),

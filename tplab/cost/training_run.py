@@ -84,7 +84,8 @@ class TrainingRun:
     behind the weight-gradient GEMM: Megatron-LM before September 2021). `torch_cp`: context
     parallelism as torch's `context_parallel` runs it (`cp_exposed`). `p2p_overlap` False:
     the interleaved schedule waits on its stage-to-stage transfers (`pipeline` module doc:
-    Megatron-LM before 2023)."""
+    Megatron-LM before 2023). `grad_bytes` (4 or 2): the gradient buffer's bytes per
+    parameter, fp32 or reduced in bf16 (`Stack.grad_bytes`)."""
 
     model: str | BlockShape
     hardware: str | Hardware
@@ -109,6 +110,7 @@ class TrainingRun:
     tp_overlap: bool | None = None
     torch_cp: bool | None = None
     p2p_overlap: bool | None = None
+    grad_bytes: int | None = None
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
     settings: Stack = field(init=False, repr=False)
@@ -153,7 +155,8 @@ class TrainingRun:
         return self.global_batch // (self.micro_batch * self.dp)
 
 
-OVERRIDES = ("kernels", "attention", "grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap")
+OVERRIDES = ("kernels", "attention", "grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap",
+             "grad_bytes")
 
 
 def resolve_stack(run: TrainingRun) -> None:
@@ -171,6 +174,9 @@ def resolve_stack(run: TrainingRun) -> None:
     for k in ("grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap"):
         if k in changes:
             check_bool(k, changes[k])
+    if "grad_bytes" in changes and changes["grad_bytes"] not in (2, 4):
+        raise ValueError(f"grad_bytes = {changes['grad_bytes']!r}: expected 4 (fp32 "
+                         "gradients) or 2 (reduced in bf16)")
     settings = replace(base, **changes) if changes else base
     object.__setattr__(run, "settings", settings)
     for k in OVERRIDES:
