@@ -285,3 +285,20 @@ def test_a_plan_error_on_the_ranks_is_also_a_plan_error(lab):
         assert "matches no module" in str(exc)
     else:
         raise AssertionError("no PlanError")
+
+
+def _threads_here():
+    import os
+
+    import torch
+    import torch._inductor.config as inductor
+
+    return (torch.get_num_threads(), os.environ["TORCHINDUCTOR_COMPILE_THREADS"],
+            inductor.compile_threads)
+
+
+def test_each_rank_compiles_with_its_share_of_the_cores(lab):
+    # torch.compile's own default, min(32, cores) compile workers in every rank, would start
+    # a pool per rank on the same cores; a rank compiles with the threads it was given
+    share = lab.threads_per_rank
+    assert lab.run(_threads_here) == [(share, str(share), share)] * lab.world_size

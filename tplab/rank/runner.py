@@ -117,6 +117,19 @@ def _no_breakpoint(*args, **kwargs) -> None:
           "breakpoint() works in the notebook.", file=sys.stderr)
 
 
+def compile_threads(threads: int) -> None:
+    """torch.compile's inductor builds its kernels in a pool of min(32, cores) worker
+    processes, in every process that compiles: a lab's ranks on one machine would each start
+    one, each importing torch, on the same cores. A rank takes its share (`threads`, as torch's
+    own pool does) unless TORCHINDUCTOR_COMPILE_THREADS says otherwise; 1 compiles in the
+    rank itself."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
+    if "torch._inductor.config" in sys.modules:  # read at its import: set it there too
+        sys.modules["torch._inductor.config"].compile_threads = threads
+
+
 def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master_port: int,
               threads: int, local_rank: int | tuple[str, ...], timeout_s: float = 120.0,
               output_to: dict | None = None) -> dict:
@@ -139,6 +152,7 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     # torch is loaded already (entry.py warms it while the engine starts): set_num_threads
     # sizes its pool; OMP_NUM_THREADS above is for the processes this rank starts
     torch.set_num_threads(threads)
+    compile_threads(threads)
     if rank != 0:
         _wait_for_port(master_addr, master_port, timeout_s)
     listen_fd = None
