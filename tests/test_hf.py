@@ -313,6 +313,11 @@ def test_from_hf_checks_come_in_order_and_prefix_is_normalised():
     for bad in ("model..", "mo del", 3):
         with pytest.raises(tplab.PlanError, match="prefix"):
             hf.from_hf(mha, prefix=bad)
+    for bad in (["layers.*.mlp.up_proj"], {"layers.*.mlp.up_proj": 3}):
+        with pytest.raises(tplab.PlanError, match="overrides: a dict"):
+            hf.from_hf(mha, overrides=bad)
+    with pytest.raises(tplab.PlanError, match="'no_such_style' is unknown"):
+        hf.from_hf(mha, overrides={"layers.*.mlp.up_proj": "no_such_style"})
 
 
 def _moe_causes(build_model, way, overrides=None):
