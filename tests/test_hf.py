@@ -307,6 +307,14 @@ def test_from_hf_checks_come_in_order_and_prefix_is_normalised():
     gqa = LlamaConfig(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
     with pytest.raises(tplab.PlanError, match="num_key_value_heads = 8"):
         hf.from_hf(gqa, tp=16)
+    # unit_colwise keeps whole KV heads, one on several ranks (transformers 5.25): allowed
+    units = {"layers.*.self_attn.k_proj": "unit_colwise", "layers.*.self_attn.v_proj":
+             "unit_colwise"}
+    plan = hf.from_hf(gqa, tp=16, overrides=units)
+    assert isinstance(plan["layers.*.self_attn.k_proj"], tplab.parallel_styles.UnitColwise)
+    assert plan["layers.*.self_attn.k_proj"].head_dim == 4096 // 32
+    with pytest.raises(tplab.PlanError, match="num_key_value_heads = 8"):
+        hf.from_hf(gqa, tp=16, overrides={"layers.*.self_attn.k_proj": "unit_colwise"})
     keys = set(hf.from_hf(mha, prefix="model"))
     assert keys == set(hf.from_hf(mha, prefix="model.")) and all(
         k.startswith("model.layers.") for k in keys)

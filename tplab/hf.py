@@ -127,22 +127,30 @@ def _mesh_manager(mesh):
     """transformers' holder of a model's meshes (`TransformersDeviceMesh`), the tp mesh as
     its dense and expert mesh: what its unit styles (5.25: `unit_colwise`) ask for their
     2-D view of the tp ranks (`get_unit_mesh`)."""
-    from transformers.distributed.utils import TransformersDeviceMesh
-
+    try:
+        from transformers.distributed.utils import TransformersDeviceMesh
+    except ImportError:  # a transformers without it has no unit styles to ask
+        return None
     return TransformersDeviceMesh(mesh, mesh)
 
 
 def check_heads(model: nn.Module, tp: int, overrides: dict | None = None) -> None:
     """PlanError unless tp divides the model's heads (`config.num_attention_heads`, and
     the key/value heads of a grouped-KV model): what transformers' plan splits. Not the
-    key/value heads where the plan (with `overrides`) gives the key projection
+    key/value heads where the plan (with `overrides`) gives the key and value projections
     `unit_colwise`, which keeps whole heads (one on several ranks when there are fewer)."""
     config = getattr(model, "config", None)
     if config is not None:
         plan = dict(getattr(model, "tp_plan", None) or {}) | dict(overrides or {})
-        keys = [style for key, style in plan.items()
-                if key.rsplit(".", 1)[-1] in ("k_proj", "qkv_proj", "query_key_value")]
-        _check_heads(config, tp, kv=not keys or any(s != "unit_colwise" for s in keys))
+        _check_heads(config, tp, kv=_splits_kv_heads(plan))
+
+
+def _splits_kv_heads(plan: dict) -> bool:
+    """Whether the plan may split key/value heads: False only where every key and value
+    projection is `unit_colwise` (whole heads, one on several ranks when there are fewer)."""
+    keys = [style for key, style in plan.items() if key.rsplit(".", 1)[-1] in
+            ("k_proj", "v_proj", "qkv_proj", "query_key_value")]
+    return not keys or any(style != "unit_colwise" for style in keys)
 
 
 apply_transformers_plan.check_plan = check_heads  # grad_check runs it before the ranks
@@ -283,7 +291,8 @@ def from_hf(config_or_model, prefix: str | None = None, *, tp: int | None = None
     Keys naming a bare parameter (stacked MoE expert weights) become `ShardParameters` of
     their module, combined with the module's own style (`parallel_styles.Styles`). Checks,
     in this order: a published plan exists; with `tp=N`, the heads (the key/value heads of a
-    grouped-KV model, else the query heads) and the vocabulary (`check_vocab`: padded with a
+    grouped-KV model, unless its key and value projections are `unit_colwise`, keeping a head
+    whole on several ranks; else the query heads) and the vocabulary (`check_vocab`: padded with a
     warning when `pad_vocab=True`) divide by N. An expert-parallel style raises a PlanError
     that points to `apply_transformers_plan`. `overrides` ({key: style name}, keys as the
     plan's: a model's full paths) replaces or adds single rules, as
@@ -317,7 +326,7 @@ def from_hf(config_or_model, prefix: str | None = None, *, tp: int | None = None
                         "transformers has no tensor-parallel plan for this model; write "
                         "one (a dict {module path: ParallelStyle})")
     if tp is not None:
-        _check_config(config, tp, pad_vocab)
+        _check_config(config, tp, pad_vocab, kv=_splits_kv_heads(published))
     for key, name in published.items():
         if name in EP_STYLES:
             raise PlanError(f"{key}: {name!r} is an expert-parallel style of transformers: it "
@@ -367,10 +376,10 @@ def _translate(published: dict, tree, config) -> dict:
     return plan
 
 
-def _check_config(config, tp: int, pad_vocab: bool) -> None:
+def _check_config(config, tp: int, pad_vocab: bool, kv: bool = True) -> None:
     """A transformers config's head counts and vocabulary against tp ranks: the KV heads
     only for a grouped-KV model (fewer KV heads than query heads), else the query heads."""
-    _check_heads(config, tp)
+    _check_heads(config, tp, kv)
     vocab = getattr(config, "vocab_size", None)
     if vocab:
         check_vocab(vocab, tp, pad=pad_vocab)
