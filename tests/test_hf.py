@@ -16,7 +16,7 @@ from tplab import hf, hf_models
 from tplab.core.pairing import gather_indexed
 from tplab.layouts import global_index
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["sim2", "sim4"])
@@ -92,18 +92,46 @@ def _judged(lab, name, overrides=None):
     return wrong
 
 
+# the MoE experts' tensor-parallel rules transformers 5.24 publishes for Qwen3-MoE and Mixtral
+# (5.25 leaves them out: under TP its experts stay whole on every rank, expert parallelism
+# is its base_model_ep_plan); given as overrides where the installed plan lacks them
+EXPERT_RULES = {"model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                "model.layers.*.mlp.experts.down_proj": "rowwise",
+                "model.layers.*.mlp.experts": "moe_tp_experts"}
+# the pairing transformers' style gives the stacked gate_up weight (None: not in the plan)
+GATE_UP_PAIRS = {"packed_colwise": "_StridedShard(dim=1, split_factor=2)", None: "Replicate()"}
+
+
+def _experts_plans(name: str) -> list[dict | None]:
+    """The plans whose experts a test checks: the published one (None), and the 5.24 expert
+    rules as overrides where the installed plan leaves the experts out (while transformers
+    still registers `moe_tp_experts`, deprecated in 5.25)."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    published = hf_models.build(name).tp_plan
+    if all(published.get(k) == v for k, v in EXPERT_RULES.items()):
+        return [None]
+    assert not EXPERT_RULES.keys() & published.keys(), published  # all or none
+    return [None] + ([EXPERT_RULES] if "moe_tp_experts" in ALL_PARALLEL_STYLES else [])
+
+
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
 def test_grad_check_on_transformers_own_tp_agrees_with_full_tensor(name):
     sim = tplab.simulate(2)
     build = functools.partial(hf_models.build, name)
-    report = tplab.grad_check(sim, build, hf.apply_transformers_plan,
-                              functools.partial(hf_models.tokens, name),
-                              loss_fn=hf_models.logits_loss)
-    assert report.ok, str(report)
-    assert not _judged(sim, name)
-    packed = next(v for k, v in report.pairs.items() if k.endswith("experts.gate_up_proj"))
-    assert packed == "_StridedShard(dim=1, split_factor=2)"
-    assert not [r for r in report.rows if r["kind"] == "unreadable"]
+    for overrides in _experts_plans(name):
+        report = tplab.grad_check(sim, build, functools.partial(hf.apply_transformers_plan,
+                                                                overrides=overrides),
+                                  functools.partial(hf_models.tokens, name),
+                                  loss_fn=hf_models.logits_loss)
+        assert report.ok, str(report)
+        assert not _judged(sim, name, overrides)
+        # the experts' pairing is the one the resolved plan's style implies
+        style = hf.transformers_plan(build(), 2, overrides).get(
+            "model.layers.0.mlp.experts.gate_up_proj")
+        packed = next(v for k, v in report.pairs.items() if k.endswith("experts.gate_up_proj"))
+        assert packed == GATE_UP_PAIRS[style], (overrides, style)
+        assert not [r for r in report.rows if r["kind"] == "unreadable"]
 
 
 def test_a_broken_transformers_plan_is_wrong_for_grad_check_and_for_the_judge():
@@ -163,9 +191,10 @@ def test_apply_transformers_plan_is_what_from_pretrained_tp_plan_auto_does(labs,
             assert torch.allclose(ours[1][name][2], grad, atol=1e-6), name
 
 
-def _translated(build_model, state, x):
-    """Rank side: the model sharded by transformers and by from_hf's translation: each
-    parameter's placements and local shard, the logits and every local gradient."""
+def _translated(build_model, state, x, overrides=None):
+    """Rank side: the model sharded by transformers and by from_hf's translation (both with
+    `overrides`): each parameter's placements and local shard, the logits and every local
+    gradient."""
     import torch.distributed as dist
 
     from tplab.mesh import make_mesh
@@ -177,9 +206,9 @@ def _translated(build_model, state, x):
         model = build_model()
         model.load_state_dict(state)
         if way == "own":
-            hf.apply_transformers_plan(model, mesh)
+            hf.apply_transformers_plan(model, mesh, overrides)
         else:
-            apply_plan(model, mesh, hf.from_hf(model))
+            apply_plan(model, mesh, hf.from_hf(model, overrides=overrides))
         logits = model(**x).logits
         hf_models.logits_loss(type("O", (), {"logits": logits})).backward()
         out.append({n: (repr(getattr(p, "placements", None)),
@@ -189,12 +218,12 @@ def _translated(build_model, state, x):
     return out
 
 
-def _compare_translation(name, world=2):
-    build = functools.partial(hf_models.build, name)
+def _compare_translation(name, world=2, overrides=None, **sizes):
+    build = functools.partial(hf_models.build, name, **sizes)
     model = build()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for own, ours in tplab.simulate(world).run(_translated, build, state,
-                                               hf_models.tokens(name)):
+                                               hf_models.tokens(name), overrides):
         assert torch.allclose(own.pop("logits"), ours.pop("logits"), atol=1e-6)
         for pname, (placements, local, grad) in own.items():
             if ours[pname][0] != placements:  # a tied weight torch's style unties
@@ -202,27 +231,56 @@ def _compare_translation(name, world=2):
                 continue
             assert torch.equal(ours[pname][1], local), pname
             assert torch.allclose(ours[pname][2], grad, atol=1e-6), pname
-    return set(model.tp_plan.values())
+    return set((model.tp_plan | (overrides or {})).values())
 
 
 def test_from_hf_translations_shard_and_compute_as_transformers_does():
     """Qwen3-MoE: colwise, rowwise, the embedding, the lm head, the replicated q/k norms
-    with their gradient all-reduce, packed experts and the MoE experts style."""
-    styles = _compare_translation("qwen3_moe")
+    with their gradient all-reduce, packed experts and the MoE experts style (the 5.24
+    rules as overrides where the installed plan leaves the experts whole)."""
+    styles = set()
+    for overrides in _experts_plans("qwen3_moe"):
+        styles |= _compare_translation("qwen3_moe", overrides=overrides)
     assert {"replicated_with_grad_allreduce", "packed_colwise", "moe_tp_experts"} <= styles
+
+
+def test_unit_colwise_translation_against_transformers():
+    """transformers' `unit_colwise` (5.25: whole key/value heads on a (groups, replicas)
+    view of the ranks) on Qwen3's k_proj and v_proj, at 2 KV heads on 4 ranks (each head on
+    2 ranks, its output's gradient summed over them) and at 4 KV heads (one per rank),
+    with `unit_rowwise` on o_proj; tplab's translation (`parallel_styles.UnitColwise`)
+    shards and computes as transformers' own code does."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    if "unit_colwise" not in ALL_PARALLEL_STYLES:
+        pytest.skip(f"transformers {transformers.__version__} has no unit_colwise (5.25 adds it)")
+    units = {"model.layers.*.self_attn.k_proj": "unit_colwise",
+             "model.layers.*.self_attn.v_proj": "unit_colwise"}
+    _compare_translation("qwen3", 4, units, num_attention_heads=8, num_key_value_heads=2)
+    _compare_translation("qwen3", 4, units | {"model.layers.*.self_attn.o_proj": "unit_rowwise"},
+                         num_attention_heads=4, num_key_value_heads=4)
 
 
 # one family for each remaining style transformers publishes (see docs/MODELS.md); the one
 # family with "all_reduce" (inkling_text) does not run at tiny sizes under either plan
 STYLE_FAMILIES = {"rowwise_split_input": "olmo2", "mla_kv_a_proj": "deepseek_v2",
                   "packed_rowwise": "aria_text", "local_params": "granite_swa",
-                  "moe_identity_expert": "longcat_flash", "embedding_colwise": "qwen4_exp_text"}
+                  "moe_identity_expert": "longcat_flash", "embedding_colwise": "qwen4_exp_text",
+                  "unit_colwise": "minicpm5_moe"}
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("style", sorted(STYLE_FAMILIES))
 def test_each_style_translation_against_transformers(style):
-    assert style in _compare_translation(STYLE_FAMILIES[style])
+    from transformers import CONFIG_MAPPING
+
+    family = STYLE_FAMILIES[style]
+    # 5.25 moved the MoE styles to expert parallelism and added unit_colwise (minicpm5_moe)
+    if family not in CONFIG_MAPPING or style not in set(hf_models.build(family).tp_plan
+                                                        .values()):
+        pytest.skip(f"transformers {transformers.__version__}: {family} does not publish "
+                    f"{style}")
+    assert style in _compare_translation(family)
 
 
 def test_from_hf_knows_every_style_transformers_registers():
@@ -249,15 +307,28 @@ def test_from_hf_checks_come_in_order_and_prefix_is_normalised():
     gqa = LlamaConfig(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
     with pytest.raises(tplab.PlanError, match="num_key_value_heads = 8"):
         hf.from_hf(gqa, tp=16)
+    # unit_colwise keeps whole KV heads, one on several ranks (transformers 5.25): allowed
+    units = {"layers.*.self_attn.k_proj": "unit_colwise", "layers.*.self_attn.v_proj":
+             "unit_colwise"}
+    plan = hf.from_hf(gqa, tp=16, overrides=units)
+    assert isinstance(plan["layers.*.self_attn.k_proj"], tplab.parallel_styles.UnitColwise)
+    assert plan["layers.*.self_attn.k_proj"].head_dim == 4096 // 32
+    with pytest.raises(tplab.PlanError, match="num_key_value_heads = 8"):
+        hf.from_hf(gqa, tp=16, overrides={"layers.*.self_attn.k_proj": "unit_colwise"})
     keys = set(hf.from_hf(mha, prefix="model"))
     assert keys == set(hf.from_hf(mha, prefix="model.")) and all(
         k.startswith("model.layers.") for k in keys)
     for bad in ("model..", "mo del", 3):
         with pytest.raises(tplab.PlanError, match="prefix"):
             hf.from_hf(mha, prefix=bad)
+    for bad in (["layers.*.mlp.up_proj"], {"layers.*.mlp.up_proj": 3}):
+        with pytest.raises(tplab.PlanError, match="overrides: a dict"):
+            hf.from_hf(mha, overrides=bad)
+    with pytest.raises(tplab.PlanError, match="'no_such_style' is unknown"):
+        hf.from_hf(mha, overrides={"layers.*.mlp.up_proj": "no_such_style"})
 
 
-def _moe_causes(build_model, way):
+def _moe_causes(build_model, way, overrides=None):
     import torch.distributed as dist
 
     from tplab.mesh import make_mesh
@@ -267,9 +338,9 @@ def _moe_causes(build_model, way):
     model = build_model()
     mesh = make_mesh(tp=dist.get_world_size())
     if way == "own":
-        hf.apply_transformers_plan(model, mesh)
+        hf.apply_transformers_plan(model, mesh, overrides)
     else:
-        apply_plan(model, mesh, hf.from_hf(model))
+        apply_plan(model, mesh, hf.from_hf(model, overrides=overrides))
     with trace() as t:
         hf_models.logits_loss(model(**hf_models.tokens("qwen3_moe"))).backward()
     return [(r["phase"], r["module"], r["cause"]) for r in t.records]
@@ -279,17 +350,23 @@ def _moe_causes(build_model, way):
 def test_causes_name_the_style_and_its_rule(way):
     from tplab.causes import REPLICATED_GRAD_RULE
 
-    records = tplab.simulate(2).run(_moe_causes, functools.partial(hf_models.build,
-                                                                   "qwen3_moe"), way)[0]
-    norms = [c for p, m, c in records if m.endswith(("q_norm", "k_norm"))]
-    assert len(norms) == 2 and all(REPLICATED_GRAD_RULE in c for c in norms)
-    assert all(c.startswith("replicated_with_grad_allreduce") for c in norms)
-    experts = [(p, c) for p, m, c in records if m.endswith("experts")]
-    assert [p for p, _ in experts] == ["forward", "backward", "backward"]
-    assert experts[0][1].startswith(("g (transformers'", "moe_tp_experts g"))
-    assert all(c.startswith(("f (transformers'", "moe_tp_experts f")) for _, c in experts[1:])
-    if way == "from_hf":  # which rows of the packed weight each rank holds
-        assert "rows r*8:(r+1)*8 of each of the 2 packed sub-matrices" in experts[1][1]
+    build = functools.partial(hf_models.build, "qwen3_moe")
+    for overrides in _experts_plans("qwen3_moe"):
+        records = tplab.simulate(2).run(_moe_causes, build, way, overrides)[0]
+        norms = [c for p, m, c in records if m.endswith(("q_norm", "k_norm"))]
+        assert len(norms) == 2 and all(REPLICATED_GRAD_RULE in c for c in norms)
+        assert all(c.startswith("replicated_with_grad_allreduce") for c in norms)
+        experts = [(p, c) for p, m, c in records if m.endswith("experts")]
+        if hf.transformers_plan(build(), 2, overrides).get(
+                "model.layers.0.mlp.experts") != "moe_tp_experts":
+            assert experts == []  # whole experts on every rank: nothing to sum
+            continue
+        assert [p for p, _ in experts] == ["forward", "backward", "backward"]
+        assert experts[0][1].startswith(("g (transformers'", "moe_tp_experts g"))
+        assert all(c.startswith(("f (transformers'", "moe_tp_experts f"))
+                   for _, c in experts[1:])
+        if way == "from_hf":  # which rows of the packed weight each rank holds
+            assert "rows r*8:(r+1)*8 of each of the 2 packed sub-matrices" in experts[1][1]
 
 
 def test_a_packed_weight_split_as_one_block_is_wrong_and_packed_is_right(sim):

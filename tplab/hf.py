@@ -15,8 +15,12 @@ runs). tplab checks either:
   (`tplab.parallel_styles`) for the rest, so every layout can be read, traced and changed.
 
 Every style in transformers' `ALL_PARALLEL_STYLES` that is tensor parallel is translated
-(`HF_SUPPORTED`); its expert-parallel styles (`ep_dispatch_experts`, `grouped_gemm`) need
-transformers' token-dispatch runtime: `from_hf` points to `apply_transformers_plan` (with a
+(`HF_SUPPORTED`), those of 5.24 and of 5.25 alike (5.25 adds `unit_colwise`/`unit_rowwise`,
+whole heads on a 2-D view of the ranks: `parallel_styles.UnitColwise`; drops
+`moe_identity_expert`; deprecates `moe_tp_experts`, and its MoE plans leave the experts
+whole under TP: `from_hf(..., overrides=...)` gives them the 5.24 rules). Its
+expert-parallel styles (`ep_dispatch_experts`, `grouped_gemm`) need transformers'
+token-dispatch runtime: `from_hf` points to `apply_transformers_plan` (with a
 `DistributedConfig(ep_size=...)` of transformers) for them.
 """
 
@@ -39,6 +43,7 @@ from tplab.parallel_styles.activations import (
     PackedColwise,
     ScaleInput,
 )
+from tplab.parallel_styles.heads import UnitColwise, UnitRowwise
 from tplab.parallel_styles.weights import (
     LocalParams,
     ReplicatedGradAllReduce,
@@ -63,9 +68,11 @@ _TORCH_STYLES = {
     "replicate": lambda: None,  # every rank keeps the whole parameter: nothing to plan
 }
 # ... and a tplab style (tplab.parallel_styles) for those torch does not ship
+# (transformers 5.25 adds unit_colwise/unit_rowwise, drops moe_identity_expert and deprecates
+# moe_tp_experts: both kept here for the plans of 5.24, which publishes them)
 _TPLAB_STYLES = ("replicated_with_grad_allreduce", "packed_colwise", "packed_rowwise",
                  "moe_tp_experts", "mla_kv_a_proj", "all_reduce", "moe_identity_expert",
-                 "local_params")
+                 "local_params", "unit_colwise", "unit_rowwise")
 EP_STYLES = ("ep_dispatch_experts", "grouped_gemm")
 HF_SUPPORTED = tuple(sorted([*_TORCH_STYLES, *_TPLAB_STYLES]))
 
@@ -104,22 +111,46 @@ def apply_transformers_plan(model: nn.Module, mesh, overrides: dict | None = Non
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     mesh = tp_mesh(mesh)
-    check_heads(model, mesh.size())  # before transformers' own code cuts a head in two
+    check_heads(model, mesh.size(), overrides)  # before transformers' code cuts a head in two
     plan = transformers_plan(model, mesh.size(), overrides)
     model._tp_size = mesh.size()     # what maybe_distribute_model records for the model
     model._device_mesh = mesh
+    if getattr(model, "_mesh_manager", None) is None:
+        model._mesh_manager = _mesh_manager(mesh)
     tied = _untie(model, plan)
     model = apply_tensor_parallelism(model, mesh, plan)
     _retie(model, tied)
     return model
 
 
-def check_heads(model: nn.Module, tp: int) -> None:
+def _mesh_manager(mesh):
+    """transformers' holder of a model's meshes (`TransformersDeviceMesh`), the tp mesh as
+    its dense and expert mesh: what its unit styles (5.25: `unit_colwise`) ask for their
+    2-D view of the tp ranks (`get_unit_mesh`)."""
+    try:
+        from transformers.distributed.utils import TransformersDeviceMesh
+    except ImportError:  # a transformers without it has no unit styles to ask
+        return None
+    return TransformersDeviceMesh(mesh, mesh)
+
+
+def check_heads(model: nn.Module, tp: int, overrides: dict | None = None) -> None:
     """PlanError unless tp divides the model's heads (`config.num_attention_heads`, and
-    the key/value heads of a grouped-KV model): what transformers' plan splits."""
+    the key/value heads of a grouped-KV model): what transformers' plan splits. Not the
+    key/value heads where the plan (with `overrides`) gives the key and value projections
+    `unit_colwise`, which keeps whole heads (one on several ranks when there are fewer)."""
     config = getattr(model, "config", None)
     if config is not None:
-        _check_heads(config, tp)
+        plan = dict(getattr(model, "tp_plan", None) or {}) | dict(overrides or {})
+        _check_heads(config, tp, kv=_splits_kv_heads(plan))
+
+
+def _splits_kv_heads(plan: dict) -> bool:
+    """Whether the plan may split key/value heads: False only where every key and value
+    projection is `unit_colwise` (whole heads, one on several ranks when there are fewer)."""
+    keys = [style for key, style in plan.items() if key.rsplit(".", 1)[-1] in
+            ("k_proj", "v_proj", "qkv_proj", "query_key_value")]
+    return not keys or any(style != "unit_colwise" for style in keys)
 
 
 apply_transformers_plan.check_plan = check_heads  # grad_check runs it before the ranks
@@ -186,6 +217,8 @@ def _module_style(style: str, config):
         return ScaleInput()
     if style == "local_params":
         return LocalParams()
+    if style in ("unit_colwise", "unit_rowwise"):
+        return (UnitColwise if style == "unit_colwise" else UnitRowwise)(_head_dim(config))
     if style == "mla_kv_a_proj":
         rope = getattr(config, "qk_rope_head_dim", None)
         if rope is None:
@@ -193,6 +226,14 @@ def _module_style(style: str, config):
                             "in the config")
         return MlaKvAProj(rope)
     raise AssertionError(style)
+
+
+def _head_dim(config) -> int:
+    """The head size transformers' unit styles split by: `head_dim`, else hidden/heads."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or (
+        text.hidden_size // text.num_attention_heads)
+    return int(head_dim)
 
 
 def _meta_model(config):
@@ -235,7 +276,7 @@ def _normalise_prefix(prefix) -> str:
 
 
 def from_hf(config_or_model, prefix: str | None = None, *, tp: int | None = None,
-            pad_vocab: bool = False) -> dict:
+            pad_vocab: bool = False, overrides: dict | None = None) -> dict:
     """A DTensor plan from transformers' published one, its wildcards kept
     ("model.layers.*.self_attn.q_proj"), every style translated (`HF_SUPPORTED`).
 
@@ -250,9 +291,14 @@ def from_hf(config_or_model, prefix: str | None = None, *, tp: int | None = None
     Keys naming a bare parameter (stacked MoE expert weights) become `ShardParameters` of
     their module, combined with the module's own style (`parallel_styles.Styles`). Checks,
     in this order: a published plan exists; with `tp=N`, the heads (the key/value heads of a
-    grouped-KV model, else the query heads) and the vocabulary (`check_vocab`: padded with a
+    grouped-KV model, unless its key and value projections are `unit_colwise`, keeping a head
+    whole on several ranks; else the query heads) and the vocabulary (`check_vocab`: padded with a
     warning when `pad_vocab=True`) divide by N. An expert-parallel style raises a PlanError
-    that points to `apply_transformers_plan`.
+    that points to `apply_transformers_plan`. `overrides` ({key: style name}, keys as the
+    plan's: a model's full paths) replaces or adds single rules, as
+    `apply_transformers_plan(model, mesh, overrides)` and `DistributedConfig(tp_plan=...)`
+    do: e.g. the MoE experts' rules of transformers 5.24 on a model of 5.25, whose plan
+    leaves the experts whole on every rank.
     """
     config = getattr(config_or_model, "config", config_or_model)
     is_model = isinstance(config_or_model, nn.Module)
@@ -270,12 +316,17 @@ def from_hf(config_or_model, prefix: str | None = None, *, tp: int | None = None
     else:
         published = {prefix + k: v for k, v in
                      (getattr(config, "base_model_tp_plan", None) or {}).items()}
+    if overrides is not None:
+        if not isinstance(overrides, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in overrides.items()):
+            raise PlanError(f"overrides: a dict {{path: style name}}, got {overrides!r:.60}")
+        published |= overrides
     if not published:
         raise PlanError(f"{type(config).__name__} publishes no base_model_tp_plan: "
                         "transformers has no tensor-parallel plan for this model; write "
                         "one (a dict {module path: ParallelStyle})")
     if tp is not None:
-        _check_config(config, tp, pad_vocab)
+        _check_config(config, tp, pad_vocab, kv=_splits_kv_heads(published))
     for key, name in published.items():
         if name in EP_STYLES:
             raise PlanError(f"{key}: {name!r} is an expert-parallel style of transformers: it "
@@ -325,25 +376,26 @@ def _translate(published: dict, tree, config) -> dict:
     return plan
 
 
-def _check_config(config, tp: int, pad_vocab: bool) -> None:
+def _check_config(config, tp: int, pad_vocab: bool, kv: bool = True) -> None:
     """A transformers config's head counts and vocabulary against tp ranks: the KV heads
     only for a grouped-KV model (fewer KV heads than query heads), else the query heads."""
-    _check_heads(config, tp)
+    _check_heads(config, tp, kv)
     vocab = getattr(config, "vocab_size", None)
     if vocab:
         check_vocab(vocab, tp, pad=pad_vocab)
 
 
-def _check_heads(config, tp: int) -> None:
+def _check_heads(config, tp: int, kv: bool = True) -> None:
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise PlanError(f"tp must be a positive int, got {tp!r}")
     heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     name = type(config).__name__
-    if heads is not None and kv is not None and kv != heads and kv % tp:
-        raise PlanError(f"{name}: num_key_value_heads = {kv} (key/value heads) is not "
+    if kv and heads is not None and kv_heads is not None and kv_heads != heads and \
+            kv_heads % tp:
+        raise PlanError(f"{name}: num_key_value_heads = {kv_heads} (key/value heads) is not "
                         f"divisible by tp = {tp}; the {heads} query heads are not the limit, "
-                        f"the KV heads are: past {kv} ranks each rank needs a copy of its "
+                        f"the KV heads are: past {kv_heads} ranks each rank needs a copy of its "
                         "group's KV heads (duplicated KV heads)")
     if heads is not None and heads % tp:
         raise PlanError(f"{name}: num_attention_heads = {heads} (query heads) is not "

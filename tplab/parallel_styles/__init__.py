@@ -20,6 +20,9 @@ identity backward).
   (forward on the local shards), `AllReduceOutput` (g), `MlaKvAProj` (f on the RoPE part of
   DeepSeek's MLA projection), `ScaleInput` (an identity expert inside a summed MoE), and
   `Styles` (several styles on one module, in order).
+- `UnitColwise` / `UnitRowwise` (tplab.parallel_styles.heads): a projection split by whole
+  heads on a (groups, replicas) view of the tp ranks (`unit_mesh`), so fewer key/value
+  heads than ranks each live on several ranks (transformers 5.25's `unit_colwise`).
 
 Each style declares what it does once, as a `tplab.style_specs.StyleSpec` (`spec(module,
 tp)`): the placements it gives, what it reads and hands on, what tp must divide, and the
@@ -38,6 +41,7 @@ from tplab.parallel_styles.activations import (
     packed_rows,
     reduce_with_cause,
 )
+from tplab.parallel_styles.heads import UnitColwise, UnitRowwise, unit_mesh
 from tplab.parallel_styles.weights import (
     REPLICATED_GRAD_RULE,
     LocalParams,
@@ -51,5 +55,6 @@ from tplab.parallel_styles.weights import (
 
 __all__ = ["REPLICATED_GRAD_RULE", "AllReduceOutput", "LocalParams", "MlaKvAProj", "MoEExperts",
            "PackedColwise", "PackedRowwise", "ReplicatedGradAllReduce", "ScaleInput",
-           "ShardParameters", "Styles", "TplabStyle", "copy_with_cause", "packed_placement",
-           "packed_rows", "reduce_with_cause"]
+           "ShardParameters", "Styles", "TplabStyle", "UnitColwise", "UnitRowwise",
+           "copy_with_cause", "packed_placement", "packed_rows", "reduce_with_cause",
+           "unit_mesh"]
