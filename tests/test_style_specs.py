@@ -130,7 +130,7 @@ def test_a_wrong_module_for_a_declared_style_is_named():
         plans.check_plan(models.Block(models.Config()), {"attention_norm": ps.PackedColwise()}, 2)
 
 
-TEN = {  # tplab's styles, each on a module it is made for
+STYLES = {  # tplab's styles, each on a module it is made for
     "ShardParameters": (lambda: ps.ShardParameters({"weight": Shard(0)}),
                         nn.Linear(8, 8, bias=False)),
     "LocalParams": (ps.LocalParams, nn.Linear(8, 8)),
@@ -143,12 +143,14 @@ TEN = {  # tplab's styles, each on a module it is made for
     "ScaleInput": (ps.ScaleInput, nn.Identity()),
     "Styles": (lambda: ps.Styles(ps.ShardParameters({"weight": Shard(0)}), ps.LocalParams()),
                nn.Linear(8, 8)),
+    "UnitColwise": (lambda: ps.UnitColwise(4), nn.Linear(8, 8)),
+    "UnitRowwise": (lambda: ps.UnitRowwise(4), nn.Linear(8, 8)),
 }
 
 
-@pytest.mark.parametrize("name", sorted(TEN))
+@pytest.mark.parametrize("name", sorted(STYLES))
 def test_each_of_tplabs_styles_is_described(name):
-    make, module = TEN[name]
+    make, module = STYLES[name]
     style = make()
     assert type(style).__name__ == name
     assert isinstance(style_specs.spec_of(style, module, 2), style_specs.StyleSpec)
@@ -157,16 +159,16 @@ def test_each_of_tplabs_styles_is_described(name):
     assert all("?" not in c and style_specs.NO_SPEC not in c for c in cells), row
 
 
-def test_every_tplab_style_class_is_among_the_ten():
+def test_every_tplab_style_class_is_described_here():
     classes = {n for n, c in vars(ps).items() if isinstance(c, type) and
                issubclass(c, ParallelStyle) and c is not ps.TplabStyle}
-    assert classes == set(TEN)
+    assert classes == set(STYLES)
 
 
 def test_the_described_placements_are_what_applying_the_style_gives():
     sim = tplab.simulate(2)
     for name in ("ShardParameters", "PackedColwise", "PackedRowwise", "ReplicatedGradAllReduce"):
-        make, module = TEN[name]
+        make, module = STYLES[name]
         (row,) = plans.describe_plan(nn.Sequential(module), {"0": make()})
         got = sim.run(_placements, make(), module)[0]
         assert got == row["parameters"], name

@@ -275,6 +275,22 @@ def _normalise_prefix(prefix) -> str:
     return prefix if not prefix or prefix.endswith(".") else prefix + "."
 
 
+def _published(config_or_model, prefix: str, overrides: dict | None) -> dict:
+    """The plan transformers publishes for a model or config (see from_hf), overrides in."""
+    config = getattr(config_or_model, "config", config_or_model)
+    if isinstance(config_or_model, nn.Module) and not prefix:
+        published = dict(getattr(config_or_model, "tp_plan", None) or {})
+    else:  # a config, or a model given a prefix: its base model's keys, prefixed
+        published = {prefix + k: v for k, v in
+                     (getattr(config, "base_model_tp_plan", None) or {}).items()}
+    if overrides is not None:
+        if not isinstance(overrides, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in overrides.items()):
+            raise PlanError(f"overrides: a dict {{path: style name}}, got {overrides!r:.60}")
+        published |= overrides
+    return published
+
+
 def from_hf(config_or_model, prefix: str | None = None, *, tp: int | None = None,
             pad_vocab: bool = False, overrides: dict | None = None) -> dict:
     """A DTensor plan from transformers' published one, its wildcards kept
@@ -308,19 +324,7 @@ def from_hf(config_or_model, prefix: str | None = None, *, tp: int | None = None
                         "from_hf(model), from_hf(AutoConfig.from_pretrained(name)) or "
                         "from_hf(LlamaConfig(...), prefix='model.') for LlamaForCausalLM")
     prefix = _normalise_prefix(prefix)
-    if is_model:
-        published = dict(getattr(config_or_model, "tp_plan", None) or {})
-        if prefix:  # a prefix given with a model: the keys of its base model, re-prefixed
-            base = getattr(config, "base_model_tp_plan", None) or {}
-            published = {prefix + k: v for k, v in base.items()}
-    else:
-        published = {prefix + k: v for k, v in
-                     (getattr(config, "base_model_tp_plan", None) or {}).items()}
-    if overrides is not None:
-        if not isinstance(overrides, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in overrides.items()):
-            raise PlanError(f"overrides: a dict {{path: style name}}, got {overrides!r:.60}")
-        published |= overrides
+    published = _published(config_or_model, prefix, overrides)
     if not published:
         raise PlanError(f"{type(config).__name__} publishes no base_model_tp_plan: "
                         "transformers has no tensor-parallel plan for this model; write "

@@ -37,10 +37,9 @@ from tplab.parallel_styles.activations import (
     MoEExperts,
     PackedColwise,
     ScaleInput,
-    copy_with_cause,
     packed_rows,
-    reduce_with_cause,
 )
+from tplab.parallel_styles.explained import copy_with_cause, reduce_with_cause
 from tplab.parallel_styles.heads import UnitColwise, UnitRowwise, unit_mesh
 from tplab.parallel_styles.weights import (
     REPLICATED_GRAD_RULE,

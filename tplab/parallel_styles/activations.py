@@ -3,17 +3,17 @@ collective carrying its style's reason (`tplab.parallel_styles`, whose docstring
 whole family; Shoeybi et al. 2019, section 3).
 
 `PackedColwise` (a packed column-parallel layer), `MoEExperts`, `AllReduceOutput` (g),
-`MlaKvAProj` (f on the RoPE key), `ScaleInput` (an identity expert); `copy_with_cause` and
-`reduce_with_cause` are f and g for a style of one's own, with its spec's reason.
+`MlaKvAProj` (f on the RoPE key), `ScaleInput` (an identity expert); f and g with their
+reason are `tplab.parallel_styles.explained`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from tplab.parallel_styles.explained import copy_with_cause, reduce_with_cause
 from tplab.parallel_styles.weights import (
     LocalParams,
     ShardParameters,
@@ -25,48 +25,6 @@ from tplab.style_specs import Collective, Handover, StyleSpec
 
 def _why(collectives: tuple[Collective, ...]) -> str:
     return collectives[0].why
-
-
-class _ExplainedCopy(torch.autograd.Function):
-    """f with the style's reason attached (`ctx.tp_cause`, shown by tplab.trace): identity
-    forward, all-reduce backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, cause):
-        ctx.group, ctx.tp_cause = group, cause
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None, None
-
-
-class _ExplainedReduce(torch.autograd.Function):
-    """g with the style's reason attached: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, cause):
-        ctx.tp_cause = cause
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-def copy_with_cause(x: torch.Tensor, group, why: str) -> torch.Tensor:
-    """f, whose backward all-reduce the trace shows with `why` as its cause (a style of
-    one's own passes its spec's reason)."""
-    return _ExplainedCopy.apply(x, group, why)
-
-
-def reduce_with_cause(x: torch.Tensor, group, why: str) -> torch.Tensor:
-    """g, whose forward all-reduce the trace shows with `why` as its cause."""
-    return _ExplainedReduce.apply(x, group, why)
 
 
 def packed_rows(rows: int, split_factor: int, tp: int) -> str:
@@ -124,7 +82,7 @@ class PackedColwise(TplabStyle):
             x = args[0]
             if isinstance(x, DTensor):
                 x = x.redistribute(placements=[Replicate()]).to_local()
-            return (_ExplainedCopy.apply(x, group, cause), *args[1:])
+            return (copy_with_cause(x, group, cause), *args[1:])
 
         module.register_forward_pre_hook(pre)
         LocalParams()._apply(module, device_mesh)
@@ -167,16 +125,16 @@ class MoEExperts(TplabStyle):
             hidden, *rest = args
             if isinstance(hidden, DTensor):
                 hidden = hidden.to_local()
-            hidden = _ExplainedCopy.apply(hidden, group, f_cause)
+            hidden = copy_with_cause(hidden, group, f_cause)
             if len(rest) >= 2 and rest[1].requires_grad:  # top_k_index, top_k_weights
-                rest[1] = _ExplainedCopy.apply(rest[1], group, f_cause)
+                rest[1] = copy_with_cause(rest[1], group, f_cause)
             elif "top_k_weights" in kwargs:
-                kwargs = {**kwargs, "top_k_weights": _ExplainedCopy.apply(kwargs["top_k_weights"],
+                kwargs = {**kwargs, "top_k_weights": copy_with_cause(kwargs["top_k_weights"],
                                                                      group, f_cause)}
             return (hidden, *rest), kwargs
 
         def post(mod, args, output):
-            return None if output is None else _ExplainedReduce.apply(output, group, g_cause)
+            return None if output is None else reduce_with_cause(output, group, g_cause)
 
         module.register_forward_pre_hook(pre, with_kwargs=True)
         LocalParams()._apply(module, device_mesh)
@@ -202,7 +160,7 @@ class AllReduceOutput(TplabStyle):
         def post(mod, args, output):
             if isinstance(output, DTensor):
                 output = output.to_local()
-            return None if output is None else _ExplainedReduce.apply(output, group, cause)
+            return None if output is None else reduce_with_cause(output, group, cause)
 
         module.register_forward_hook(post)
         return module
@@ -233,7 +191,7 @@ class MlaKvAProj(TplabStyle):
 
         def post(mod, args, output):
             kept, k_rope = output.split([output.shape[-1] - rope, rope], dim=-1)
-            k_rope = _ExplainedCopy.apply(k_rope, group, cause)
+            k_rope = copy_with_cause(k_rope, group, cause)
             return torch.cat([kept, k_rope], dim=-1)
 
         module.register_forward_hook(post)

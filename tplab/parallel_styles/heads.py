@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from tplab.parallel_styles.activations import copy_with_cause
+from tplab.parallel_styles.explained import copy_with_cause
 from tplab.parallel_styles.weights import TplabStyle
 from tplab.style_specs import Collective, StyleSpec
 

@@ -149,8 +149,7 @@ def init_rank(rank: int, world_size: int, backend: str, master_addr: str, master
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                       OMP_NUM_THREADS=str(threads))
-    # torch is loaded already (entry.py warms it while the engine starts): set_num_threads
-    # sizes its pool; OMP_NUM_THREADS above is for the processes this rank starts
+    # torch is loaded (entry.py warmed it); OMP_NUM_THREADS is for processes the rank starts
     torch.set_num_threads(threads)
     compile_threads(threads)
     if rank != 0:
