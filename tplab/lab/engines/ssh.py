@@ -120,7 +120,8 @@ def all_at_once(calls) -> None:
 class LeanSSHEngineLauncher(SSHEngineLauncher):
     """ipyparallel's ssh engine launcher (SSHLauncher.start's steps, in its order) with
     nothing imported on the host but the engine itself: the profile folder made by `mkdir`
-    (not `python -m IPython profile create`), the file and start commands sent as
+    (not `python -m IPython profile create`), the connection files sent once per lab (a
+    restart finds them there), the file and start commands sent as
     ipyparallel's own standard-library receiver code (`send_receiver_code`, not an import
     of ipyparallel), and the wait for the engine's exit a shell loop (not ipyparallel's
     `ssh_waitpid`, which imports ipyparallel on the host every `poll_seconds`), whose
@@ -146,14 +147,17 @@ class LeanSSHEngineLauncher(SSHEngineLauncher):
             for flag, args in (("-p", self.ssh_args), ("-P", self.scp_args)):
                 if flag not in args:
                     args += [flag, str(port)]
-        profile = self.remote_profile_dir
-        # the folders `IPython profile create` would make that are used before the engine
-        # runs (its output file, the connection files); the engine makes the others
-        self.ssh_sender.check_output(shlex.join(["sh", "-c", (
-            f"mkdir -p {shlex.quote(profile + '/log')} && "
-            f"mkdir -p -m 700 {shlex.quote(profile + '/security')}")]))
-        wait_for_files([local for local, _ in self.to_send], LOCAL_FILES_S)
-        self.send_files()
+        profile, q = self.remote_profile_dir, shlex.quote
+        # One round trip: the folders `IPython profile create` would make that are used
+        # before the engine runs (its output file, the connection files; the engine makes
+        # the others), and whether the connection files are there already (a restart: the
+        # same controller's files, in this lab's own remote profile folder).
+        there = "".join(f" && test -f {q(remote)}" for _, remote in self.to_send)
+        script = (f"mkdir -p {q(profile + '/log')} && mkdir -p -m 700 "
+                  f"{q(profile + '/security')} || exit 1; true{there} && echo __sent__; true")
+        if "__sent__" not in self.ssh_sender.check_output(shlex.join(["sh", "-c", script])):
+            wait_for_files([local for local, _ in self.to_send], LOCAL_FILES_S)
+            self.send_files()
         self.pid = self.ssh_sender.cmd_start(self.program + self.program_args,
                                              env=self.get_env(),
                                              output_file=self.remote_output_file)
