@@ -559,8 +559,9 @@ def test_slurm_runs_four_ranks_and_cancels_its_job(slurm, slurm_lab):
     try:
         results = lab.run(sum_of_ranks_and_where)
         assert [r["sum"] for r in results] == [10.0] * 4
-        jobs = slurm.jobs()
-        assert len(jobs) == 1 and jobs[0].endswith("RUNNING"), jobs
+        jobs = slurm.jobs()  # (after the extended faults test, its restarts' jobs may still
+        # be COMPLETING: one job runs)
+        assert len([j for j in jobs if j.endswith("RUNNING")]) == 1, jobs
     finally:
         lab.shutdown()
     pids = [r["pid"] for r in results]
