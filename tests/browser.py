@@ -5,6 +5,7 @@ notebooks in it through Playwright with Debian's Chromium.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -50,7 +51,9 @@ class JupyterLab:
         cmd = [sys.executable, "-m", "jupyter", "lab", "--ServerApp.ip=127.0.0.1",
                f"--ServerApp.port={self.port}", f"--ServerApp.root_dir={root}",
                "--ServerApp.open_browser=False", "--LanguageServerManager.autodetect=False",
-               f"--IdentityProvider.token={self.token}"]
+               f"--IdentityProvider.token={self.token}",
+               # window.jupyterapp: the test waits on the notebook's kernel, not on a clock
+               "--LabApp.expose_app_in_browser=True"]
         if os.getuid() == 0:
             cmd.append("--allow-root")
         self.log = open(state / "jupyterlab.log", "w")
@@ -79,6 +82,10 @@ class JupyterLab:
         deadline = time.monotonic() + 30
         while self._api("api/kernels") and time.monotonic() < deadline:
             time.sleep(0.1)
+
+    def sessions(self) -> list[dict]:
+        """The server's sessions (GET /api/sessions): each with its path and kernel."""
+        return self._api("api/sessions")
 
     def _api(self, path: str, method: str = "GET"):
         req = urllib.request.Request(self.url(path), method=method)
@@ -156,10 +163,10 @@ def close_tabs(page) -> None:
     raise TimeoutError("the notebook tabs did not close")
 
 
-def open_notebook(page, lab: JupyterLab, name: str) -> None:
+def open_notebook(page, lab: JupyterLab, name: str) -> str:
     """Open notebook `name`: in a fresh page, by its URL; in a page that shows the lab
     already, as a person does (File > Open from Path...), without loading JupyterLab again
-    (close_tabs first)."""
+    (close_tabs first). Returns the id of the kernel it settled on (kernel_settled)."""
     if in_lab(page, lab):
         _menu(page, "File", "Open from Path")
         page.fill(".jp-Dialog input", name)
@@ -167,16 +174,47 @@ def open_notebook(page, lab: JupyterLab, name: str) -> None:
     else:
         page.goto(lab.url(f"lab/tree/{name}", reset=True))
     page.wait_for_selector(f"{PANEL} .jp-CodeCell", timeout=60_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                           timeout=60_000)
-    page.wait_for_timeout(300)
-    if page.locator(".jp-Dialog .jp-mod-accept").count():  # "Select Kernel"
-        page.click(".jp-Dialog .jp-mod-accept")
-    # the kernel the notebook ends up with, settled: a Run All sent while the page still
-    # switches kernels ran its last cells in a new kernel (NameError) on a loaded machine
-    page.wait_for_timeout(2000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                           timeout=60_000)
+    return kernel_settled(page, lab, name)
+
+
+# the notebook on show, when its kernel is ready: connected, idle, no input pending
+# (window.jupyterapp: JupyterLab started with --LabApp.expose_app_in_browser)
+KERNEL = """(name) => {
+    const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+    if (!panel || !panel.context || panel.context.path !== name) return null;
+    const session = panel.sessionContext;
+    const kernel = session && session.session && session.session.kernel;
+    if (!session || !session.isReady || session.pendingInput || !kernel) return null;
+    return kernel.connectionStatus === 'connected' && kernel.status === 'idle'
+        ? kernel.id : null;
+}"""
+
+
+def kernel_settled(page, lab: JupyterLab, name: str, timeout_s: float = 120) -> str:
+    """Wait until notebook `name`'s page has its kernel ready, and that kernel is the one
+    the server's session for `name` runs, the same at two looks in a row: a Run All sent
+    while the page still switches kernels ran its last cells in a new kernel (NameError)
+    on a loaded machine. Answers a "Select Kernel" dialog. Returns the kernel's id."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        if page.locator(".jp-Dialog .jp-mod-accept").count():  # "Select Kernel"
+            page.click(".jp-Dialog .jp-mod-accept")
+        kernel = page.evaluate(KERNEL, name)
+        served = [s["kernel"]["id"] for s in lab.sessions() if s["path"] == name]
+        if kernel is not None and served == [kernel]:
+            if kernel == last:
+                return kernel
+            last = kernel
+        else:
+            last = None
+        page.wait_for_timeout(200)
+    raise TimeoutError(f"{name}: no settled kernel in {timeout_s:.0f} s (the page has "
+                       f"{page.evaluate(KERNEL, name)}, the server "
+                       f"{[s for s in lab.sessions() if s['path'] == name]})")
+
+
+SETTLED = f"""() => !!document.querySelector('.jp-Dialog .jp-mod-accept')
+    || !({PROMPTS})().some(p => p.includes('*'))"""
 
 
 def _click_run_all(page) -> None:
@@ -184,10 +222,11 @@ def _click_run_all(page) -> None:
     page.click("li.lm-Menu-item:has-text('Run All Cells')")
 
 
-def run_all(page, timeout_s: float, watch=None) -> list[str]:
+def run_all(page, timeout_s: float) -> list[str]:
     """Run > Run All Cells; wait until every cell ran, or execution stopped at an error.
-    A click the page swallowed (a dialog, a kernel still connecting) is made again.
-    `watch()`, if given, is called at every look (every 250 ms) while the cells run."""
+    A click the page swallowed (a dialog, a kernel still connecting) is made again."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout  # an optional dependency
+
     _click_run_all(page)
     clicked = time.monotonic()
     deadline, started, stopped_since = clicked + timeout_s, False, None
@@ -195,8 +234,6 @@ def run_all(page, timeout_s: float, watch=None) -> list[str]:
         if page.locator(".jp-Dialog .jp-mod-accept").count():  # "Select Kernel"
             page.click(".jp-Dialog .jp-mod-accept")
         prompts = page.evaluate(PROMPTS)
-        if watch is not None:
-            watch()
         busy = any("*" in p for p in prompts)
         started = started or busy or all(p[1:-2].isdigit() for p in prompts)
         if not started and time.monotonic() - clicked > 8:
@@ -210,7 +247,12 @@ def run_all(page, timeout_s: float, watch=None) -> list[str]:
                 return prompts
         else:
             stopped_since = None
-        page.wait_for_timeout(250)
+        if busy:  # the page itself looks until no cell is queued or running, or a dialog
+            left_ms = max(deadline - time.monotonic(), 0.001) * 1000  # 0: no limit
+            with contextlib.suppress(PlaywrightTimeout):
+                page.wait_for_function(SETTLED, polling=250, timeout=left_ms)
+        else:
+            page.wait_for_timeout(250)
     raise TimeoutError(f"Run All did not finish in {timeout_s:.0f} s: {page.evaluate(PROMPTS)}")
 
 

@@ -45,13 +45,20 @@ SHOTS = REPO / ".tplab-state" / "browser"
 WORLD_SIZE = 2
 EXPLORER_WORLD_SIZE = 4  # notebook 01
 # notebook 12: its first correct run trains for this many steps (its default, 30, is over in
-# about two seconds: too short to see its live figure, redrawn every 1 s, grow); the runs
-# after it train for the notebook's default again (a cell injected after the watched one)
+# about two seconds: too short to see its live figure, redrawn every 1 s, grow; 30 steps
+# with tplab.checks.train_live.REDRAW_S at 0.2 s were tried: the page showed the counts
+# [-1, 0, 18, 30], one partial); the runs after it train for the notebook's default again
+# (a cell injected after the watched one)
 LIVE_STEPS = 150
 WATCHED = "tp_run = tplab.train_check("  # the cell of notebook 12 whose live figure is watched
 # what the page shows that papermill does not: a plain notebook with ranks in processes (00),
 # widgets' controls (01, 08), a figure drawn while the cell runs (12); 13: the lesson at world 4
 IN_DEFAULT_RUN = ("00", "01", "08", "12", "13")
+# how long a control's effect may take to show (and RUN_ALL_S, a Run All), bounds and no
+# pace: the waits end on what the page shows, and 2 cores shared with the rest of the suite
+# make a step many times slower than alone (13's Run All: 166 s at a load of 12)
+FOLLOW_S = 120
+RUN_ALL_S = 600
 _times: dict[str, float] = {}
 
 if not os.path.exists(browser.CHROMIUM):
@@ -148,9 +155,11 @@ CASES = [pytest.param(p, id=p.stem, marks=(pytest.mark.slow,) + (
 @pytest.mark.parametrize("path", CASES)
 def test_run_all(path, served, page, request):
     started = time.perf_counter()
-    browser.open_notebook(page, served, path.name)
+    kernel = browser.open_notebook(page, served, path.name)
     live = TrainingFigureWatch(page) if path.stem.startswith("12") else None
-    prompts = browser.run_all(page, timeout_s=240, watch=live.look if live else None)
+    prompts = browser.run_all(page, timeout_s=RUN_ALL_S)
+    ran_in = [s["kernel"]["id"] for s in served.sessions() if s["path"] == path.name]
+    assert ran_in == [kernel], f"the kernel changed during Run All: {kernel} -> {ran_in}"
     nb = browser.save(page, served.root / path.name)
     assert not _errors(nb), _errors(nb)
     assert all(p[1:-2].isdigit() for p in prompts), f"cells that never ran: {prompts}"
@@ -174,25 +183,30 @@ def test_run_all(path, served, page, request):
 
 class TrainingFigureWatch:
     """Counts the steps drawn in the first figure of notebook 12 (the live view of its first
-    train_check) at every look while the cells run: it must grow step by step, not appear
-    whole at the end."""
+    train_check) while the cells run: it must grow step by step, not appear whole at the
+    end. The page itself looks every 100 ms and keeps each new count (window.tplabSteps), so
+    that no redraw goes unseen however slowly this process gets to look."""
 
-    JS = """() => { const e = document.querySelector(
-        '.jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot');
-        if (!e || !e.data || e.data.length < 2) return -1;
-        return (e.data[1].y || []).filter(v => v !== null).length; }"""
+    JS = """() => {
+        const count = () => { const e = document.querySelector(
+            '.jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot');
+            if (!e || !e.data || e.data.length < 2) return -1;
+            return (e.data[1].y || []).filter(v => v !== null).length; };
+        window.tplabSteps = [];
+        window.tplabStepsTimer = setInterval(() => { const n = count(), seen = window.tplabSteps;
+            if (seen[seen.length - 1] !== n) seen.push(n); }, 100); }"""
 
     def __init__(self, page):
-        self.page, self.seen = page, []
-
-    def look(self) -> None:
-        self.seen.append(self.page.evaluate(self.JS))
+        self.page = page
+        page.evaluate(self.JS)
 
     def check(self) -> None:
-        final = max(self.seen)
-        partial = sorted({n for n in self.seen if 0 < n < final})
+        seen = self.page.evaluate("() => { clearInterval(window.tplabStepsTimer); "
+                                  "return window.tplabSteps; }")
+        final = max(seen)
+        partial = sorted({n for n in seen if 0 < n < final})
         assert final > 0, "the training figure was never drawn"
-        assert len(partial) >= 2, f"the figure did not grow while the ranks trained: {self.seen}"
+        assert len(partial) >= 2, f"the figure did not grow while the ranks trained: {seen}"
 
 
 # --- notebook 01: the Explorer ------------------------------------------------------------
@@ -207,7 +221,7 @@ def _titles(page, prefix: str) -> list[str]:
     return [f["title"] for f in browser.plotly_figures(page) if f["title"].startswith(prefix)]
 
 
-def _wait_status(page, expected: str, timeout_s: float = 30) -> str:
+def _wait_status(page, expected: str, timeout_s: float = FOLLOW_S) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = _status(page)
@@ -255,7 +269,7 @@ def explore(page) -> None:
                 return titles and all(t.startswith(head) and not t[len(head):].startswith(",")
                                       for t in titles)
 
-            deadline = time.monotonic() + 15  # the figures follow the status line
+            deadline = time.monotonic() + FOLLOW_S  # the figures follow the status line
             while not drawn() and time.monotonic() < deadline:
                 page.wait_for_timeout(200)
             assert drawn(), (head, _titles(page, prefix))
@@ -328,7 +342,7 @@ def explore_cost(page) -> None:
         act(value)
         mirror.update(**{name: value})
         want = _expected(mirror)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + FOLLOW_S
         while (got := _cost_state(page)) != want and time.monotonic() < deadline:
             page.wait_for_timeout(200)
         assert got == want, f"after {name}={value!r}: the page shows {got}, expected {want}"
