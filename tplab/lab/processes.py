@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
@@ -112,8 +113,25 @@ def kill_trees(pids, timeout: float = 5.0) -> list[int]:
             proc.kill()
         except psutil.Error:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    # dead is enough: psutil.wait_procs would also wait for whoever inherits the ranks of a
+    # killed fork server to reap them (a container's pid 1 can take seconds)
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if not _dead(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+        alive = [p for p in alive if not _dead(p)]
     return [p.pid for p in alive]
+
+
+def _dead(proc: psutil.Process) -> bool:
+    """Exited (gone or a zombie); a zombie that is this process's child is reaped."""
+    try:
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return False
+        proc.wait(timeout=0)  # reaps our own child; another's zombie stays for its parent
+    except (psutil.NoSuchProcess, psutil.TimeoutExpired, ChildProcessError):
+        pass
+    return True
 
 
 class ForkServer:
