@@ -134,13 +134,18 @@ def _endless_clip(model, max_norm):
 def test_clip_grad_is_judged_against_torchs_own_clipping():
     """A no-op, a halving, max_norm ignored, no norm returned: done alike on one device and
     on the ranks they would pass a check that runs the answer on both; the reference is
-    torch's clip_grad_norm_ on the whole model, and the clipping it judges is real."""
-    sim = tplab.simulate(2)
-    assert exercises.check("clip_grad", clipping.clip_tp, sim).passed
+    torch's clip_grad_norm_ on the whole model, and the clipping it judges is real.
+
+    clip_tp passing and the four mistakes failing (with their phrases) on tplab.simulate(2)
+    are judged by test_in_a_simulation[2] (the reference answer and every MISTAKES entry);
+    checked here is that they are the ones it judges, and the one answer it does not run."""
+    assert exercises.SOLUTIONS["clip_grad"] is clipping.clip_tp
+    judged = [answer for _, answer, _ in exercises.MISTAKES["clip_grad"]]
     for answer in (clipping.no_clip, clipping.halve, clipping.ignore_max_norm,
-                   clipping.returns_none, lambda model, max_norm: None):
-        fb = exercises.check("clip_grad", answer, sim)
-        assert not fb.passed, (answer, fb.message)
+                   clipping.returns_none):
+        assert answer in judged, answer
+    fb = exercises.check("clip_grad", lambda model, max_norm: None, tplab.simulate(2))
+    assert not fb.passed, fb.message
     # the truth clips: at the check's max_norm=0.05 the whole model's norm is far above it
     cfg = models.Config(vocab_size=16, dim=8, n_layers=1, n_heads=2, hidden_dim=16,
                         seq_len=4, batch_size=2)
