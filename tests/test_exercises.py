@@ -169,3 +169,38 @@ def test_an_endless_clip_answer_is_stopped_on_rank_processes(labs):
     assert not fb.passed and "still computing after 5 s" in fb.message, fb.message
     assert exercises.check("clip_grad", exercises.reference_answer("clip_grad", lab),
                            lab).passed
+
+
+class _CountingLab:
+    """Stands for a lab: answers plan_counts with how often it was asked."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.calls = 0
+
+    def run(self, fn, *args, timeout=None):
+        self.calls += 1
+        return [{"counts": {"traced": self.calls}}]
+
+
+def test_reference_counts_are_traced_once_per_lab_and_key():
+    """A reference plan's collectives are traced at the first check on a lab and reused for
+    the same key there; another key, or another lab, traces its own."""
+    import gc
+    import weakref
+
+    from tplab.exercises import checks
+
+    lab, other = _CountingLab(), _CountingLab()
+    first = checks.reference_counts("mlp_plan", lab, None, None, None, "the MLP")
+    assert checks.reference_counts("mlp_plan", lab, None, None, None, "the MLP") is first
+    assert lab.calls == 1
+    block = checks.reference_counts("block_sp_plan", lab, None, None, None, "the block")
+    assert lab.calls == 2 and block is not first
+    checks.reference_counts("mlp_plan", other, None, None, None, "the MLP")
+    assert other.calls == 1 and lab.calls == 2
+    gone = weakref.ref(other)
+    del other
+    gc.collect()
+    assert gone() is None  # the cache does not keep a lab alive
