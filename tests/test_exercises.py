@@ -134,13 +134,18 @@ def _endless_clip(model, max_norm):
 def test_clip_grad_is_judged_against_torchs_own_clipping():
     """A no-op, a halving, max_norm ignored, no norm returned: done alike on one device and
     on the ranks they would pass a check that runs the answer on both; the reference is
-    torch's clip_grad_norm_ on the whole model, and the clipping it judges is real."""
-    sim = tplab.simulate(2)
-    assert exercises.check("clip_grad", clipping.clip_tp, sim).passed
+    torch's clip_grad_norm_ on the whole model, and the clipping it judges is real.
+
+    clip_tp passing and the four mistakes failing (with their phrases) on tplab.simulate(2)
+    are judged by test_in_a_simulation[2] (the reference answer and every MISTAKES entry);
+    checked here is that they are the ones it judges, and the one answer it does not run."""
+    assert exercises.SOLUTIONS["clip_grad"] is clipping.clip_tp
+    judged = [answer for _, answer, _ in exercises.MISTAKES["clip_grad"]]
     for answer in (clipping.no_clip, clipping.halve, clipping.ignore_max_norm,
-                   clipping.returns_none, lambda model, max_norm: None):
-        fb = exercises.check("clip_grad", answer, sim)
-        assert not fb.passed, (answer, fb.message)
+                   clipping.returns_none):
+        assert answer in judged, answer
+    fb = exercises.check("clip_grad", lambda model, max_norm: None, tplab.simulate(2))
+    assert not fb.passed, fb.message
     # the truth clips: at the check's max_norm=0.05 the whole model's norm is far above it
     cfg = models.Config(vocab_size=16, dim=8, n_layers=1, n_heads=2, hidden_dim=16,
                         seq_len=4, batch_size=2)
@@ -164,3 +169,38 @@ def test_an_endless_clip_answer_is_stopped_on_rank_processes(labs):
     assert not fb.passed and "still computing after 5 s" in fb.message, fb.message
     assert exercises.check("clip_grad", exercises.reference_answer("clip_grad", lab),
                            lab).passed
+
+
+class _CountingLab:
+    """Stands for a lab: answers plan_counts with how often it was asked."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.calls = 0
+
+    def run(self, fn, *args, timeout=None):
+        self.calls += 1
+        return [{"counts": {"traced": self.calls}}]
+
+
+def test_reference_counts_are_traced_once_per_lab_and_key():
+    """A reference plan's collectives are traced at the first check on a lab and reused for
+    the same key there; another key, or another lab, traces its own."""
+    import gc
+    import weakref
+
+    from tplab.exercises import checks
+
+    lab, other = _CountingLab(), _CountingLab()
+    first = checks.reference_counts("mlp_plan", lab, None, None, None, "the MLP")
+    assert checks.reference_counts("mlp_plan", lab, None, None, None, "the MLP") is first
+    assert lab.calls == 1
+    block = checks.reference_counts("block_sp_plan", lab, None, None, None, "the block")
+    assert lab.calls == 2 and block is not first
+    checks.reference_counts("mlp_plan", other, None, None, None, "the MLP")
+    assert other.calls == 1 and lab.calls == 2
+    gone = weakref.ref(other)
+    del other
+    gc.collect()
+    assert gone() is None  # the cache does not keep a lab alive

@@ -5,7 +5,14 @@ its message (tplab.exercises.Workbook asserts both, cell by cell).
 The default run has every workbook with its solutions, and the first with its mistakes; the
 other workbooks' mistakes are `extended`: every typical mistake of every exercise fails
 with its message on real ranks in tests/test_exercises.py::test_on_real_ranks, and the
-first workbook shows that `inject="mistakes"` reaches each check cell of a workbook."""
+first workbook shows that `inject="mistakes"` reaches each check cell of a workbook.
+
+Real ranks (`mode="processes"`, a workbook's default) run the first workbook with its
+solutions, which shows a workbook launching its lab; the other default runs use
+`mode="simulated"` (the same cells, all ranks in the kernel: no rank processes to start,
+measured 30% less CPU a run), and their `processes` runs are `extended`. Every exercise's
+verdict on real ranks, solution and every mistake, is asserted by
+tests/test_exercises.py::test_on_real_ranks."""
 
 from __future__ import annotations
 
@@ -52,21 +59,30 @@ def test_workbooks_are_saved_without_outputs():
     assert sorted(names) == sorted(exercises.names())  # every exercise has a workbook cell
 
 
-CASES = [pytest.param(path, inject, id=f"{path.stem}-{inject}",
-                      marks=pytest.mark.extended if inject == "mistakes" and i > 0 else ())
-         for i, path in enumerate(WORKBOOKS) for inject in ("solutions", "mistakes")]
+def _default(i: int, inject: str, mode: str) -> bool:
+    """In the default run: every workbook's solutions and the first one's mistakes, once
+    each: the first workbook's solutions on real ranks, the others simulated."""
+    if inject == "mistakes" and i > 0:
+        return False
+    return mode == ("processes" if (i, inject) == (0, "solutions") else "simulated")
+
+
+CASES = [pytest.param(path, inject, mode, id=f"{path.stem}-{inject}-{mode}",
+                      marks=() if _default(i, inject, mode) else pytest.mark.extended)
+         for i, path in enumerate(WORKBOOKS) for inject in ("solutions", "mistakes")
+         for mode in ("processes", "simulated")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("path", "inject"), CASES)
-def test_workbook(path, inject, tmp_path):
+@pytest.mark.parametrize(("path", "inject", "mode"), CASES)
+def test_workbook(path, inject, mode, tmp_path):
     started = time.perf_counter()
     out = tmp_path / path.name
     papermill.execute_notebook(str(path), str(out), cwd=str(path.parent),
-                               parameters={"world_size": 2, "inject": inject},
+                               parameters={"world_size": 2, "inject": inject, "mode": mode},
                                kernel_name="python3", progress_bar=False,
                                execution_timeout=300)
-    _times[f"{path.stem} [{inject}]"] = time.perf_counter() - started
+    _times[f"{path.stem} [{inject}, {mode}]"] = time.perf_counter() - started
     cells = json.loads(out.read_text())["cells"]
     verdicts = _verdicts(cells)
     assert len(verdicts) == _checks(json.loads(path.read_text())["cells"])

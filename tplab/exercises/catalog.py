@@ -19,7 +19,6 @@ from tplab.cost.lab_models import lab_memory
 from tplab.exercises import checks, fsdp_placements, qk_norm
 from tplab.exercises.feedback import fail, fmt_counts
 from tplab.exercises.training_check import check_clip
-from tplab.rank import exercise_steps as steps
 
 
 @dataclass(frozen=True)
@@ -76,8 +75,8 @@ def _predict_counts(name, answer, lab):
     cfg = checks.exercise_config(lab)
     build = functools.partial(models.Block, cfg)
     make_x = functools.partial(models.make_input, cfg)
-    traced = checks.run_on_ranks(name, lab, steps.plan_counts, build,
-                                 tplab.plans.block(), make_x)[0]
+    traced = checks.reference_counts(name, lab, build, tplab.plans.block(), make_x,
+                                     ("tplab.plans.block()", repr(cfg)))
     for phase in ("forward", "backward"):
         said = said_by_phase[phase]
         real = traced["counts"].get(phase, {})
