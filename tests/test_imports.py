@@ -23,11 +23,13 @@ inside a function (a rank runs those when it calls the function).
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -92,6 +94,7 @@ def imports_of(name: str, path: pathlib.Path, modules) -> dict[str, int]:
     return out
 
 
+@functools.cache  # read once: the tests below only look at it
 def import_graph() -> dict[str, set[str]]:
     """{tplab module: the tplab modules its file imports}."""
     modules = module_files()
@@ -232,22 +235,11 @@ def test_the_arrow_rule_sees_a_barred_import():
 # --- the sides -----------------------------------------------------------------------------
 
 
-def test_every_public_name_imports_the_standard_way():
+def test_every_public_name_imports_the_standard_way(fresh):
     # `import tplab.NAME` and `from tplab.NAME import x` for every public module, in a fresh
     # interpreter (here the notebook side is loaded already), and `from tplab.training import
     # steps` for a package's own modules: real modules at those paths, no aliases
-    code = ("import importlib, sys, tplab\n"
-            "for short in tplab.MODULES:\n"
-            "    exec(f'import tplab.{short}')\n"
-            "    assert sys.modules[f'tplab.{short}'] is getattr(tplab, short), short\n"
-            "from tplab.training import steps\n"
-            "from tplab.megatron import ColumnParallelLinear\n"
-            "from tplab.lessons import require_world_size\n"
-            "print(len(tplab.MODULES))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=ROOT.parent)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert int(out.stdout.split()[-1]) == len(tplab.MODULES) >= 26
+    assert fresh["public"] == len(tplab.MODULES) >= 26
     assert all(tplab.MODULES[short] == f"tplab.{short}" for short in tplab.MODULES)
 
 
@@ -320,20 +312,70 @@ def test_the_side_check_sees_a_notebook_import(tmp_path):
         == ["plotly.graph_objects", "tplab.checks.grad"]
 
 
-def loaded_after_import(modules: list[str], *, env=None) -> list[str]:
-    """The modules a fresh interpreter holds after importing `modules` (a subprocess: this
-    test process has imported the notebook side already). A tplab.frameworks adapter whose
-    framework is not installed (its ImportError says what to pip install) is left out."""
-    code = ("import importlib, json, sys\n"
+PUBLIC = ("import sys, tplab\n"
+          "for short in tplab.MODULES:\n"
+          "    exec(f'import tplab.{short}')\n"
+          "    assert sys.modules[f'tplab.{short}'] is getattr(tplab, short), short\n"
+          "from tplab.training import steps\n"
+          "from tplab.megatron import ColumnParallelLinear\n"
+          "from tplab.lessons import require_world_size\n"
+          "result = len(tplab.MODULES)\n")
+
+
+def importing(modules: list[str]) -> str:
+    """Code that imports `modules` and leaves the names of sys.modules in `result`. A
+    tplab.frameworks adapter whose framework is not installed (its ImportError says what to
+    pip install) is left out."""
+    return ("import importlib, sys\n"
             f"for m in {modules!r}:\n"
             "    try: importlib.import_module(m)\n"
             "    except ImportError as e:\n"
             "        if not (m.startswith('tplab.frameworks.') and 'pip install' in str(e)):\n"
             "            raise\n"
-            "print(json.dumps(sorted(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT.parent, env=env)
-    return json.loads(out.stdout.splitlines()[-1])
+            "result = sorted(sys.modules)\n")
+
+
+# One interpreter serves every check: it imports torch (no side's module, and the bulk of
+# each check's time), then forks a fresh child for each piece of code, one after another,
+# which holds nothing of tplab until the code runs. The child leaves `result` in a file.
+FORKS = """
+import json, os, sys, traceback
+import torch
+jobs, out = json.loads(sys.argv[1]), sys.argv[2]
+failed = 0
+for name, code in jobs.items():
+    pid = os.fork()
+    if pid == 0:
+        status = 0
+        try:
+            scope = {}
+            exec(code, scope)
+            with open(os.path.join(out, name + '.json'), 'w') as f:
+                json.dump(scope['result'], f)
+        except BaseException:
+            status = 1
+            sys.stderr.write(f'{name}:\\n' + traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(status)
+    failed += os.waitpid(pid, 0)[1] != 0
+sys.exit(failed)
+"""
+
+
+def run_fresh(jobs: dict[str, str], *, env=None) -> dict:
+    """{name: the `result` its code left} for each piece of code, each run in a fresh
+    interpreter (a subprocess: this test process has imported the notebook side already)."""
+    with tempfile.TemporaryDirectory(prefix="tplab-imports-") as out:
+        done = subprocess.run([sys.executable, "-c", FORKS, json.dumps(jobs), out],
+                              capture_output=True, text=True, cwd=ROOT.parent, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return {name: json.loads(pathlib.Path(out, name + ".json").read_text())
+                for name in jobs}
+
+
+def loaded_after_import(modules: list[str], *, env=None) -> list[str]:
+    """The modules a fresh interpreter holds after importing `modules`."""
+    return run_fresh({"loaded": importing(modules)}, env=env)["loaded"]
 
 
 # tplab.rank.stream subclasses the engine kernel's OutStream: test_a_ranks_output_stream_... below
@@ -347,8 +389,16 @@ def notebook_side(loaded: list[str], allowed: tuple = ()) -> list[str]:
     return [m for m in loaded if under(m, NOTEBOOK_ONLY) and not under(m, allowed)]
 
 
-def test_the_rank_side_loads_nothing_of_the_notebook_side():
-    loaded = loaded_after_import(RANK_SIDE)
+@pytest.fixture(scope="module")
+def fresh() -> dict:
+    """What each check of a fresh interpreter found, from one subprocess (run_fresh)."""
+    return run_fresh({"rank_side": importing(RANK_SIDE),
+                      "stream": importing(["tplab.rank.stream"]),
+                      "lab_streams": importing(["tplab.lab.streams"]), "public": PUBLIC})
+
+
+def test_the_rank_side_loads_nothing_of_the_notebook_side(fresh):
+    loaded = fresh["rank_side"]
     assert "tplab.rank.runner" in loaded and "torch" in loaded
     found = notebook_side(loaded)
     if found:  # which rank-side module pulled it in
@@ -357,16 +407,20 @@ def test_the_rank_side_loads_nothing_of_the_notebook_side():
     assert not found, f"rank-side modules that load the notebook side: {found}"
 
 
-def test_a_ranks_output_stream_needs_only_the_engines_kernel():
+def test_a_ranks_output_stream_needs_only_the_engines_kernel(fresh):
     # the engine's out_stream_factory subclasses ipykernel's OutStream (IPython comes with
     # it, as in every engine); the ipyparallel client, plotly and widgets stay out
-    loaded = loaded_after_import(["tplab.rank.stream"])
+    loaded = fresh["stream"]
     assert "ipykernel.iostream" in loaded
     assert notebook_side(loaded, allowed=("IPython", "ipykernel")) == []
 
 
-def test_the_load_check_sees_a_notebook_import():
-    assert notebook_side(loaded_after_import(["tplab.lab.streams"])) != []
+def test_the_load_check_sees_a_notebook_import(fresh):
+    assert notebook_side(fresh["lab_streams"]) != []
+    # each check's interpreter is fresh (run_fresh): what tplab.lab.streams loaded is not
+    # in the one that imported the rank side after it
+    assert "tplab.lab.streams" not in fresh["rank_side"] and "tplab.lab.streams" in fresh[
+        "lab_streams"]
 
 
 def test_every_public_short_name_is_its_homes_module():

@@ -4,7 +4,22 @@ torch's CommDebugMode, and plain torch.distributed calls (hand-written f and g).
 from __future__ import annotations
 
 import pytest
-from tp_fixtures import CFG, tp_lab  # noqa: F401
+from tp_fixtures import CFG, MODES
+
+import tplab
+
+# tp_fixtures' modes, but 2 simulated ranks repeat 4 simulated ranks at another size: the
+# extended suite; 4 simulated ranks and 2 and 4 rank processes run by default
+TRACE_MODES = [pytest.param(*m.values, id=m.id, marks=[*m.marks, pytest.mark.extended])
+               if m.id == "sim2" else m for m in MODES]
+
+
+@pytest.fixture(scope="module", params=TRACE_MODES)
+def tp_lab(request):
+    kind, world = request.param
+    if kind == "sim":
+        return tplab.simulate(world)
+    return request.getfixturevalue("labs").get(world)
 
 KEYS = {"rank", "seq", "phase", "module", "op", "shape", "dtype", "bytes", "group",
         "group_size", "duration_ms", "start_ms", "cause"}
@@ -27,7 +42,7 @@ def _mlp_step(cfg, path, input_grad):
 
 
 @pytest.mark.parametrize("path", ["dtensor", "megatron"])
-def test_mlp_counts_one_all_reduce_each_way_and_none_back_without_input_grad(tp_lab, path):  # noqa: F811
+def test_mlp_counts_one_all_reduce_each_way_and_none_back_without_input_grad(tp_lab, path):
     with_grad = tp_lab.run(_mlp_step, CFG, path, True)
     assert all(r["counts"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
                for r in with_grad)
@@ -36,7 +51,7 @@ def test_mlp_counts_one_all_reduce_each_way_and_none_back_without_input_grad(tp_
     assert all(r["counts"] == {"forward": {"all_reduce": 1}, "backward": {}} for r in without)
 
 
-def test_records_follow_the_contract(tp_lab):  # noqa: F811
+def test_records_follow_the_contract(tp_lab):
     n = tp_lab.world_size
     for rank, result in enumerate(tp_lab.run(_mlp_step, CFG, "dtensor", True)):
         fwd, bwd = result["records"]
@@ -85,7 +100,7 @@ def _block_step(cfg, sequence_parallel):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_block_counts_match_comm_debug_mode(tp_lab, sequence_parallel):  # noqa: F811
+def test_block_counts_match_comm_debug_mode(tp_lab, sequence_parallel):
     for r in tp_lab.run(_block_step, CFG, sequence_parallel):
         assert r["counts"] == r["torch"]
         assert sum(sum(p.values()) for p in r["counts"].values()) == r["total"] > 0
@@ -110,7 +125,7 @@ def _megatron_block_step(cfg):
     return t.counts()
 
 
-def test_megatron_block_has_one_f_per_region(tp_lab):  # noqa: F811
+def test_megatron_block_has_one_f_per_region(tp_lab):
     # attention and feed-forward: one g forward and one f backward each, where DTensor's
     # ColwiseParallel on q, k, v (and w1, w3) pays one backward all-reduce per linear
     for counts in tp_lab.run(_megatron_block_step, CFG):
@@ -139,7 +154,7 @@ def _plain_calls():
     return t.records
 
 
-def test_plain_torch_distributed_calls_are_traced_with_message_bytes(tp_lab):  # noqa: F811
+def test_plain_torch_distributed_calls_are_traced_with_message_bytes(tp_lab):
     n = tp_lab.world_size
     # Shard(0) -> Shard(1): an all-to-all of this rank's (1, 2n) block; on CPU processes
     # DTensor falls back to all-gathering the whole (n, 2n) (gloo has no all-to-all)
@@ -172,7 +187,7 @@ def _two_d_mesh_and_reentry():
     return x, first, [(r["seq"], r["group"], r["group_size"]) for r in t.records]
 
 
-def test_groups_are_named_by_mesh_dim_and_a_trace_can_be_reentered(tp_lab):  # noqa: F811
+def test_groups_are_named_by_mesh_dim_and_a_trace_can_be_reentered(tp_lab):
     if tp_lab.world_size != 4:
         pytest.skip("a (dp=2, tp=2) mesh needs 4 ranks")
     for x, first, second in tp_lab.run(_two_d_mesh_and_reentry):
