@@ -8,9 +8,9 @@ the laptop case, for every notebook (and 06 at 4, for its 2-D mesh and FSDP2 ove
 simulated mode at world 2 runs in the browser test (01 and 08 in the default run, every
 notebook in the extended run); every other claimed size and mode is `extended` (make
 test-extended), which keeps the default run within its 12 minutes on 2 cores. 14 runs at 4
-by default, not 2 (FOUR_NOT_TWO says why). 13 (FSDP2 x
-TP) claims world 4 only, in processes: the default run has it at 4 (papermill here, or, as
-12, the browser test's Run All where that can run: once, not twice).
+by default, not 2 (FOUR_NOT_TWO says why). 13 (FSDP2 x TP) claims world 4 only, in
+processes: the default run has it at 4 (papermill here, or, as 00 and 12, the browser test's
+Run All where that can run: once, not twice).
 """
 
 from __future__ import annotations
@@ -47,10 +47,12 @@ def modes(path: pathlib.Path) -> list[str]:
 DEFAULT_SIZE = 2  # the laptop case: every notebook in processes in the default run
 # Notebook 12 at world 2 in processes is run by the browser test where it can run: Run All in
 # JupyterLab, every cell's asserts included (tests/test_browser.py fails on an error output).
-# Run here as well, it would train the same five runs twice in the default run. 13 (FSDP2 x
-# TP) runs both ways, as issue 28 asks: papermill here, Run All in the browser test.
-# 00 likewise: the browser test's Run All is the same run (world 2, ranks in processes).
-IN_THE_BROWSER = (("00", "12") if os.path.exists(browser.CHROMIUM)
+# Run here as well, it would train the same five runs twice in the default run. 00 and 13
+# (FSDP2 x TP, world 4) likewise: the browser test's Run All is the same run (ranks in
+# processes, every cell's asserts), and 13's was the suite's most expensive test, twice
+# (about 100 s each in a fresh clone's run); its papermill run is extended where the
+# browser runs it, and default where it cannot.
+IN_THE_BROWSER = (("00", "12", "13") if os.path.exists(browser.CHROMIUM)
                   and importlib.util.find_spec("playwright") else ())
 
 
