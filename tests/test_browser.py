@@ -13,13 +13,13 @@ learner sees, and keeps within the suite's time; papermill (test_notebooks.py) r
 notebook in each of its modes at world 2, and at its other sizes in the extended run.
 
 The default run opens the notebooks whose page does something papermill cannot see: 00 (a plain
-notebook, ranks in processes), 01 and 08 (their widgets' controls) and 12 (its live figure),
-and 13, the lesson at world 4 (papermill leaves 00, 12 and 13 to this test where it runs:
+notebook, ranks in processes), 01 and 08 (their widgets' controls) and 12 (its live figure), and
+13, the lesson at world 4 (papermill leaves 00, 12 and 13 to this test where it runs:
 tests/test_notebooks.py's IN_THE_BROWSER). The other notebooks' Run All in the browser is
-`extended`: papermill runs them in the default run, and their figures go through the same
-plotly renderer that 00, 01, 08 and 12 check here. The notebooks open one after another in one page (File > Open from Path), as a person
-opens the next lesson; when a test ends its tab is closed and its kernel shut down.
-"""
+`extended`: papermill runs them in the default run, and their figures go through the same plotly
+renderer that 00, 01, 08 and 12 check here. The notebooks open one after another in one page (File
+> Open from Path), as a person opens the next lesson; when a test ends its tab is closed and its
+kernel shut down."""
 
 from __future__ import annotations
 
