@@ -4,9 +4,7 @@ torch's CommDebugMode, and plain torch.distributed calls (hand-written f and g).
 from __future__ import annotations
 
 import pytest
-from tp_fixtures import CFG, MODES
-
-import tplab
+from tp_fixtures import CFG, MODES, lab_of
 
 # tp_fixtures' modes, but 2 simulated ranks repeat 4 simulated ranks at another size: the
 # extended suite; 4 simulated ranks and 2 and 4 rank processes run by default
@@ -16,10 +14,7 @@ TRACE_MODES = [pytest.param(*m.values, id=m.id, marks=[*m.marks, pytest.mark.ext
 
 @pytest.fixture(scope="module", params=TRACE_MODES)
 def tp_lab(request):
-    kind, world = request.param
-    if kind == "sim":
-        return tplab.simulate(world)
-    return request.getfixturevalue("labs").get(world)
+    return lab_of(request)
 
 KEYS = {"rank", "seq", "phase", "module", "op", "shape", "dtype", "bytes", "group",
         "group_size", "duration_ms", "start_ms", "cause"}

@@ -24,12 +24,17 @@ MODES = [pytest.param(("sim", 2), id="sim2"), pytest.param(("sim", 4), id="sim4"
          pytest.param(("proc", 4), id="proc4", marks=pytest.mark.slow)]
 
 
-@pytest.fixture(scope="module", params=MODES)
-def tp_lab(request):
+def lab_of(request):
+    """The simulation or the session's lab of rank processes that a MODES param names."""
     kind, world = request.param
     if kind == "sim":
         return tplab.simulate(world)
     return request.getfixturevalue("labs").get(world)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def tp_lab(request):
+    return lab_of(request)
 
 
 def build(cls, cfg=CFG):

@@ -9,6 +9,7 @@ all-reduce, repaired by restart() at most; at the end nothing it started may run
 from __future__ import annotations
 
 import _thread
+import pathlib
 import random
 import sys
 import threading
@@ -16,7 +17,10 @@ import time
 
 import psutil
 
-import tplab
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))  # tests/: pids.py
+from pids import wait_gone  # noqa: E402
+
+import tplab  # noqa: E402
 import tplab.lab.launch  # noqa: F401  (an interrupt inside `import torch` breaks Python itself)
 
 ALLREDUCE = "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
@@ -30,25 +34,6 @@ PHASES = {
 
 
 BOUND_S = 30  # generous: a bound on waits that end on an event, for a loaded machine
-
-
-def running(pids) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def gone_within(pids, seconds: float) -> list[int]:
-    """Wait up to `seconds` for every pid to exit (not a fixed time); those still running."""
-    deadline = time.monotonic() + seconds
-    while running(pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return running(pids)
 
 
 def children() -> set[int]:
@@ -101,7 +86,7 @@ def main(seed: int, n: int, rounds: int) -> None:
     except KeyboardInterrupt:
         pass
     settle(timers)
-    leaked = gone_within(children() - before, BOUND_S)  # they end on their own: wait for it
+    leaked = wait_gone(children() - before, BOUND_S)  # they end on their own: wait for it
     assert not leaked, leaked
     lab = tplab.launch(n)
     outcomes: dict[str, int] = {}
@@ -121,7 +106,7 @@ def main(seed: int, n: int, rounds: int) -> None:
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     pids = lab.pids
     lab.shutdown()
-    alive = gone_within(pids, BOUND_S)
+    alive = wait_gone(pids, BOUND_S)
     assert not alive, f"still running {BOUND_S} s after shutdown: {alive}"
     print(f"sweep ok: seed {seed}, world {n}, {rounds} interrupts, {outcomes}", flush=True)
 
