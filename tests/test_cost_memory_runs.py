@@ -5,14 +5,13 @@ is, and one DP and memory model shared by step_time and TrainingRun (split from
 tests/test_cost_runs.py)."""
 
 import dataclasses
+import importlib.util
+import pathlib
+import subprocess
+import sys
 
 import pytest
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from tplab import cost
 from tplab.cost import (
@@ -24,6 +23,7 @@ from tplab.cost import (
 )
 
 MiB = 2**20
+LOSS_PEAK = pathlib.Path(__file__).parent / "scripts" / "loss_peak.py"
 H100 = cost.HARDWARE["H100 SXM"]
 
 
@@ -145,47 +145,23 @@ def test_torchtitans_tp_keeps_each_linears_gathered_input_whole():
     assert extra == pytest.approx(2 * 2 * 8192 * 8192 * 8192 * (1 - 1 / 8) / 8192)
 
 
-def _resident(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:   # 5: reset VmHWM, the peak resident set
-        f.write("5")
-    return _resident("VmRSS")
-
-
-def _loss_peak_per_logit(mesh, tokens: int = 2048, vocab: int = 8192) -> float:
-    """Bytes per logit torchtitan's loss_fn holds at its backward's peak (train.py at
-    9dec370: cross_entropy(pred.float()), del pred, backward): log_softmax's saved output
-    (what the forward left) plus the backward's rise. Large tensors are mmap'd, so the
-    resident set follows them."""
-    pred = torch.randn(tokens, vocab, dtype=torch.bfloat16)
-    if mesh is not None:
-        pred = distribute_tensor(pred, mesh, [Shard(1)])
-    pred.requires_grad_()
-    target = torch.randint(0, vocab, (tokens,))
-    with loss_parallel() if mesh is not None else torch.enable_grad():
-        before = _reset_peak()
-        loss = F.cross_entropy(pred.float(), target)
-        held = _resident("VmRSS") - before
-        base = _reset_peak()
-        loss.backward()
-        return (held + _resident("VmHWM") - base) / (tokens * vocab)
+def _loss_peaks() -> tuple[float, float]:
+    """tests/scripts/loss_peak.py's two measurements, in this process when no group of more
+    than one rank is up here, else in a process of their own."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        spec = importlib.util.spec_from_file_location("loss_peak", LOSS_PEAK)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.measure()
+    out = subprocess.run([sys.executable, str(LOSS_PEAK)], capture_output=True, text=True,
+                         check=True, timeout=600).stdout.split()
+    return float(out[1]), float(out[3])
 
 
 def test_torchtitans_loss_under_tp_peaks_at_loss_parallels_16_bytes_a_logit():
     # torchtitan runs its loss under torch's loss_parallel whenever TP > 1; measured here
     # on a one-rank mesh against ATen's fused backward, and the model's counts of each
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        plain = _loss_peak_per_logit(None)
-        parallel = _loss_peak_per_logit(init_device_mesh("cpu", (1,)))
-    finally:
-        dist.destroy_process_group()
+    plain, parallel = _loss_peaks()
     # within a byte (the process's other allocations move the resident set a little);
     # the two counts are 4 bytes apart
     titan = cost.STACKS["torchtitan+compile"]
