@@ -86,8 +86,9 @@ def issue_26_model():
     try:
         with stack_as("llm-foundry-2023", attention_scale=1.0, fsdp_exposed=False,
                       logits_bytes=8, block="megatron"), \
-                stack_as("torchtitan", logits_bytes=8, sp_saves="shard"), \
-                stack_as("torchtitan+compile", logits_bytes=8, sp_saves="shard"), \
+                stack_as("torchtitan", logits_bytes=8, tp_logits_bytes=0, sp_saves="shard"), \
+                stack_as("torchtitan+compile", logits_bytes=8, tp_logits_bytes=0,
+                         sp_saves="shard"), \
                 stack_as("deepspeed-2021", gathers="layer"), fsdp_states_as(2, 12), \
                 stack_as("megatron-bridge", grad_bytes=4), peaks_as_total():
             yield
@@ -157,6 +158,10 @@ def main() -> None:
                                                            logits_bytes=10):
         show("torchtitan's loss peaks at 12 bytes per logit (backward) vs 10 (forward)", base,
              figures(), (titan_h100,))
+    with stack_as("torchtitan", tp_logits_bytes=0), stack_as("torchtitan+compile",
+                                                             tp_logits_bytes=0):
+        show("torchtitan's loss under TP at loss_parallel's 16 bytes per logit vs 12 "
+             "(ATen's fused backward)", base, figures(), (titan_h100,))
     with stack_as("torchtitan", sp_saves="shard"), stack_as("torchtitan+compile",
                                                             sp_saves="shard"):
         show("torchtitan's TP keeps each linear's gathered input vs Megatron's 1/t shard",

@@ -5,8 +5,13 @@ is, and one DP and memory model shared by step_time and TrainingRun (split from
 tests/test_cost_runs.py)."""
 
 import dataclasses
+import importlib.util
+import pathlib
+import subprocess
+import sys
 
 import pytest
+import torch.distributed as dist
 
 from tplab import cost
 from tplab.cost import (
@@ -18,6 +23,7 @@ from tplab.cost import (
 )
 
 MiB = 2**20
+LOSS_PEAK = pathlib.Path(__file__).parent / "scripts" / "loss_peak.py"
 H100 = cost.HARDWARE["H100 SXM"]
 
 
@@ -137,6 +143,52 @@ def test_torchtitans_tp_keeps_each_linears_gathered_input_whole():
     extra = (pipeline.layer_bytes(run, run.shape, "selective")
              - pipeline.layer_bytes(megatron, run.shape, "selective"))
     assert extra == pytest.approx(2 * 2 * 8192 * 8192 * 8192 * (1 - 1 / 8) / 8192)
+
+
+def _loss_peaks() -> tuple[float, float]:
+    """tests/scripts/loss_peak.py's two measurements, in this process when no group of more
+    than one rank is up here, else in a process of their own."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        spec = importlib.util.spec_from_file_location("loss_peak", LOSS_PEAK)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.measure()
+    out = subprocess.run([sys.executable, str(LOSS_PEAK)], capture_output=True, text=True,
+                         check=True, timeout=600).stdout.split()
+    return float(out[1]), float(out[3])
+
+
+def test_torchtitans_loss_under_tp_peaks_at_loss_parallels_16_bytes_a_logit():
+    # torchtitan runs its loss under torch's loss_parallel whenever TP > 1; measured here
+    # on a one-rank mesh against ATen's fused backward, and the model's counts of each
+    plain, parallel = _loss_peaks()
+    # within a byte (the process's other allocations move the resident set a little);
+    # the two counts are 4 bytes apart
+    titan = cost.STACKS["torchtitan+compile"]
+    assert plain == pytest.approx(titan.logits_bytes, abs=1.0)
+    assert parallel == pytest.approx(titan.tp_logits_bytes, abs=1.0)
+    for tp in (1, 8):
+        run = cost.TrainingRun("Llama-3 70B", "H100 SXM", 8 * tp, tp=tp, global_batch=8,
+                               seq_len=8192, sharding="fsdp", stack="torchtitan+compile")
+        logits = pipeline.memory(run)["logits_bytes"] / (8192 * 128256 / tp)
+        assert logits == pytest.approx(plain if tp == 1 else parallel, abs=1.0)
+    # Table 4's two 2D runs (70B, TP 8, FSDP 32) now meet their printed peaks
+    for r in (r for r in published.RUNS if r["peak_gib"] and r["tp"] > 1 and r["pp"] == 1):
+        p = cost.predict(published.to_run(r))
+        assert published.allocator_reserved(p) / 2**30 == pytest.approx(r["peak_gib"],
+                                                                          rel=0.10)
+
+
+def test_blackwell_presets_hold_the_memory_cuda_reports_not_the_datasheets_gb_as_1e9():
+    # pytorch/ao#4002's device query on B200: "Total Global Memory: 178.35 GB" (GiB);
+    # vllm#43951 on GB200: "a total capacity of 184.31 GiB". The datasheets' "180 GB" and
+    # "186 GB" read as 1e9 bytes (the presets before) are 167.6 and 173.2 GiB
+    for name, gib, datasheet in (("B200", 178.35, 180), ("GB200 NVL72", 184.31, 186)):
+        memory = cost.HARDWARE[name].memory
+        assert memory / 2**30 == pytest.approx(gib, abs=0.01)
+        assert memory > datasheet * 1e9 * 1.05
+    # the other presets hold nvidia-smi's MiB, within a GiB of CUDA's figure
+    assert cost.HARDWARE["H100 SXM"].memory == 81559 * MiB
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "zero1", "zero2", "fsdp"])

@@ -314,16 +314,22 @@ HARDWARE: dict[str, Hardware] = {
                                   fp8_matmul_efficiency=1402.6 / 1979,
                                   sustained=755 / 794.5 * H100_NVL_BF16 / 989e12),
     # DGX B200: 8 B200 (2.25 PFLOP/s dense bf16, 4.5 fp8, as NVIDIA's dgxc-benchmarking
-    # llama3.1 README tabulates them), 180 GB HBM3e at 8 TB/s, 148 SMs, 8 ConnectX-7 NDR.
-    # NCCL's tables for it are taken as Hopper's (tplab models NCCL 2.21.5).
-    "B200": Hardware("B200", 2250e12, _NV5, _NDR, memory=180e9, memory_bandwidth=8e12,
+    # llama3.1 README tabulates them), "180 GB" HBM3e at 8 TB/s, 148 SMs, 8 ConnectX-7 NDR.
+    # NCCL's tables for it are taken as Hopper's (tplab models NCCL 2.21.5). Its memory is
+    # what CUDA reports, 178.35 GiB ("Total Global Memory: 178.35 GB" from a device query
+    # in pytorch/ao#4002): the datasheet's "180 GB" read as 180e9 bytes is 167.6 GiB, 11
+    # GiB short of the card (the other presets hold nvidia-smi's MiB).
+    # GB200 likewise: torch's "total capacity of 184.31 GiB" (vllm-project/vllm#43951 and
+    # #52511, OOM messages on 4 x GB200) where "186 GB" as 186e9 bytes is 173.2 GiB.
+    "B200": Hardware("B200", 2250e12, _NV5, _NDR, memory=178.35 * GiB, memory_bandwidth=8e12,
                      sms=148, fp8_flops=4500e12, matmul_efficiency=1745 / 2250,
                      fp8_matmul_efficiency=3432.5 / 4500, fp8_any_layout=True,
                      sustained=1439 / 1737),
     # GB200 NVL72: 72 GPUs in one NVLink domain, one ConnectX-7 per GPU; 2.45 PFLOP/s bf16
     # (dgxc-benchmarking's figure, which its MFU uses), 186 GB HBM3e at 8 TB/s.
     "GB200 NVL72": Hardware("GB200 NVL72", 2450e12, _NV5, _NDR, gpus_per_node=72,
-                            nics_per_node=72, memory=186e9, memory_bandwidth=8e12, sms=148,
+                            nics_per_node=72, memory=184.31 * GiB, memory_bandwidth=8e12,
+                            sms=148,
                             fp8_flops=4900e12, matmul_efficiency=1822 / 2500,
                             fp8_matmul_efficiency=3615.6 / 5000, fp8_any_layout=True,
                             sustained=1439 / 1737),

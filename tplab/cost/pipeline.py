@@ -238,7 +238,8 @@ def memory(run) -> dict:
         transient += PARAM * gathered_elements(run, n / layers)
     # the fp32 logits and their gradient live on the last stage, counted when it is also
     # the first (pp = 1); with pp > 1 the first stage's in-flight activations dominate
-    logits = (run.settings.logits_bytes * local.tokens * -(-shape.vocab // tp)
+    per_logit = ((tp > 1 and run.settings.tp_logits_bytes) or run.settings.logits_bytes)
+    logits = (per_logit * local.tokens * -(-shape.vocab // tp)
               if shape.vocab and run.pp == 1 else 0.0)
     headroom = FRAGMENTATION * (acts + transient + logits) + NCCL_RESERVE + hw.memory_reserve
     out = states | {"activation_bytes": acts, "transient_bytes": transient,

@@ -81,6 +81,18 @@ class Stack:
     layer and the prefetched next one, torch FSDP and Composer's `limit_all_gathers`;
     "parameter": DeepSpeed 2021's ZeRO-3, one parameter at a time plus its prefetch bucket,
     `ZERO3_PREFETCH_ELEMENTS`).
+    `tp_logits_bytes`: the same under TP where the stack's loss differs there (0: as
+    `logits_bytes`); 16 for torchtitan, whose loss runs under torch's `loss_parallel`
+    whenever TP > 1 (parallel_dims.py at 9dec370, `loss_parallel_enabled`: "self.tp > 1 and
+    self.enable_loss_parallel", on unless --training.disable_loss_parallel). Its backward
+    (torch/distributed/tensor/parallel/loss.py, `_nll_loss_and_log_softmax_backward`, the
+    nll_loss and log_softmax backward fused as `(grad_input + torch.exp(x)) * grad_output`,
+    read in torch 2.13 and at 02eef6b8; the version torchtitan ran, 1963fc8, is not
+    stored here) holds the saved fp32 log_softmax output, a dense fp32 `grad_input`
+    (`zeros_like(x)`), `exp(x)` and the sum, then the product: 16 bytes a logit where
+    ATen's fused `_log_softmax_backward_data` peaks at 12. Measured on this CPU build
+    (tests/test_cost_memory_runs.py: the resident-set peak of each backward, plain 12,
+    under `loss_parallel` 16).
     `grad_bytes`: bytes of the gradient buffer each rank keeps and reduces per parameter
     (4: Megatron's fp32 `main_grad`, `grad_reduce_in_fp32=True`; 2: reduced in bf16, NeMo
     2's and Megatron-Bridge's performance recipes).
@@ -96,6 +108,7 @@ class Stack:
     torch_cp: bool = False
     fsdp_exposed: bool = False
     logits_bytes: int = 8
+    tp_logits_bytes: int = 0
     block: str = "megatron"
     sp_saves: str = "shard"
     gathers: str = "layer"
@@ -158,10 +171,12 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "gradient buffer takes that dtype (dgxc-benchmarking llama3.1_{8b,70b,405b}.yaml "
           "at v25.01 and 1b9bb6b, nemo_megatron/cfg/gpt3_175b_hydra.yaml at 85380ffe; "
           "apex/contrib/optimizers/distributed_fused_adam.py)"),
-    Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, sp_saves="gathered",
+    Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
+          sp_saves="gathered",
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
           "context_parallel"),
-    Stack("torchtitan+compile", torch_cp=True, logits_bytes=12, sp_saves="gathered",
+    Stack("torchtitan+compile", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
+          sp_saves="gathered",
           cites="pytorch/torchtitan with torch.compile: element-wise work fused"),
     Stack("llm-foundry-2023", kernels="eager", attention_scale=FA1_OVER_FA2,
           fsdp_exposed=True, logits_bytes=4, block="mpt",
