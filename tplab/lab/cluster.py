@@ -26,6 +26,7 @@ from tplab.errors import LabError
 from tplab.lab import processes
 from tplab.lab.engines import EngineKind, EngineWatch, kind_for
 from tplab.lab.joining import Rendezvous
+from tplab.rank import heartbeat
 from tplab.rank.entry import OWNER_ENV, STATE_DIR_ENV, owner_token
 
 HUB_CHECK_S = 2.0  # how often a start still waiting asks the hub which engines registered
@@ -94,7 +95,7 @@ class LabProcesses:
         self.kind.configure(config, env, self.state_dir)
         options = dict(
             n=n, engines=self.kind.launcher, controller_ip=ip,
-            controller_args=["--HeartMonitor.period=100", "--log-level=ERROR"],
+            controller_args=[f"--HeartMonitor.period={heartbeat.SLOW_MS}", "--log-level=ERROR"],
             profile_dir=os.path.join(self.state_dir, "profile"), cluster_id="tplab",
             cluster_file="",  # not needed: the Lab object is the only handle on the cluster
             delay=0.0, send_engines_connection_env=False, shutdown_atexit=False,

@@ -26,7 +26,7 @@ import time
 OWNER_ENV = "TPLAB_OWNER"  # "pid:start_time" of the notebook kernel that owns the lab
 STATE_DIR_ENV = "TPLAB_STATE_DIR"  # the lab's private folder, removed when the owner dies
 HEARTBEAT_ENV = "TPLAB_CONTROLLER_HB"  # tcp://host:port of the hub's heartbeat ping (PUB)
-HEARTBEAT_LOST_S = 10.0  # the hub pings every 0.1 s (HeartMonitor.period=100)
+HEARTBEAT_LOST_S = 10.0  # the hub pings every 0.1-1 s (tplab/rank/heartbeat.py)
 FIRST_ID_ENV = "TPLAB_FIRST_ID"  # MPI engines ask for engine id FIRST_ID + their MPI rank
 POLL_S = 0.5
 
@@ -311,6 +311,9 @@ def main(argv: list[str]) -> None:
         # deferred: the controller's own entry point, loaded by the controller only
         from ipyparallel.controller.app import main as ipcontroller
 
+        from tplab.rank import heartbeat
+
+        heartbeat.pace()
         ipcontroller()
 
 
