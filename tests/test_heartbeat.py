@@ -80,7 +80,7 @@ def test_a_running_labs_controller_pings_slowly_once_settled_and_its_engines_sta
             while time.monotonic() < deadline:
                 if sub.poll(5000):
                     lifetimes.append(float(sub.recv_multipart()[-1]))
-                gaps = [b - a for a, b in zip(lifetimes, lifetimes[1:])]
+                gaps = [b - a for a, b in zip(lifetimes, lifetimes[1:], strict=False)]
                 if len(gaps) >= 3 and min(gaps[-3:]) >= 0.9 * heartbeat.SLOW_MS / 1000:
                     break
             else:
