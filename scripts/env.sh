@@ -24,6 +24,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# Where Python is told not to write bytecode (PYTHONDONTWRITEBYTECODE, set on some
+# machines and containers), every process that imports tplab (each rank, each kernel, each
+# test worker) would compile its modules again: compile them once here (quick when current).
+"$VENV/bin/python" -m compileall -q -j 0 tplab tests >/dev/null
+
 # Keep Jupyter/IPython state out of the user's home: it lives in .tplab-state/ here.
 state="$PWD/.tplab-state"
 mkdir -p "$state" && chmod 700 "$state"

@@ -3,12 +3,11 @@ at every world size it claims (tplab.lessons.SIZES).
 
 A notebook's claims are asserted in its own cells, so a run that ends without error has
 checked the lesson, not only that the cells ran. The default run has world 2 in processes,
-the laptop case, for every notebook (and 06 at 4, for its 2-D mesh and FSDP2 over dp > 1;
-00's and 12's are the browser test's Run All when Chromium and playwright are here);
+the laptop case, for every notebook (06 and 14 at 4 instead: FOUR_NOT_TWO says why; 00's
+and 12's are the browser test's Run All when Chromium and playwright are here);
 simulated mode at world 2 runs in the browser test (01 and 08 in the default run, every
 notebook in the extended run); every other claimed size and mode is `extended` (make
-test-extended), which keeps the default run within its 12 minutes on 2 cores. 14 runs at 4
-by default, not 2 (FOUR_NOT_TWO says why). 13 (FSDP2 x TP) claims world 4 only, in
+test-extended), which keeps the default run within its 12 minutes on 2 cores. 13 (FSDP2 x TP) claims world 4 only, in
 processes: the default run has it at 4 (papermill here, or, as 00 and 12, the browser test's
 Run All where that can run: once, not twice).
 """
@@ -62,8 +61,8 @@ def sizes(path: pathlib.Path) -> tuple[int, ...]:
 
 def in_default_run(path: pathlib.Path, mode: str, world_size: int) -> bool:
     """World 2 in processes for every notebook; simulated mode at world 2 is the browser
-    test's run (tests/test_browser.py: 01 and 08 by default), and 06's 2-D mesh (dp x tp)
-    needs 4 ranks, as 13's (dp=2) x (tp=2) does (13 claims 4 alone). The other
+    test's run (tests/test_browser.py: 01 and 08 by default); FOUR_NOT_TWO run at 4 instead
+    of 2, and 13's (dp=2) x (tp=2) needs 4 ranks (13 claims 4 alone). The other
     sizes and modes are extended (`make test-extended`), to keep the default run under 15
     minutes on 2 cores."""
     if path.stem.startswith(FOUR_NOT_TWO):
@@ -72,7 +71,7 @@ def in_default_run(path: pathlib.Path, mode: str, world_size: int) -> bool:
         return not path.stem.startswith(IN_THE_BROWSER)
     if path.stem.startswith(AT_FOUR_ONLY):
         return mode == "processes" and not path.stem.startswith(IN_THE_BROWSER)
-    return path.stem.startswith("06") and mode == "processes" and world_size == 4
+    return False
 
 
 # FSDP2 x TP needs a (dp=2, tp=2) mesh: 13 runs at world 4 only
@@ -80,7 +79,9 @@ AT_FOUR_ONLY = ("13",)
 # 14 claims 2 and 4, but at world 2 its FSDP2 + TP section starts a second lab of 4 ranks
 # (each importing Megatron-core and torchtitan): the default run takes it at 4, where one lab
 # serves every section (measured: 45 cpu-s at 4 against 59 at 2); its run at 2 is extended
-FOUR_NOT_TWO = ("14",)
+# 06 at world 2 is its 2-D mesh's degenerate case (dp = 1: no dp collective to see); the
+# default run takes the lesson at 4, where every claim has a dp group of 2, and 2 is extended
+FOUR_NOT_TWO = ("06", "14")
 
 CASES = [pytest.param(p, m, n, id=f"{p.stem}-{m}-{n}",
                       marks=() if in_default_run(p, m, n) else pytest.mark.extended)
