@@ -7,9 +7,9 @@ the laptop case, for every notebook (06 and 14 at 4 instead: FOUR_NOT_TWO says w
 and 12's are the browser test's Run All when Chromium and playwright are here);
 simulated mode at world 2 runs in the browser test (01 and 08 in the default run, every
 notebook in the extended run); every other claimed size and mode is `extended` (make
-test-extended), which keeps the default run within its 12 minutes on 2 cores. 13 (FSDP2 x TP) claims world 4 only, in
-processes: the default run has it at 4 (papermill here, or, as 00 and 12, the browser test's
-Run All where that can run: once, not twice).
+test-extended), which keeps the default run within its 12 minutes on 2 cores. 13 (FSDP2 x
+TP) claims world 4 only, in processes: the default run has it at 4 (papermill here, or, as
+00 and 12, the browser test's Run All where that can run: once, not twice).
 """
 
 from __future__ import annotations
