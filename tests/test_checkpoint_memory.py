@@ -16,7 +16,11 @@ block's forward again and saves the rest for a moment. The truths, per rank:
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
 
 import tplab
 from tplab import models
@@ -152,3 +156,30 @@ def test_checkpointed_blocks_keep_their_inputs_simulated(tp):
 @pytest.mark.slow
 def test_checkpointed_blocks_keep_their_inputs_on_processes(labs):
     check(labs.get(4).run(measured, CASES, CFG, True), CFG, 4, True)
+
+
+def test_a_recomputation_in_another_thread_is_counted():
+    """On CUDA autograd runs backward on a device thread of its own, not the caller's; a
+    checkpoint's recomputation saves its tensors there (seen on an H200: recomputed 0, where
+    CPU gave the whole block). Backward started from another thread is the same case on CPU:
+    the numbers must be those of a backward on the thread that opened the context."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def step(in_thread: bool):
+        with tplab.memory(block) as m:
+            loss = checkpoint(block, x, use_reentrant=False).square().sum()
+            if in_thread:
+                t = threading.Thread(target=loss.backward)
+                t.start()
+                t.join()
+            else:
+                loss.backward()
+        return m.summary()
+
+    here, there = step(False), step(True)
+    assert here["recomputed_bytes"] > 0 and here["peak_bytes"] > here["activation_bytes"]
+    assert {k: there[k] for k in ("recomputed_bytes", "peak_bytes", "activation_bytes")} \
+        == {k: here[k] for k in ("recomputed_bytes", "peak_bytes", "activation_bytes")}

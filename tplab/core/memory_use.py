@@ -40,13 +40,14 @@ checkpoint recomputes under saved-tensor hooks of its own; tplab's pair goes on 
 for the region's modules and hands every tensor on to torch's.
 
 Limits: a parameter used outside any module's forward is only recognised when the model is
-passed (`tplab.memory(model)`); a double backward's saved tensors count as recomputed.
+passed (`tplab.memory(model)`); a double backward's saved tensors count as recomputed; the
+open contexts are the process's (backward may run on a thread of autograd's own), so two
+threads that each open one at the same time count each other's saved tensors.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 
 import torch
 import torch.nn as nn
@@ -56,20 +57,16 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32 each, per parameter element
 
 
-class _Open(threading.local):
-    """The memory contexts open in this thread, oldest first (saved-tensor hooks are
-    per thread in torch, so is this list)."""
-
-    def __init__(self):
-        self.contexts: list[Memory] = []
-
-
-_OPEN = _Open()
+# The memory contexts open in this process, oldest first. Not one list per thread: torch's
+# saved-tensor hooks travel with autograd's thread-local state into the threads that run
+# backward (on CUDA, a device thread of autograd's own), and a checkpoint's recomputation
+# saves its tensors there; a per-thread list was empty there (recomputed 0 on an H200).
+_OPEN: list[Memory] = []
 
 
 def _pack_all(tensor):
     """The saved-tensor hook every open context shares: each one counts the tensor."""
-    return _Packed(tensor, [(m, m._pack(tensor)) for m in list(_OPEN.contexts)])
+    return _Packed(tensor, [(m, m._pack(tensor)) for m in list(_OPEN)])
 
 
 def _unpack(packed):
@@ -82,7 +79,7 @@ def _handing_on(pack, unpack):
     def pack_on(tensor):
         # counted first: torch's pack stops the recomputation (an exception) once it has
         # saved the last tensor backward needs, and that one is saved all the same
-        counted = _Packed(None, [(m, m._pack(tensor)) for m in list(_OPEN.contexts)])
+        counted = _Packed(None, [(m, m._pack(tensor)) for m in list(_OPEN)])
         counted.tensor = pack(tensor)
         return counted
 
@@ -200,7 +197,7 @@ class Memory:
     # --- entering and leaving -------------------------------------------------------------
 
     def __enter__(self) -> Memory:
-        if self in _OPEN.contexts:
+        if self in _OPEN:
             raise RuntimeError("this tplab.memory() context is already open; nest a new "
                                "one instead: with tplab.memory() as inner: ...")
 
@@ -223,12 +220,12 @@ class Memory:
         # context pops, the one left serves the contexts still open.
         self._saved = torch.autograd.graph.saved_tensors_hooks(_pack_all, _unpack)
         self._saved.__enter__()
-        _OPEN.contexts.append(self)
+        _OPEN.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self in _OPEN.contexts:
-            _OPEN.contexts.remove(self)
+        if self in _OPEN:
+            _OPEN.remove(self)
         self._saved.__exit__(*exc)
         for h in self._handles:
             h.remove()
