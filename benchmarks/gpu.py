@@ -1,24 +1,34 @@
 """The GPU path, checked on a machine with NVIDIA GPUs (scripts/gpu_check.sh runs this).
 
-    python benchmarks/gpu.py [--steps 20]
+    python benchmarks/gpu.py [--steps 20] [--all | --memory --rates] [--json PATH]
 
 Checks, each printed as PASS, FAIL or SKIP with what it saw (exit status 1 on a FAIL):
 1. backend="auto" picks NCCL when every rank can have its own GPU, gloo otherwise
    (tplab.lab.arguments.resolve_backend, and a 1-rank lab's `backend`).
 2. A 1-rank NCCL lab runs a traced tensor-parallel step (tplab.trace around an MLP under
    the Megatron plan on a CUDA mesh).
-3. Two ranks share one GPU through gloo with CUDA tensors (an all-reduce of a CUDA tensor
-   gives the right sum), or fail with a clear error.
+3. Two and four ranks share one GPU through gloo with CUDA tensors (an all-reduce of a CUDA
+   tensor gives the right sum), or fail with a clear error.
 4. grad_check runs on CUDA (a 1-rank NCCL lab against the single-device reference).
 5. With 2 or more GPUs: the same TP step run by a lab over NCCL and by torchrun, median
    step time of each, ratio lab / torchrun (goal: <= 1.02x).
 
-On a machine without a CUDA GPU it prints why and exits 0 (nothing to check).
+With --memory (benchmarks/gpu_memory.py): tplab.memory's model against the CUDA caching
+allocator in each rank (notebooks 10 and 13). With --rates (benchmarks/gpu_rates.py): bf16
+GEMM, flash attention and copy bandwidth against the H200 preset's constants. --all: both.
+--json PATH: every number, with the GPU, driver, CUDA and torch, as JSON. A short table is
+printed last; each check and measurement runs on its own (a failure is a FAIL row, with its
+reason, and the next one runs).
+
+On a machine without a CUDA GPU it prints why and exits 0 (nothing to check). It runs under
+any torch >= 2.10 with CUDA (a GPU box's own torch, with tplab's other requirements on
+PYTHONPATH: scripts/gpu_check.sh says how).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -142,19 +152,29 @@ def cuda_all_reduce():
     return x.cpu().tolist()
 
 
-@check("3. two ranks share one GPU through gloo with CUDA tensors")
-def check_shared_gpu():
+def shared_gpu(n: int):
     import tplab
 
-    with tplab.launch(2, backend="gloo") as lab:
+    with tplab.launch(n, backend="gloo") as lab:
         try:
             got = lab.run(cuda_all_reduce)
         except tplab.LabError as exc:
             first = str(exc).strip().splitlines()[-1]
             return "PASS", f"a clear error instead: {type(exc).__name__}: {first}"
-    if got != [[3.0] * 4, [3.0] * 4]:
-        return "FAIL", f"all-reduce of CUDA tensors through gloo gave {got}"
-    return "PASS", "all-reduce of CUDA tensors through gloo is right on both ranks"
+    want = [[float(n * (n + 1) // 2)] * 4] * n
+    if got != want:
+        return "FAIL", f"all-reduce of CUDA tensors through gloo gave {got}, want {want}"
+    return "PASS", f"all-reduce of CUDA tensors through gloo is right on all {n} ranks"
+
+
+@check("3. two ranks share one GPU through gloo with CUDA tensors")
+def check_shared_gpu():
+    return shared_gpu(2)
+
+
+@check("3b. four ranks share one GPU through gloo with CUDA tensors")
+def check_shared_gpu4():
+    return shared_gpu(4)
 
 
 def build_mlp():
@@ -232,9 +252,36 @@ def check_vs_torchrun(gpus: int, steps: int):
                     f"ratio {ratio:.3f}x over {steps} steps, world {n}")
 
 
+def environment() -> dict:
+    """The GPU, driver, CUDA and torch this run saw (nvidia-smi is only read)."""
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
+           "nccl": None, "cudnn": torch.backends.cudnn.version(), "gpus": []}
+    try:
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:  # noqa: BLE001 - a build without NCCL
+        pass
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        env["gpus"].append({"name": p.name, "total_memory": p.total_memory,
+                            "sms": p.multi_processor_count, "capability": f"{p.major}.{p.minor}"})
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
+                            "clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        env["nvidia_smi"] = q.stdout.strip()
+        env["driver"] = q.stdout.split(",")[1].strip() if q.stdout.count(",") else None
+    except (OSError, subprocess.SubprocessError) as exc:
+        env["nvidia_smi"] = f"not read: {exc}"
+    return env
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--memory", action="store_true", help="tplab.memory vs the allocator")
+    parser.add_argument("--rates", action="store_true", help="GEMM, attention, bandwidth")
+    parser.add_argument("--all", action="store_true", help="--memory and --rates")
+    parser.add_argument("--json", metavar="PATH", help="write every number here")
     args = parser.parse_args()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPUs: {gpus}", flush=True)
@@ -242,21 +289,53 @@ def main() -> int:
         why = ("this torch build has no CUDA" if torch.version.cuda is None
                else "no CUDA GPU is visible")
         print(f"SKIP: {why}; the GPU checks need a machine with NVIDIA GPUs and a CUDA "
-              "build of torch 2.13.0. Nothing was checked.")
+              "build of torch (>= 2.10). Nothing was checked.")
         return 0
     for i in range(gpus):
         print(f"  cuda:{i} {torch.cuda.get_device_name(i)}", flush=True)
+    results: dict = {"environment": environment()}
+    print(f"  {results['environment'].get('nvidia_smi')}", flush=True)
     started = time.perf_counter()
     check_auto(gpus)
     check_traced()
     check_shared_gpu()
+    check_shared_gpu4()
     check_grad()
     check_vs_torchrun(gpus, args.steps)
+    rows = list(RESULTS)
+
+    def save():   # after each section, so that a run cut short keeps what it measured
+        results["checks"] = [{"name": n, "status": s, "detail": d} for n, s, d in RESULTS]
+        results["summary"] = [{"name": n, "status": s, "detail": d} for n, s, d in rows]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+
+    save()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    for wanted, module in ((args.memory or args.all, "gpu_memory"),
+                           (args.rates or args.all, "gpu_rates")):
+        if not wanted:
+            continue
+        t0 = time.perf_counter()
+        try:
+            rows += __import__(module).run(results)
+        except Exception as exc:  # noqa: BLE001 - a section that raised is a FAIL row
+            traceback.print_exc()
+            rows.append((module, "FAIL", f"{type(exc).__name__}: {exc}"))
+        print(f"[INFO] {module}: {time.perf_counter() - t0:.0f} s", flush=True)
+        save()
+    results["environment"]["nvidia_smi_after"] = environment().get("nvidia_smi")
+    save()
+    if args.json:
+        print(f"[INFO] wrote {args.json}", flush=True)
     print(textwrap.dedent(f"""
         summary ({time.perf_counter() - started:.0f} s):"""))
-    for name, status, _ in RESULTS:
-        print(f"  {status:4}  {name}")
-    return 1 if any(status == "FAIL" for _, status, _ in RESULTS) else 0
+    for name, status, detail in rows:
+        first = detail.splitlines()[0] if detail else ""
+        print(f"  {status:4}  {name}" + (f": {first[:160]}" if status != "PASS" or
+                                          not name[0].isdigit() else ""))
+    return 1 if any(status == "FAIL" for _, status, _ in rows) else 0
 
 
 if __name__ == "__main__":

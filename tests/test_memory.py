@@ -4,6 +4,9 @@ the paper's constants, and the per-GPU model at scale."""
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 import report
 
@@ -236,6 +239,38 @@ def test_memory_refuses_what_it_cannot_measure():
         tplab.memory(optimizer="adam")
     with pytest.raises(ValueError, match="not divisible"):
         lab_memory("block", models.Config(n_heads=4), 3)
+    with pytest.raises(ValueError, match=r"device must be one of \('cpu', 'cuda'\), not 'gpu'"):
+        lab_memory("block", models.Config(), 2, device="gpu")
+
+
+H200_RUN = pathlib.Path(__file__).parent.parent / "benchmarks/results/gpu-2026-12-04-memory.json"
+
+
+def test_lab_memory_on_cuda_is_what_an_h200_measured():
+    """What tplab.memory measured on every rank of a 4-rank lab of CUDA tensors on an H200
+    (benchmarks/gpu_memory.py, run on the lent GPU; torch 2.11) is `lab_memory(...,
+    device="cuda")`, row by row, and on CPU `device="cpu"`: notebook 10's assert, on both."""
+    run = json.loads(H200_RUN.read_text())
+    assert run["environment"]["gpus"][0]["name"] == "NVIDIA H200"
+    cases = [c for c in run["memory"]["cases"] if c["case"].startswith("block")]
+    assert len(cases) == 7 and {(c["tp"], c["sp"]) for c in cases} >= {(4, True), (1, False)}
+    cfg = models.Config(dim=64, n_heads=8, hidden_dim=192, seq_len=32, batch_size=4)
+    for c in cases:
+        for device in ("cpu", "cuda"):
+            predicted = lab_memory("block", cfg, c["tp"], c["sp"], device=device)
+            assert all(r["summary"] == predicted for r in c[device]), (c["case"], c["tp"],
+                                                                      c["sp"], device)
+    # the difference is the norms (fused: input and rstd) and attention's 16 B of RNG state
+    one = {d: lab_memory("block", cfg, 1, device=d)["activation_bytes"] for d in ("cpu", "cuda")}
+    assert one["cpu"] - one["cuda"] == 2 * 4 * cfg.dim * 32 * 4 - 16
+
+
+def test_a_cuda_ranks_attention_pads_its_logsumexp():
+    # the memory-efficient kernel keeps logsumexp for ceil(s / 32) * 32 query positions
+    cfg = models.Config(dim=64, n_heads=8, hidden_dim=192, seq_len=40, batch_size=2)
+    row = {d: next(r["bytes"] for r in lab_memory("block", cfg, 2, device=d)["rows"]
+                   if r["module"] == "attention") for d in ("cpu", "cuda")}
+    assert row["cuda"] - row["cpu"] == 4 * 2 * (8 // 2) * (64 - 40) + 16
 
 
 # --- the model on paper -------------------------------------------------------------------

@@ -79,13 +79,29 @@ def lab_collectives(model, cfg, tp: int, sequence_parallel: bool = False,
     return forward + backward
 
 
-def lab_memory(model, cfg, tp: int, sequence_parallel: bool = False) -> dict:
+# What a CUDA rank saves differently from a CPU rank, measured on an H200 (torch 2.11,
+# benchmarks/gpu_memory.py; docs/VALIDATION.md, "The GPU path on one H200"): RMSNorm runs
+# torch's fused kernel, which keeps its input and rstd (tplab_layer(norm="fused")), and
+# float32 attention takes the memory-efficient kernel, which also keeps its random-number
+# state, a seed and an offset (one int64 each, on the host), and pads its logsumexp to a
+# multiple of LSE_ALIGN positions of the query.
+RNG_STATE = (8, 8)
+LSE_ALIGN = 32
+DEVICES = ("cpu", "cuda")
+
+
+def lab_memory(model, cfg, tp: int, sequence_parallel: bool = False,
+               device: str = "cpu") -> dict:
     """What `tplab.memory` measures on one rank for one forward and backward of the lab's
     `model` ("mlp" or "block") from `cfg` with `tp` ranks, under either plan (megatron or
     dtensor: both save the same tensors): param_bytes, grad_bytes, optimizer_bytes (Adam's
     two fp32 moments), activation_bytes, peak_bytes and rows (module, bytes, storages) in
     the order the modules first save; nothing checkpointed, so nothing recomputed. Float32
-    throughout; see `tplab.cost.memory`."""
+    throughout; see `tplab.cost.memory`. `device`: where the ranks compute, "cpu" (gloo)
+    or "cuda" (NCCL: `tplab.mesh.device_type()` on a rank); a CUDA rank's norms and
+    attention keep other tensors (RNG_STATE, LSE_ALIGN)."""
+    if device not in DEVICES:
+        raise ValueError(f"lab_memory: device must be one of {DEVICES}, not {device!r}")
     kind = _kind(model)
     shape = lab_shape(cfg, kind)
     d, f = cfg.dim, cfg.hidden_dim
@@ -94,7 +110,7 @@ def lab_memory(model, cfg, tp: int, sequence_parallel: bool = False) -> dict:
         saved = tplab_layer(shape, ("mlp",))
     else:               # q, k, v, o (d, d); w1, w3 (f, d), w2 (d, f); two norm weights
         sharded, whole = 4 * d * d + 3 * d * f, 2 * d
-        saved = tplab_layer(shape)
+        saved = tplab_layer(shape, norm="fused" if device == "cuda" else "composite")
     sizes = {"hidden_dim": f} | ({"n_heads": cfg.n_heads} if kind == "block" else {})
     if sequence_parallel:
         sizes["seq_len"] = cfg.seq_len
@@ -107,6 +123,12 @@ def lab_memory(model, cfg, tp: int, sequence_parallel: bool = False) -> dict:
         row = rows.setdefault(item.module, {"module": item.module, "bytes": 0, "storages": 0})
         row["bytes"] += item.local_bytes(shape.tokens, tp, sequence_parallel)
         row["storages"] += 1
+    if device == "cuda" and kind == "block":
+        row = rows["attention"]
+        padded = -(-cfg.seq_len // LSE_ALIGN) * LSE_ALIGN
+        row["bytes"] += 4 * cfg.batch_size * (cfg.n_heads // tp) * (padded - cfg.seq_len)
+        row["bytes"] += sum(RNG_STATE)
+        row["storages"] += len(RNG_STATE)
     total = sum(r["bytes"] for r in rows.values())
     return {"param_bytes": params, "grad_bytes": params, "optimizer_bytes": 2 * params,
             "activation_bytes": total, "peak_bytes": total, "rows": list(rows.values()),
