@@ -207,6 +207,24 @@ def gathered_elements(run, per_layer: float) -> float:
     return largest + ZERO3_PREFETCH_ELEMENTS
 
 
+def torch_cp_backward_bytes(run) -> float:
+    """Bytes torch's `context_parallel` holds in one attention backward beyond what plain
+    flash attention does (cp > 1, `Stack.torch_cp`), read in
+    torch/distributed/tensor/experimental/_attention.py `_templated_ring_attention_backward`
+    with the "allgather" rotate method (torchtitan's default at 9dec370, config_manager.py
+    `--experimental.context_parallel_rotate_method`): K and V all-gathered whole in bf16
+    (`_AllGatherRotater`, one gather of every shard), 4 cp E bytes, and fp32 gradient
+    buffers (`convert_to_f32`): dq's accumulator, the received dK/dV buffer, the dK/dV
+    concatenated for the next all-to-all and that all-to-all's output, 4 + 8 + 8 + 8 = 28 E.
+    E is one of q, k, v on a rank: torchtitan's Attention repeats K and V to every query
+    head (`repeat_kv`) before SDPA, so all three are tokens x heads / tp x head width."""
+    if not (run.settings.torch_cp and run.cp > 1):
+        return 0.0
+    shape = run.shape
+    e = shape.batch * (shape.seq // run.cp) * shape.hidden / run.tp
+    return 4 * run.cp * e + 28 * e
+
+
 def memory(run) -> dict:
     """Bytes per GPU on the first (most loaded) stage, by kind (module doc)."""
     shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
@@ -241,6 +259,9 @@ def memory(run) -> dict:
     per_logit = ((tp > 1 and run.settings.tp_logits_bytes) or run.settings.logits_bytes)
     logits = (per_logit * local.tokens * -(-shape.vocab // tp)
               if shape.vocab and run.pp == 1 else 0.0)
+    # torch's ring-attention buffers live inside one attention backward, the loss's before
+    # the first layer's backward starts: never at once, so the larger of the two counts
+    transient += max(0.0, torch_cp_backward_bytes(run) - logits)
     headroom = FRAGMENTATION * (acts + transient + logits) + NCCL_RESERVE + hw.memory_reserve
     out = states | {"activation_bytes": acts, "transient_bytes": transient,
                     "logits_bytes": logits, "headroom_bytes": headroom}
