@@ -31,6 +31,16 @@ def test_memory_counts_the_first_stages_in_flight_micro_batches_and_headroom():
     assert pipeline.in_flight(1, 1, 8) == 1
     assert pipeline.in_flight(8, 1, 64) == 8 and pipeline.in_flight(8, 1, 4) == 4
     assert pipeline.in_flight(8, 2, 64) == pytest.approx(8 * (1 + 7 / 16))
+    # never more than the m micro-batches there are: with m = p the interleaved warm-up,
+    # (v - 1) p + 2 (p - 1) chunk-forwards, is capped at all m v of them (Megatron-LM's
+    # get_pp_rank_microbatches, torch's ScheduleInterleaved1F1B): torchtitan's Table 5
+    # (p 8, v 2, m 8) and Llama 3's 16K-GPU rows (p 16, v 4, m 16) hold m, not p + (p-1)/v
+    assert pipeline.in_flight(8, 2, 8) == 8 and pipeline.in_flight(16, 4, 16) == 16
+    assert pipeline.in_flight(16, 4, 32) == pytest.approx(16 + 15 / 4)
+    assert pipeline.in_flight(4, 2, 2) == 2
+    rows = [r for r in published.RUNS if r["source"] == published.LLAMA3]
+    fits = {r["gpus"]: cost.predict(published.to_run(r)).fits for r in rows}
+    assert fits == {8192: False, 16384: True}          # as the paper is read (vpp 4, none)
     p = cost.predict(cost.TrainingRun("Llama-3.1 405B", "H100 SXM", 8, tp=8,
                                       global_batch=8, seq_len=8192))
     assert not p.fits                 # 405B on one node of H100 does not fit

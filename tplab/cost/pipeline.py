@@ -17,7 +17,7 @@ Pipeline (Narayanan et al. 2021, sections 2.2 and 4.1; Korthikanti et al. 2022, 
   interleaved schedule waits on each exchange: its warm-up's 2 (p - 1) + (v - 1) p, then
   one combined send/receive per forward chunk, m v.
 - First stage memory: 1F1B keeps min(p, m) micro-batches in flight, interleaving
-  x (1 + (p-1)/(p v)).
+  p + (p-1)/v, at most m (`in_flight`).
 
 Data parallel: gradients reduced in fp32 (Megatron-LM's default under --bf16; torchtitan's
 reduce dtype), parameters gathered in bf16, over the dp x cp GPUs that hold the same shard;
@@ -169,10 +169,18 @@ def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
 
 
 def in_flight(pp: int, vpp: int, m: int) -> float:
-    """Micro-batches of activations the first stage holds at its peak."""
+    """Micro-batches of activations the first stage holds at its peak: 1F1B's min(p, m);
+    interleaved, p + (p - 1) / v (its warm-up, (v - 1) p + 2 (p - 1) chunk-forwards, and
+    one more, each 1/v of the stage), and never more than the m micro-batches there are:
+    both schedules cap the warm-up at all m v chunk-forwards (Megatron-LM's
+    megatron/core/pipeline_parallel/schedules.py `get_pp_rank_microbatches` at d98e8a64:
+    "if num_warmup_microbatches >= total_num_microbatches: num_warmup_microbatches =
+    total_num_microbatches; are_all_microbatches_in_warmup = True"; torch's
+    `ScheduleInterleaved1F1B` `get_rank_warmup_ops`, "We cannot have more warmup operations
+    than there are number of microbatches, so cap it there")."""
     if pp == 1:
         return 1.0
-    return min(pp, m) * (1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1)
+    return min(m, pp + (pp - 1) / vpp) if vpp > 1 else min(pp, m)
 
 
 def layer_bytes(run, local, recompute: str) -> float:
