@@ -44,6 +44,23 @@ def hardware_as(name: str, **changes):
 
 
 @contextlib.contextmanager
+def patched(module, name: str, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def uncapped_in_flight(pp: int, vpp: int, m: int) -> float:
+    """Round eleven's count: p + (p - 1) / v micro-batches even when m is fewer."""
+    if pp == 1:
+        return 1.0
+    return min(pp, m) * (1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1)
+
+
+@contextlib.contextmanager
 def runs_as(change):
     old = list(published.RUNS)
     published.RUNS[:] = [change(r) for r in old]
@@ -185,6 +202,13 @@ def main() -> None:
         show("megatron-bridge (NeMo 1 yamls, NeMo 2 and Megatron-Bridge recipes): "
              "gradients reduced in bf16 vs fp32", base, figures(),
              (published.BRIDGE, published.DGXC))
+    with patched(pipeline, "in_flight", uncapped_in_flight):
+        show("interleaved 1F1B holds at most the m micro-batches there are (the warm-up "
+             "capped at all m v chunk-forwards) vs p + (p - 1) / v", base, figures(),
+             (published.LLAMA3, titan_h100))
+    with patched(pipeline, "torch_cp_backward_bytes", lambda run: 0.0):
+        show("torch context_parallel's backward: K/V all-gathered whole and fp32 gradient "
+             "buffers vs none", base, figures(), (titan_h100,))
     with peaks_as_total():
         show("peaks compared as allocator-reserved bytes vs the model's whole bytes", base,
              figures(), (titan_h100,))

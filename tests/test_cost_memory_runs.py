@@ -31,6 +31,16 @@ def test_memory_counts_the_first_stages_in_flight_micro_batches_and_headroom():
     assert pipeline.in_flight(1, 1, 8) == 1
     assert pipeline.in_flight(8, 1, 64) == 8 and pipeline.in_flight(8, 1, 4) == 4
     assert pipeline.in_flight(8, 2, 64) == pytest.approx(8 * (1 + 7 / 16))
+    # never more than the m micro-batches there are: with m = p the interleaved warm-up,
+    # (v - 1) p + 2 (p - 1) chunk-forwards, is capped at all m v of them (Megatron-LM's
+    # get_pp_rank_microbatches, torch's ScheduleInterleaved1F1B): torchtitan's Table 5
+    # (p 8, v 2, m 8) and Llama 3's 16K-GPU rows (p 16, v 4, m 16) hold m, not p + (p-1)/v
+    assert pipeline.in_flight(8, 2, 8) == 8 and pipeline.in_flight(16, 4, 16) == 16
+    assert pipeline.in_flight(16, 4, 32) == pytest.approx(16 + 15 / 4)
+    assert pipeline.in_flight(4, 2, 2) == 2
+    rows = [r for r in published.RUNS if r["source"] == published.LLAMA3]
+    fits = {r["gpus"]: cost.predict(published.to_run(r)).fits for r in rows}
+    assert fits == {8192: False, 16384: True}          # as the paper is read (vpp 4, none)
     p = cost.predict(cost.TrainingRun("Llama-3.1 405B", "H100 SXM", 8, tp=8,
                                       global_batch=8, seq_len=8192))
     assert not p.fits                 # 405B on one node of H100 does not fit
@@ -245,3 +255,30 @@ def test_nemo_and_bridge_benchmark_recipes_reduce_gradients_in_bf16_as_their_log
     # recomputation published.fitting falls back to
     out = published.compare([r for r in published.RUNS if r["source"] == published.DGXC])
     assert not [r["where"] for r in out["rows"] if r["fit_setting"]]
+
+
+def test_torch_context_parallel_holds_the_gathered_kv_and_fp32_gradient_buffers():
+    # torch's ring attention backward (torch/distributed/tensor/experimental/_attention.py,
+    # rotate method "allgather", torchtitan's default at 9dec370) all-gathers K and V whole
+    # in bf16 and keeps dq, the received dK/dV, the next dK/dV send and the all-to-all's
+    # output in fp32 (convert_to_f32): 4 cp E + 28 E bytes, E one of q, k, v on a rank
+    # with K and V repeated to every query head (torchtitan's repeat_kv)
+    rows = [r for r in published.RUNS if r["peak_gib"] and r["pp"] > 1 and r["vpp"] == 1]
+    runs = {r["cp"]: published.to_run(r) for r in rows if "4D" in r["where"]}
+    assert sorted(runs) == [1, 2, 4, 8]
+    for cp, run in runs.items():
+        e = run.shape.batch * run.shape.seq // cp * 16 * 128    # 405B: 128 heads / TP 8
+        assert pipeline.torch_cp_backward_bytes(run) == (4 * cp * e + 28 * e if cp > 1 else 0)
+        megatron = dataclasses.replace(run, stack="megatron-lm", torch_cp=None)
+        assert pipeline.torch_cp_backward_bytes(megatron) == 0     # TE's CP: not this code
+    peak = {cp: cost.predict(run).memory_per_gpu for cp, run in runs.items()}
+    assert peak[1] < peak[2] < peak[4] < peak[8]     # Table 6 grows with CP, as printed
+    err = {cp: published.allocator_reserved(cost.predict(run)) / 2**30
+           / next(r["peak_gib"] for r in rows if r["cp"] == cp and "4D" in r["where"]) - 1
+           for cp, run in runs.items()}
+    assert err[8] > -0.20 and err[2] > -0.12           # -24% and -14% without the buffers
+    # the ring's buffers live inside one attention backward, the loss's before the first
+    # layer's: with pp = 1 only their excess over the loss counts (Table 2 stays flat)
+    flat = [cost.predict(published.to_run(r)).memory_per_gpu for r in published.RUNS
+            if r["peak_gib"] and r["pp"] == 1 and r["cp"] > 1 and "torchtitan" in r["stack"]]
+    assert len(flat) == 3 and max(flat) == pytest.approx(min(flat))

@@ -17,7 +17,7 @@ Pipeline (Narayanan et al. 2021, sections 2.2 and 4.1; Korthikanti et al. 2022, 
   interleaved schedule waits on each exchange: its warm-up's 2 (p - 1) + (v - 1) p, then
   one combined send/receive per forward chunk, m v.
 - First stage memory: 1F1B keeps min(p, m) micro-batches in flight, interleaving
-  x (1 + (p-1)/(p v)).
+  p + (p-1)/v, at most m (`in_flight`).
 
 Data parallel: gradients reduced in fp32 (Megatron-LM's default under --bf16; torchtitan's
 reduce dtype), parameters gathered in bf16, over the dp x cp GPUs that hold the same shard;
@@ -169,10 +169,18 @@ def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
 
 
 def in_flight(pp: int, vpp: int, m: int) -> float:
-    """Micro-batches of activations the first stage holds at its peak."""
+    """Micro-batches of activations the first stage holds at its peak: 1F1B's min(p, m);
+    interleaved, p + (p - 1) / v (its warm-up, (v - 1) p + 2 (p - 1) chunk-forwards, and
+    one more, each 1/v of the stage), and never more than the m micro-batches there are:
+    both schedules cap the warm-up at all m v chunk-forwards (Megatron-LM's
+    megatron/core/pipeline_parallel/schedules.py `get_pp_rank_microbatches` at d98e8a64:
+    "if num_warmup_microbatches >= total_num_microbatches: num_warmup_microbatches =
+    total_num_microbatches; are_all_microbatches_in_warmup = True"; torch's
+    `ScheduleInterleaved1F1B` `get_rank_warmup_ops`, "We cannot have more warmup operations
+    than there are number of microbatches, so cap it there")."""
     if pp == 1:
         return 1.0
-    return min(pp, m) * (1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1)
+    return min(m, pp + (pp - 1) / vpp) if vpp > 1 else min(pp, m)
 
 
 def layer_bytes(run, local, recompute: str) -> float:
@@ -205,6 +213,24 @@ def gathered_elements(run, per_layer: float) -> float:
     h, f, kv = run.shape.hidden, run.shape.ffn_size, run.shape.kv_dim
     largest = max(h * (h + 2 * kv), (2 if run.shape.gated else 1) * h * f) / run.tp
     return largest + ZERO3_PREFETCH_ELEMENTS
+
+
+def torch_cp_backward_bytes(run) -> float:
+    """Bytes torch's `context_parallel` holds in one attention backward beyond what plain
+    flash attention does (cp > 1, `Stack.torch_cp`), read in
+    torch/distributed/tensor/experimental/_attention.py `_templated_ring_attention_backward`
+    with the "allgather" rotate method (torchtitan's default at 9dec370, config_manager.py
+    `--experimental.context_parallel_rotate_method`): K and V all-gathered whole in bf16
+    (`_AllGatherRotater`, one gather of every shard), 4 cp E bytes, and fp32 gradient
+    buffers (`convert_to_f32`): dq's accumulator, the received dK/dV buffer, the dK/dV
+    concatenated for the next all-to-all and that all-to-all's output, 4 + 8 + 8 + 8 = 28 E.
+    E is one of q, k, v on a rank: torchtitan's Attention repeats K and V to every query
+    head (`repeat_kv`) before SDPA, so all three are tokens x heads / tp x head width."""
+    if not (run.settings.torch_cp and run.cp > 1):
+        return 0.0
+    shape = run.shape
+    e = shape.batch * (shape.seq // run.cp) * shape.hidden / run.tp
+    return 4 * run.cp * e + 28 * e
 
 
 def memory(run) -> dict:
@@ -241,6 +267,9 @@ def memory(run) -> dict:
     per_logit = ((tp > 1 and run.settings.tp_logits_bytes) or run.settings.logits_bytes)
     logits = (per_logit * local.tokens * -(-shape.vocab // tp)
               if shape.vocab and run.pp == 1 else 0.0)
+    # torch's ring-attention buffers live inside one attention backward, the loss's before
+    # the first layer's backward starts: never at once, so the larger of the two counts
+    transient += max(0.0, torch_cp_backward_bytes(run) - logits)
     headroom = FRAGMENTATION * (acts + transient + logits) + NCCL_RESERVE + hw.memory_reserve
     out = states | {"activation_bytes": acts, "transient_bytes": transient,
                     "logits_bytes": logits, "headroom_bytes": headroom}
