@@ -219,18 +219,21 @@ def torch_cp_backward_bytes(run) -> float:
     """Bytes torch's `context_parallel` holds in one attention backward beyond what plain
     flash attention does (cp > 1, `Stack.torch_cp`), read in
     torch/distributed/tensor/experimental/_attention.py `_templated_ring_attention_backward`
-    with the "allgather" rotate method (torchtitan's default at 9dec370, config_manager.py
-    `--experimental.context_parallel_rotate_method`): K and V all-gathered whole in bf16
-    (`_AllGatherRotater`, one gather of every shard), 4 cp E bytes, and fp32 gradient
-    buffers (`convert_to_f32`): dq's accumulator, the received dK/dV buffer, the dK/dV
-    concatenated for the next all-to-all and that all-to-all's output, 4 + 8 + 8 + 8 = 28 E.
+    (torch 2.6-2.8) with the "allgather" rotate method (torchtitan's default at 9dec370,
+    config_manager.py `--experimental.context_parallel_rotate_method`): K and V all-gathered
+    whole in bf16 (`_AllGatherRotater`, one gather of every shard), 4 cp E bytes, and at
+    the dK/dV exchange, all alive at once: fp32 gradient buffers (`convert_to_f32`), dq's
+    accumulator 4 E, the received dK/dV 8 E, dK/dV concatenated for the next all-to-all
+    8 E, that all-to-all's output 8 E and `_partial_update`'s fresh dK/dV copies 8 E, with
+    the bf16 K/V concatenation `next_kv` 4 E: 40 E (a second reader's count, replayed with
+    every storage tracked; the first count, 28 E, missed the copies and `next_kv`).
     E is one of q, k, v on a rank: torchtitan's Attention repeats K and V to every query
     head (`repeat_kv`) before SDPA, so all three are tokens x heads / tp x head width."""
     if not (run.settings.torch_cp and run.cp > 1):
         return 0.0
     shape = run.shape
     e = shape.batch * (shape.seq // run.cp) * shape.hidden / run.tp
-    return 4 * run.cp * e + 28 * e
+    return 4 * run.cp * e + 40 * e
 
 
 def memory(run) -> dict:
