@@ -44,6 +44,15 @@ def hardware_as(name: str, **changes):
 
 
 @contextlib.contextmanager
+def presets_as(names, change):
+    """Each preset in `names` with the fields `change(hw)` returns."""
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(hardware_as(name, **change(HARDWARE[name])))
+        yield
+
+
+@contextlib.contextmanager
 def patched(module, name: str, value):
     old = getattr(module, name)
     setattr(module, name, value)
@@ -79,15 +88,21 @@ def figures() -> dict:
             "not_fit": len(s["memory"]["not_fitting"])}
 
 
-def show(name: str, chosen: dict, other: dict, sources: tuple[str, ...]) -> None:
+def show(name: str, chosen: dict, other: dict, sources: tuple[str, ...],
+         every_source: bool = False) -> None:
     print(f"\n{name}")
     for label, f in (("chosen", chosen), ("alternative", other)):
-        read = ", ".join(f"{s.split(' ')[0][:24]} {f['signed'][s]:+.1%}" for s in sources)
+        read = ", ".join(f"{s.split(' ')[0][:24]} {f['signed'][s]:+.1%}" for s in sources
+                         ) or "every source (below)"
         worst = max(f["loso"].values())
         print(f"  {label:11s} median |error| {f['median']:5.1%} (goal set {f['goal']:5.1%}), "
               f"p90 {f['p90']:5.1%}; read "
               f"from: {read}; held out, worst source {worst:5.1%}; peaks within 10% "
               f"{f['memory']}/{f['peaks']}, runs not fitting {f['not_fit']}")
+    for src in chosen["loso"] if every_source else ():
+        print(f"    {src[:44]:44s} signed (all rows) {chosen['signed'][src]:+6.1%} / "
+              f"{other['signed'][src]:+6.1%}, held out (goal set) {chosen['loso'][src]:5.1%}"
+              f" / {other['loso'][src]:5.1%} (chosen / alternative)")
 
 
 @contextlib.contextmanager
@@ -217,6 +232,21 @@ def main() -> None:
                                  if r["hardware"] == name))
         with hardware_as(name, sustained=1.0):
             show(f"{name}: sustained (MSMF / MAMF) vs 1 (MAMF alone)", base, figures(), on)
+    every = tuple(HARDWARE)
+    with presets_as(every, lambda hw: {"memory_efficiency": 1.0}):
+        show("memory-bound work at the copy's fraction of the datasheet measured on one H200 "
+             "(HBM_EFFICIENCY 0.896) on every preset vs the datasheet bandwidth", base,
+             figures(), (), every_source=True)
+    with presets_as([n for n in every if n != "H200 SXM"], lambda hw: {"memory_efficiency": 1}):
+        show("HBM_EFFICIENCY on every preset vs on the H200 SXM alone (no scored row ran on "
+             "an H200)", base, figures(), (), every_source=True)
+    held = 667.3 / 755       # one H200 held 8 s at 700 W / the preset's MSMF (round 13)
+    for names in (("H100 SXM", "H200 SXM"), ("H100 SXM", "H200 SXM", "H100 96GB (500 W)")):
+        with presets_as(names, lambda hw: {"sustained": hw.sustained * held}):
+            show(f"{', '.join(names)}: sustained at mamf-finder's MSMF (755 of 794.5) vs x "
+                 f"{held:.3f}, one H200 held 8 s at its 700 W cap (not kept)", base,
+                 figures(), (published.DGXC, published.FOUNDRY, published.LLAMA3),
+                 every_source=True)
     with runs_as(lambda r: r | {"hardware": "H100 SXM"} if r["hardware"] ==
                  "H100 96GB (500 W)" else r):
         show("torchtitan's H100s as the 500 W preset vs the 700 W H100 SXM", base,

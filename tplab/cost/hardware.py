@@ -66,6 +66,9 @@ H100 SXM and H200 SXM 989 TFLOP/s, H100 PCIe 756 TFLOP/s, A100 (SXM and PCIe) 31
 Memory bandwidth (datasheets): H100 SXM 3.35 TB/s, H200 4.8 TB/s, H100 PCIe 2.0 TB/s,
 A100 SXM 80 GB 2.039 TB/s, A100 PCIe 40 GB 1.555 TB/s; streaming multiprocessors: H100 SXM
 and H200 132, H100 PCIe 114, A100 108 (the GEMM model, `tplab.cost.kernels`, uses the first).
+Memory-bound work (element-wise kernels, the GEMM memory roofline, the loss, the optimizer
+step) runs at `achievable_bandwidth`: the datasheet's `memory_bandwidth` x
+`memory_efficiency`, by default `HBM_EFFICIENCY` on every card (below).
 
 Memory per GPU in bytes as nvidia-smi reports it, not the datasheet's GB: H100 80 GB
 81,559 MiB, H200 143,771 MiB, A100 80 GB 81,920 MiB, A100 40 GB 40,960 MiB. Not all of it
@@ -82,6 +85,15 @@ from tplab.cost.validate import check_bool, check_choice, check_int, check_numbe
 
 GB = 1e9
 MiB, GiB = 2**20, 2**30
+HBM_EFFICIENCY = 0.896
+"""The fraction of the datasheet memory bandwidth a streaming copy reaches: 4.30 TB/s of
+4.8 on one H200 (benchmarks/results/gpu-2026-12-04.json: torch's device-to-device copy of
+4 GiB, read + write, 0.890-0.896 over three runs). Every preset takes it: no HBM card
+reaches its datasheet in a copy, and the others fall as far or further (Azure's
+AI-benchmarking-guide, BabelStream's CUDA Copy: A100-SXM4-80GB 1.61 TB/s of 2.039, 0.79;
+H100 80GB HBM3 2.90 of 3.35, 0.87; H200 4.01 of 4.8, 0.84; NVIDIA developer forum
+"Trouble to Reach Peak Bandwidth of A100": an A100 80GB SXM read kernel at 1.80 TB/s, 88%
+by Nsight Compute). docs/VALIDATION.md, round thirteen, reports it held out."""
 KINDS = ("", "nvlink", "pci", "net")
 ARCHS = ("volta", "ampere", "hopper")
 CPUS = ("intel", "amd")
@@ -134,7 +146,8 @@ class Hardware:
     """A GPU and the links around it: `intra` inside a node, `inter` one NIC between nodes,
     `nics_per_node` of them (NCCL stripes its rings over all of them). `arch` and `cpu`
     pick NCCL's tables (its LL bandwidth caps, its network overhead); `sms` and
-    `memory_bandwidth` feed the GEMM model; `memory` is bytes (nvidia-smi's), of which
+    `memory_bandwidth` (the datasheet's; memory-bound work runs at `achievable_bandwidth`,
+    x `memory_efficiency`) feed the GEMM model; `memory` is bytes (nvidia-smi's), of which
     `memory_reserve` is kept back; `collnet`: the fabric reduces in the switches (SHARP),
     which lets NCCL use its CollNet algorithms (no preset has it)."""
 
@@ -157,6 +170,7 @@ class Hardware:
     attention_efficiency: float = 0.35   # flash attention's rate / peak, fwd + bwd
     fp8_any_layout: bool = False     # fp8 GEMMs take any operand layout (Blackwell)
     sustained: float = 1.0           # Tensor Core rate held at the power cap / burst (MSMF)
+    memory_efficiency: float = HBM_EFFICIENCY   # a copy's rate / datasheet bandwidth
 
     def __post_init__(self):
         check_type("name", self.name, str, "a string")
@@ -180,6 +194,12 @@ class Hardware:
                      maximum=1.0)
         check_bool("fp8_any_layout", self.fp8_any_layout)
         check_number("sustained", self.sustained, strict=True, maximum=1.0)
+        check_number("memory_efficiency", self.memory_efficiency, strict=True, maximum=1.0)
+
+    @property
+    def achievable_bandwidth(self) -> float:
+        """Bytes/s memory-bound kernels run at: `memory_bandwidth` x `memory_efficiency`."""
+        return self.memory_bandwidth * self.memory_efficiency
 
     @property
     def usable_memory(self) -> float:
@@ -283,6 +303,9 @@ _NV5 = _NV4.with_(name="NVLink 5 (NVLink 4's measured fractions)",
 # GB200 too; A100 SXM takes the A100 PCIe's measured 258 / 285 (no SXM MSMF is published).
 # One factor per preset, on every Tensor Core rate a training step uses (bf16 and fp8 GEMMs,
 # flash attention): a clock, not a kernel (H200 fp8: 1354 / 1525, near bf16's 755 / 850).
+# One H200 alone, held 8 s at 700 W, gave 667 (benchmarks/results/gpu-2026-12-04.json);
+# that rate on H100 SXM and H200 was tried held out and not kept (docs/VALIDATION.md, round
+# thirteen).
 # fp8 layouts: on Hopper cuBLASLt's fp8 kernels need "A transposed and B non-transposed (the
 # TN format)" (cuBLAS docs, cublasLtMatmul), so a quantised tensor used by two GEMMs is
 # also written transposed (Transformer Engine docs, "Performance considerations: handling

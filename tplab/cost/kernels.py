@@ -1,5 +1,7 @@
 """The kernels of a training step on one GPU, timed: GEMMs at a measured kernel rate with one
 roofline, element-wise work at the memory bandwidth, the LM head and loss, the optimizer.
+Every memory-bound term runs at `Hardware.achievable_bandwidth` (the datasheet's x
+`HBM_EFFICIENCY`, what a copy reaches; `tplab.cost.hardware`).
 
 GEMM: time = GEMM_OVERHEAD + max(2 m n k / (peak x `matmul_efficiency` x `sustained` x tile
 quantisation x k / (k + GEMM_K0)), bytes / memory bandwidth). `matmul_efficiency` is the
@@ -118,7 +120,7 @@ def gemm_time(m: int, n: int, k: int, hw: Hardware, precision: str = "bf16",
     else:
         rate, size = hw.flops * hw.matmul_efficiency * clock, 2
     compute = 2 * m * n * k / (rate * quantisation(m, n, k, hw) * k / (k + GEMM_K0))
-    traffic = (size * (m * k + k * n) + 2 * m * n) / hw.memory_bandwidth
+    traffic = (size * (m * k + k * n) + 2 * m * n) / hw.achievable_bandwidth
     return GEMM_OVERHEAD + count * max(compute, traffic)
 
 
@@ -210,7 +212,7 @@ def attention_time(shape: BlockShape, cp: int, tp: int, hw: Hardware,
     gemms = gemm_time(local, shape.seq, d, hw, count=count) + gemm_time(
         local, d, shape.seq, hw, count=count)   # Q K^T (k = head width), then P V
     scores = shape.batch * heads * shape.seq * local
-    return gemms + SCORE_BYTES * scores / hw.memory_bandwidth
+    return gemms + SCORE_BYTES * scores / hw.achievable_bandwidth
 
 
 def attention_backward(shape: BlockShape, cp: int, tp: int, hw: Hardware,
@@ -227,7 +229,7 @@ def attention_backward(shape: BlockShape, cp: int, tp: int, hw: Hardware,
     d, count = shape.hidden // shape.heads, shape.batch * heads
     gemms = (gemm_time(local, seq, d, hw, count=count) + gemm_time(local, d, seq, hw, count=count)
              + 2 * gemm_time(seq, d, local, hw, count=count))
-    return gemms + 2 * SCORE_BYTES * shape.batch * heads * seq * local / hw.memory_bandwidth
+    return gemms + 2 * SCORE_BYTES * shape.batch * heads * seq * local / hw.achievable_bandwidth
 
 
 def head_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
@@ -238,7 +240,7 @@ def head_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
         return 0.0
     vocab = -(-shape.vocab // tp)
     gemm = gemm_time(tokens, vocab, shape.hidden, hw, "bf16")
-    return 3 * gemm + tokens * vocab * LOSS_BYTES / hw.memory_bandwidth
+    return 3 * gemm + tokens * vocab * LOSS_BYTES / hw.achievable_bandwidth
 
 
 def local_params(shape: BlockShape, tp: int, pp: int) -> float:
@@ -252,4 +254,4 @@ def optimizer_time(shape: BlockShape, tp: int, pp: int, replicas: int, sharding:
     under DDP, 1/replicas otherwise) times ADAM_BYTES + OPTIMIZER_EXTRA[kernels] over the
     memory bandwidth."""
     n = local_params(shape, tp, pp) / (1 if sharding == "ddp" else replicas)
-    return n * (ADAM_BYTES + OPTIMIZER_EXTRA[kernels]) / hw.memory_bandwidth
+    return n * (ADAM_BYTES + OPTIMIZER_EXTRA[kernels]) / hw.achievable_bandwidth

@@ -266,10 +266,10 @@ def layer_times(run: TrainingRun) -> LayerTimes:
     ahw = hw.with_(attention_efficiency=hw.attention_efficiency * scale) if scale != 1 else hw
     attn_s = kernels.attention_time(shape, cp, tp, ahw, run.attention)
     attn_bwd = kernels.attention_backward(shape, cp, tp, ahw, run.attention)
-    elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.memory_bandwidth
+    elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.achievable_bandwidth
     cast = (0.0, 0.0)
     if run.precision == "fp8":   # the linears' operands quantised (kernels.fp8_cast_bytes)
-        cast = tuple(b / hw.memory_bandwidth
+        cast = tuple(b / hw.achievable_bandwidth
                      for b in kernels.fp8_cast_bytes(shape, tokens, tp, hw))
     forward = fwd + attn_s + elem + cast[0]
     backward = bwd_dgrad + bwd_wgrad + attn_bwd + 2 * elem + cast[1]
