@@ -18,7 +18,8 @@
   `memory_bandwidth`.
 
 A single GPU cannot measure NVLink or NCCL collectives between GPUs: the links' constants
-are neither confirmed nor contradicted here. Nothing in tplab.cost is changed.
+are neither confirmed nor contradicted here. This script changes nothing in tplab.cost
+(the copy's fraction is priced as `HBM_EFFICIENCY`: docs/VALIDATION.md, round thirteen).
 """
 
 from __future__ import annotations

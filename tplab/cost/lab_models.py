@@ -23,6 +23,7 @@ from __future__ import annotations
 from tplab.cost.memory import tplab_layer
 from tplab.cost.shapes import BlockShape
 from tplab.cost.transformer import block_collectives
+from tplab.cost.validate import check_choice
 
 
 def lab_shape(cfg, kind: str = "block", dtype_bytes: int = 4) -> BlockShape:
@@ -100,8 +101,7 @@ def lab_memory(model, cfg, tp: int, sequence_parallel: bool = False,
     throughout; see `tplab.cost.memory`. `device`: where the ranks compute, "cpu" (gloo)
     or "cuda" (NCCL: `tplab.mesh.device_type()` on a rank); a CUDA rank's norms and
     attention keep other tensors (RNG_STATE, LSE_ALIGN)."""
-    if device not in DEVICES:
-        raise ValueError(f"lab_memory: device must be one of {DEVICES}, not {device!r}")
+    check_choice("device", device, DEVICES)
     kind = _kind(model)
     shape = lab_shape(cfg, kind)
     d, f = cfg.dim, cfg.hidden_dim
