@@ -16,7 +16,9 @@ process, what the model prices per layer, each part on its own and then together
   `kernels.elementwise_bytes(..., "eager")` at `achievable_bandwidth`;
 - each linear's GEMM in bf16 and in fp8 (tensorwise-scaled e4m3, `torch._scaled_mm`) at
   the Llama-3 70B / 405B layouts' shapes, against `gemm_time` in each precision;
-- the whole layer, eager and under torch.compile, forward + backward, against
+- each eager element-wise op alone against its bytes in that count;
+- the whole layer, eager and under torch.compile (with torch's default attention and with
+  FlashAttention-2 held), forward + backward, against
   `training_run.layer_times` for the "torchtitan" / "torchtitan+compile" stacks.
 
 Each model figure is given at the preset's sustained clock (what `predict` uses) and at
@@ -57,7 +59,7 @@ def smoke() -> None:
     tiny = cost.BlockShape(hidden=256, heads=2, kv_heads=1, ffn=512, gated=True, layers=2,
                            vocab=1024, name="tiny")
     GRID = {"quick": ((1,), (2,), (256,)), "full": ((1,), (2,), (256,))}
-    SEQ, CASES = 256, [(tiny, 1, 1), (tiny, 1, 2)]
+    SEQ, CASES = 256, [(tiny, 2, 1), (tiny, 1, 2)]
 
 
 def time_ms(fn, reps: int = 10, warmup: int = 3) -> float:
@@ -185,6 +187,12 @@ def measured_parts(row: dict, blk: Block, x, mb: int, tp: int) -> dict:
         parts["attention_cudnn"] = fwd_bwd_ms(lambda: attention_only(blk, mb, seq, "cudnn"))
     except RuntimeError as e:       # no cuDNN attention for this shape or device
         row["attention_cudnn_error"] = str(e)[:200]
+    parts["eager_fa2"] = fwd_bwd_ms(lambda: with_backend("flash", blk, x))
+    if tp == 1 and mb == 2:    # torchtitan's Tables 1 and 3: micro-batch 2, TP 1
+        flash = torch.compile(blk.__call__)
+        with_backend("flash", flash, x).backward(torch.ones_like(x))
+        parts["compiled_fa2"] = fwd_bwd_ms(lambda: with_backend("flash", flash, x))
+        torch._dynamo.reset()
     if tp == 1:    # torchtitan's compiled runs are TP 1 (Tables 1 and 3)
         compiled = torch.compile(blk.__call__)
         t0 = time.time()
@@ -194,6 +202,56 @@ def measured_parts(row: dict, blk: Block, x, mb: int, tp: int) -> dict:
         row["compile_s"] = time.time() - t0
         parts["compiled"] = fwd_bwd_ms(lambda: compiled(x))
     return parts
+
+
+def with_backend(name: str, fn, x):
+    """`fn(x)` with SDPA held to one backend ("flash": FlashAttention-2; "cudnn")."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+    with sdpa_kernel(backend):
+        return fn(x)
+
+
+def eager_ops(out: dict, quick: bool) -> None:
+    """Each eager element-wise op of torchtitan's Llama block (and MPT's LayerNorm and GELU)
+    alone, forward and backward, at Llama-3 8B's shapes (micro-batch 1, 8192 tokens), with
+    the bytes `kernels.elementwise_bytes` counts for it (forward; backward twice that)."""
+    import torch
+    import torch.nn.functional as F
+
+    from tplab import cost
+
+    hw = cost.HARDWARE[PRESET]
+    shape = cost.MODELS["Llama-3 8B"]
+    h, f, seq = shape.hidden, shape.ffn_size, SEQ
+    blk = Block(h, shape.heads, shape.kv_heads, f, seq, 1, DEVICE)
+    tokens = seq
+    q, k, _, o, a, g1, g3 = blk.leaves(1)
+    x = torch.randn(1, seq, h, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(h, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    kv = shape.kv_dim
+    ops = {   # name: (call, the model's forward bytes per token for it)
+        "rmsnorm (fp32)": (lambda: blk.rms(x, blk.n1), 36 * h),
+        "rope q (complex)": (lambda: blk.rope(q), 20 * h),
+        "rope k (complex)": (lambda: blk.rope(k), 20 * kv),
+        "transpose copy": (lambda: o.transpose(1, 2).contiguous(), 4 * h),
+        "residual add": (lambda: x + a, 6 * h),
+        "silu x gate": (lambda: F.silu(g1) * g3, 10 * f),
+        "repeat_kv (k)": (lambda: k[:, :, :, None, :].expand(
+            1, seq, shape.kv_heads, shape.heads // shape.kv_heads, HEAD_DIM).reshape(
+            1, seq, shape.heads, HEAD_DIM), 0),
+        "layernorm (bf16, MPT)": (lambda: F.layer_norm(x, (h,), w), 4 * h),
+        "gelu (MPT, 4h)": (lambda: F.gelu(g1), 4 * f)}
+    rows = []
+    for name, (call, per_token) in ops.items():
+        fwd, bwd = fwd_bwd_ms(call, reps=10)
+        model = per_token * tokens / hw.achievable_bandwidth * 1e3
+        rows.append({"op": name, "fwd_ms": fwd, "bwd_ms": bwd, "model_fwd_ms": model,
+                     "model_bwd_ms": 2 * model,
+                     "fwd_over_model": fwd / model if model else None,
+                     "bwd_over_model": bwd / (2 * model) if model else None})
+    out["eager_ops"] = rows
 
 
 def model_parts(shape, mb: int, tp: int, burst: bool) -> dict:
@@ -240,6 +298,9 @@ def layer_case(row: dict, model, mb: int, tp: int) -> None:
         ratio["attention (cuDNN)"] = m["attention_cudnn"]["total"] / s["attention"]
     if "compiled" in m:
         ratio["compiled layer"] = m["compiled"]["total"] / s["torchtitan+compile"]
+    ratio["eager layer, FA2"] = m["eager_fa2"]["total"] / s["torchtitan"]
+    if "compiled_fa2" in m:
+        ratio["compiled layer, FA2"] = m["compiled_fa2"]["total"] / s["torchtitan+compile"]
     row["measured_over_model_sustained"] = ratio
 
 
@@ -303,6 +364,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run the code path on the CPU at toy sizes (no timing meaning)")
+    parser.add_argument("--only", metavar="NAMES", default="fp8_gemms,attention,layer,eager_ops",
+                        help="comma-separated sections to run")
     args = parser.parse_args()
     import torch
 
@@ -314,7 +377,12 @@ def main() -> int:
         print("SKIP: no CUDA GPU visible to torch")
         return 0
     out = {"what": __doc__.splitlines()[0], "environment": environment(), "preset": PRESET}
-    for name, fn in (("fp8_gemms", fp8_gemms), ("attention", attention_grid), ("layer", layer)):
+    sections = {"fp8_gemms": fp8_gemms, "attention": attention_grid, "layer": layer,
+                "eager_ops": eager_ops}
+    wanted = args.only.split(",")
+    if not set(wanted) <= set(sections):
+        parser.error(f"--only {args.only!r}: sections are {', '.join(sections)}")
+    for name, fn in ((n, sections[n]) for n in wanted):
         t0 = time.time()
         try:
             fn(out, args.quick)
@@ -328,6 +396,9 @@ def main() -> int:
     for r in out.get("layer", []):
         print(json.dumps({k: r.get(k) for k in ("model", "micro_batch", "tp",
                                                  "measured_over_model_sustained", "error")}))
+    for r in out.get("eager_ops", []):
+        print(f"{r['op']:24s} fwd {r['fwd_ms']:.3f} ms bwd {r['bwd_ms']:.3f} ms; x model "
+              f"{r['fwd_over_model'] or 0:.2f} / {r['bwd_over_model'] or 0:.2f}")
     for r in out.get("fp8_gemms", []):
         print(f"{r['model']} tp{r['tp']} {r['m']}x{r['n']}x{r['k']}: bf16 x model "
               f"{r['bf16_measured_over_model']:.2f}, fp8 x model "
