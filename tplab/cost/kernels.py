@@ -201,13 +201,16 @@ def elementwise_bytes(shape: BlockShape, tokens: int, tp: int, kernels: str = "f
 
 
 def attention_time(shape: BlockShape, cp: int, tp: int, hw: Hardware,
-                   attention: str = "flash") -> float:
-    """Forward seconds of one layer's attention core on one rank (module doc)."""
+                   attention: str = "flash", efficiency: float | None = None) -> float:
+    """Forward seconds of one layer's attention core on one rank (module doc); flash
+    attention at `efficiency` x peak when given (`tplab.cost.attention_rates`, by kernel
+    and shape), else at `hw.attention_efficiency`."""
     local = shape.seq // cp
     heads = max(1, shape.heads // tp)
     if attention == "flash":
         flops = 2 * shape.batch * shape.seq * local * shape.hidden / tp
-        return flops / (hw.flops * hw.attention_efficiency * hw.sustained)
+        rate = hw.attention_efficiency if efficiency is None else efficiency
+        return flops / (hw.flops * rate * hw.sustained)
     d, count = shape.hidden // shape.heads, shape.batch * heads
     gemms = gemm_time(local, shape.seq, d, hw, count=count) + gemm_time(
         local, d, shape.seq, hw, count=count)   # Q K^T (k = head width), then P V
@@ -216,12 +219,13 @@ def attention_time(shape: BlockShape, cp: int, tp: int, hw: Hardware,
 
 
 def attention_backward(shape: BlockShape, cp: int, tp: int, hw: Hardware,
-                       attention: str = "flash") -> float:
+                       attention: str = "flash", efficiency: float | None = None) -> float:
     """Backward seconds of the attention core: flash attention's backward recomputes the
-    scores, 5 matmuls to the forward's 2, FLASH_BACKWARD x its FLOPs at the same rate;
+    scores, 5 matmuls to the forward's 2, FLASH_BACKWARD x its FLOPs at the forward's rate
+    or at the backward's own `efficiency` when given (`tplab.cost.attention_rates`);
     unfused, the four gradient GEMMs (dP = dO V^T and dQ = dS K over the local queries,
     dV = P^T dO and dK = dS^T Q over the keys) and twice the forward's score bytes."""
-    fwd = attention_time(shape, cp, tp, hw, attention)
+    fwd = attention_time(shape, cp, tp, hw, attention, efficiency)
     if attention == "flash":
         return FLASH_BACKWARD * fwd
     local, seq = shape.seq // cp, shape.seq

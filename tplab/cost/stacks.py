@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tplab.cost import attention_rates
+
 KERNELS = ("fused", "eager")
 ATTENTIONS = ("flash", "unfused")
 BLOCKS = ("megatron", "mpt")
@@ -96,6 +98,9 @@ class Stack:
     `grad_bytes`: bytes of the gradient buffer each rank keeps and reduces per parameter
     (4: Megatron's fp32 `main_grad`, `grad_reduce_in_fp32=True`; 2: reduced in bf16, NeMo
     2's and Megatron-Bridge's performance recipes).
+    `attention_kernel`: the flash attention kernel the stack runs where its rate was
+    measured by shape (`tplab.cost.attention_rates`: "fa2", torch's FlashAttention-2
+    backend; "cudnn", cuDNN's fused attention).
     `cites` says where each setting is read."""
 
     name: str
@@ -113,6 +118,7 @@ class Stack:
     sp_saves: str = "shard"
     gathers: str = "layer"
     grad_bytes: int = 4
+    attention_kernel: str = "fa2"
     cites: str = ""
 
     def __post_init__(self):
@@ -131,6 +137,9 @@ class Stack:
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"Stack.grad_bytes = {self.grad_bytes!r}: expected 4 (fp32 main "
                              "gradients) or 2 (reduced in bf16)")
+        if self.attention_kernel not in attention_rates.KERNELS:
+            raise ValueError(f"Stack.attention_kernel = {self.attention_kernel!r}: expected "
+                             f"one of {attention_rates.KERNELS}")
         if not 0 < self.attention_scale <= 1:
             raise ValueError(f"Stack.attention_scale = {self.attention_scale!r}: expected a "
                              "fraction in (0, 1]")
@@ -141,7 +150,8 @@ FA1_OVER_FA2 = 32.5 / 50
 FA2's A100 rate as the presets take it, 0.5 of peak): the midpoint of FA1's range over it."""
 
 STACKS: dict[str, Stack] = {s.name: s for s in (
-    Stack("megatron-lm", cites="Megatron-LM since 2023 (overlap_grad_reduce, "
+    Stack("megatron-lm", attention_kernel="cudnn",
+          cites="Megatron-LM since 2023 (overlap_grad_reduce, "
           "overlap_p2p_comm, Transformer Engine, flash attention)"),
     Stack("megatron-lm-2022", attention="unfused", grad_overlap=False, tp_overlap=False,
           p2p_overlap=False,
@@ -155,7 +165,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack("megatron-lm-2021", attention="unfused", grad_overlap=False, tp_overlap=False,
           p2p_overlap=False, cites="Megatron-LM aed2f75 (2021-04-11), Narayanan et al. "
           "2021: synchronous TP all-reduce, gradients after the pipeline"),
-    Stack("megatron-bridge", grad_bytes=2,
+    Stack("megatron-bridge", grad_bytes=2, attention_kernel="cudnn",
           cites="NVIDIA-NeMo/Megatron-Bridge recipes and NeMo "
           "containers: Transformer Engine, flash attention, every overlap on; gradients "
           "reduced in bf16: Megatron-Bridge's performance configs set "

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from tplab.cost import kernels, pipeline
+from tplab.cost import attention_rates, kernels, pipeline
 from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.hardware import HARDWARE, Hardware
@@ -111,6 +111,7 @@ class TrainingRun:
     torch_cp: bool | None = None
     p2p_overlap: bool | None = None
     grad_bytes: int | None = None
+    attention_kernel: str | None = None
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
     settings: Stack = field(init=False, repr=False)
@@ -156,7 +157,7 @@ class TrainingRun:
 
 
 OVERRIDES = ("kernels", "attention", "grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap",
-             "grad_bytes")
+             "grad_bytes", "attention_kernel")
 
 
 def resolve_stack(run: TrainingRun) -> None:
@@ -171,6 +172,8 @@ def resolve_stack(run: TrainingRun) -> None:
         check_choice("kernels", changes["kernels"], KERNELS)
     if "attention" in changes:
         check_choice("attention", changes["attention"], ATTENTIONS)
+    if "attention_kernel" in changes:
+        check_choice("attention_kernel", changes["attention_kernel"], attention_rates.KERNELS)
     for k in ("grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap"):
         if k in changes:
             check_bool(k, changes[k])
@@ -262,10 +265,9 @@ def layer_times(run: TrainingRun) -> LayerTimes:
     tokens = shape.tokens // cp
     fwd = kernels.linear_time(shape, tokens, tp, hw, run.precision)
     bwd_dgrad, bwd_wgrad = 2 * [fwd]
-    scale = run.settings.attention_scale       # the stack's kernel class (stacks module)
-    ahw = hw.with_(attention_efficiency=hw.attention_efficiency * scale) if scale != 1 else hw
-    attn_s = kernels.attention_time(shape, cp, tp, ahw, run.attention)
-    attn_bwd = kernels.attention_backward(shape, cp, tp, ahw, run.attention)
+    fwd_rate, bwd_rate = attention_rates_of(run)
+    attn_s = kernels.attention_time(shape, cp, tp, hw, run.attention, fwd_rate)
+    attn_bwd = kernels.attention_backward(shape, cp, tp, hw, run.attention, bwd_rate)
     elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.achievable_bandwidth
     cast = (0.0, 0.0)
     if run.precision == "fp8":   # the linears' operands quantised (kernels.fp8_cast_bytes)
@@ -291,6 +293,21 @@ def layer_times(run: TrainingRun) -> LayerTimes:
         exposed += max(0.0, t - hidden_by) * (1 + again * (r["phase"] == "forward"))
     cp_s = cp_exposed(run, attn_s, attn_bwd) if cp > 1 else 0.0
     return LayerTimes(forward, backward, exposed, cp_s, fwd, attn_s, elem)
+
+
+def attention_rates_of(run: TrainingRun) -> tuple[float, float]:
+    """(forward, backward) flash attention rate / peak on one rank: the stack's kernel
+    (`Stack.attention_kernel`) at the call's rows of work where it was measured on the
+    GPU's architecture (`tplab.cost.attention_rates`), else the preset's
+    `attention_efficiency`; times the stack's `attention_scale` (its kernel class against
+    FlashAttention-2)."""
+    shape, hw, scale = run.shape, run.hw, run.settings.attention_scale
+    if run.attention != "flash" or not attention_rates.measured(hw.arch):
+        return hw.attention_efficiency * scale, hw.attention_efficiency * scale
+    rows = shape.batch * max(1, shape.heads // run.tp) * (shape.seq // run.cp)
+    kernel = run.attention_kernel
+    return (attention_rates.fraction(kernel, rows) * scale,
+            attention_rates.fraction(kernel, rows, backward=True) * scale)
 
 
 def cp_exposed(run: TrainingRun, attn_s: float, attn_bwd: float) -> float:
