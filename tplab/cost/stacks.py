@@ -49,6 +49,7 @@ KERNELS = ("fused", "eager")
 ATTENTIONS = ("flash", "unfused")
 BLOCKS = ("megatron", "mpt")
 GATHERS = ("layer", "parameter")
+PIPELININGS = ("megatron", "torch")
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
 """DeepSpeed 0.3.13's ZeRO-3 `prefetch_bucket_size` default, 5e7 elements (stage3.py; the
 `published.DEEPSPEED_ZERO3_2021` reading): the parameters gathered ahead of the one in use."""
@@ -96,6 +97,10 @@ class Stack:
     `grad_bytes`: bytes of the gradient buffer each rank keeps and reduces per parameter
     (4: Megatron's fp32 `main_grad`, `grad_reduce_in_fp32=True`; 2: reduced in bf16, NeMo
     2's and Megatron-Bridge's performance recipes).
+    `pipelining`: whose pipeline stages hold the activations ("megatron": the first stage's
+    in-flight micro-batches, `pipeline.in_flight`; "torch": torch.distributed.pipelining's
+    `PipelineStage` with torchtitan's split points, every rank through its schedule and
+    the largest taken, `tplab.cost.pp_ranks`).
     `cites` says where each setting is read."""
 
     name: str
@@ -113,6 +118,7 @@ class Stack:
     sp_saves: str = "shard"
     gathers: str = "layer"
     grad_bytes: int = 4
+    pipelining: str = "megatron"
     cites: str = ""
 
     def __post_init__(self):
@@ -131,6 +137,9 @@ class Stack:
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"Stack.grad_bytes = {self.grad_bytes!r}: expected 4 (fp32 main "
                              "gradients) or 2 (reduced in bf16)")
+        if self.pipelining not in PIPELININGS:
+            raise ValueError(f"Stack.pipelining = {self.pipelining!r}: expected one of "
+                             f"{PIPELININGS}")
         if not 0 < self.attention_scale <= 1:
             raise ValueError(f"Stack.attention_scale = {self.attention_scale!r}: expected a "
                              "fraction in (0, 1]")
@@ -172,11 +181,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "at v25.01 and 1b9bb6b, nemo_megatron/cfg/gpt3_175b_hydra.yaml at 85380ffe; "
           "apex/contrib/optimizers/distributed_fused_adam.py)"),
     Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
-          sp_saves="gathered",
+          sp_saves="gathered", pipelining="torch",
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
           "context_parallel"),
     Stack("torchtitan+compile", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
-          sp_saves="gathered",
+          sp_saves="gathered", pipelining="torch",
           cites="pytorch/torchtitan with torch.compile: element-wise work fused"),
     Stack("llm-foundry-2023", kernels="eager", attention_scale=FA1_OVER_FA2,
           fsdp_exposed=True, logits_bytes=4, block="mpt",
