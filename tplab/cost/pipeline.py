@@ -244,6 +244,14 @@ def torch_cp_backward_bytes(run) -> float:
     return 4 * run.cp * e + 40 * e
 
 
+def linear_elements(run) -> float:
+    """Weight elements of one layer's linears on one GPU (1/t of wq, wk, wv, wo and the
+    MLP's), the weights torchao's Float8Linear all-gathers in fp8 under FSDP
+    (`Stack.fp8_gathers`)."""
+    h, f, kv = run.shape.hidden, run.shape.ffn_size, run.shape.kv_dim
+    return (h * (h + 2 * kv) + h * h + (3 if run.shape.gated else 2) * h * f) / run.tp
+
+
 def torch_stage_peak(run, local, layer: float, backward: float, per_logit: int):
     """The largest rank's peak under torch.distributed.pipelining (`tplab.cost.pp_ranks`):
     `layer`, one layer's saved bytes per micro-batch; `backward`, a layer's transient in
@@ -286,8 +294,13 @@ def memory(run) -> dict:
     if run.recompute in ("full", "half_layers", "op"):   # one layer's, rebuilt for backward
         transient += layer_bytes(run, local, "selective" if run.attention == "flash"
                                  else "none")
+    fp8 = run.precision == "fp8" and run.settings.fp8_gathers
     if run.sharding in ("fsdp", "hsdp"):
-        transient += PARAM * gathered_elements(run, n / layers)
+        gathered = gathered_elements(run, n / layers)
+        transient += PARAM * gathered - (PARAM - 1) * min(
+            gathered, 2 * linear_elements(run) if fp8 else 0.0)
+    if fp8 and run.pp > 1 and run.sharding == "zero1":   # FSDP under PP: kept gathered
+        states["param_bytes"] -= (PARAM - 1) * linear_elements(run) * shape.layers / run.pp
     # the fp32 logits and their gradient live on the last stage, counted when it is also
     # the first (pp = 1); with pp > 1 the first stage's in-flight activations dominate
     per_logit = ((tp > 1 and run.settings.tp_logits_bytes) or run.settings.logits_bytes)

@@ -101,6 +101,13 @@ class Stack:
     in-flight micro-batches, `pipeline.in_flight`; "torch": torch.distributed.pipelining's
     `PipelineStage` with torchtitan's split points, every rank through its schedule and
     the largest taken, `tplab.cost.pp_ranks`).
+    `fp8_gathers`: under fp8, FSDP all-gathers each linear's weight in fp8 and keeps that
+    1-byte copy as the unsharded weight (torchtitan's `--float8.enable_fsdp_float8_all_gather`,
+    set by train_configs/llama3_405b.toml and the launch line of docs/float8.md at 9dec370;
+    torchao eab345c torchao/float8/fsdp_utils.py: `fsdp_pre_all_gather` returns the fp8
+    `_data`, `fsdp_post_all_gather` wraps the gathered bytes in a `Float8Tensor`): 1 byte a
+    gathered linear weight element, not bf16's 2, in FSDP's gathered layers and, under PP
+    (FSDP not resharding, "zero1"), in the whole stage's unsharded weights.
     `cites` says where each setting is read."""
 
     name: str
@@ -119,6 +126,7 @@ class Stack:
     gathers: str = "layer"
     grad_bytes: int = 4
     pipelining: str = "megatron"
+    fp8_gathers: bool = False
     cites: str = ""
 
     def __post_init__(self):
@@ -181,11 +189,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "at v25.01 and 1b9bb6b, nemo_megatron/cfg/gpt3_175b_hydra.yaml at 85380ffe; "
           "apex/contrib/optimizers/distributed_fused_adam.py)"),
     Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
-          sp_saves="gathered", pipelining="torch",
+          sp_saves="gathered", pipelining="torch", fp8_gathers=True,
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
           "context_parallel"),
     Stack("torchtitan+compile", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
-          sp_saves="gathered", pipelining="torch",
+          sp_saves="gathered", pipelining="torch", fp8_gathers=True,
           cites="pytorch/torchtitan with torch.compile: element-wise work fused"),
     Stack("llm-foundry-2023", kernels="eager", attention_scale=FA1_OVER_FA2,
           fsdp_exposed=True, logits_bytes=4, block="mpt",
