@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from tplab import cost
 from tplab.cost import memory, pipeline, pp_ranks, published
 
 # Llama 3.1 405B (torchtitan's "405B" flavor): dim 16384, 8 KV heads of 128, FFN 53248,
@@ -84,3 +85,8 @@ def test_fp8_all_gather_keeps_one_byte_a_linear_weight_under_pp():
         next(r for r in published.RUNS if r["where"].startswith("Table 5: 1F1B,")),
         precision="bf16"))
     assert bf16["param_bytes"] == pytest.approx(2 * n)
+
+
+def test_an_unknown_pipelining_is_a_value_error_that_names_the_field():
+    with pytest.raises(ValueError, match="pipelining"):
+        cost.Stack("x", pipelining="deepspeed")
