@@ -224,6 +224,16 @@ def main() -> None:
     with patched(pipeline, "torch_cp_backward_bytes", lambda run: 0.0):
         show("torch context_parallel's backward: K/V all-gathered whole and fp32 gradient "
              "buffers vs none", base, figures(), (titan_h100,))
+    titans = ("torchtitan", "torchtitan+compile")
+    with stack_as(titans[0], pipelining="megatron"), stack_as(titans[1],
+                                                               pipelining="megatron"):
+        show("torchtitan's PP: every rank through torch's schedule with PipelineStage's "
+             "buffers, outputs and the last stage's logits, the largest taken (pp_ranks) vs "
+             "the first stage's in-flight micro-batches", base, figures(), (titan_h100,),
+             every_source=True)
+    with stack_as(titans[0], fp8_gathers=False), stack_as(titans[1], fp8_gathers=False):
+        show("torchtitan's fp8: FSDP's fp8-gathered linear weights at 1 byte (kept gathered "
+             "under PP) vs bf16's 2", base, figures(), (titan_h100,), every_source=True)
     with peaks_as_total():
         show("peaks compared as allocator-reserved bytes vs the model's whole bytes", base,
              figures(), (titan_h100,))

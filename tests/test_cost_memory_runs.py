@@ -274,10 +274,13 @@ def test_torch_context_parallel_holds_the_gathered_kv_and_fp32_gradient_buffers(
         assert pipeline.torch_cp_backward_bytes(megatron) == 0     # TE's CP: not this code
     peak = {cp: cost.predict(run).memory_per_gpu for cp, run in runs.items()}
     assert peak[1] < peak[2] < peak[4] < peak[8]     # Table 6 grows with CP, as printed
-    err = {cp: published.allocator_reserved(cost.predict(run)) / 2**30
-           / next(r["peak_gib"] for r in rows if r["cp"] == cp and "4D" in r["where"]) - 1
-           for cp, run in runs.items()}
-    assert err[8] > -0.20 and err[2] > -0.12           # -24% and -14% without the buffers
+    # with pp > 1 the largest rank is the first (tplab.cost.pp_ranks): its layer's backward
+    # holds the buffers on top of its in-flight micro-batches, headroom included
+    for run in runs.values():
+        without = dataclasses.replace(run, torch_cp=False)
+        assert (cost.predict(run).memory_per_gpu - cost.predict(without).memory_per_gpu
+                == pytest.approx((1 + pipeline.FRAGMENTATION)
+                                 * pipeline.torch_cp_backward_bytes(run)))
     # the ring's buffers live inside one attention backward, the loss's before the first
     # layer's: with pp = 1 only their excess over the loss counts (Table 2 stays flat)
     flat = [cost.predict(published.to_run(r)).memory_per_gpu for r in published.RUNS

@@ -17,7 +17,9 @@ Pipeline (Narayanan et al. 2021, sections 2.2 and 4.1; Korthikanti et al. 2022, 
   interleaved schedule waits on each exchange: its warm-up's 2 (p - 1) + (v - 1) p, then
   one combined send/receive per forward chunk, m v.
 - First stage memory: 1F1B keeps min(p, m) micro-batches in flight, interleaving
-  p + (p-1)/v, at most m (`in_flight`).
+  p + (p-1)/v, at most m (`in_flight`). Under torch.distributed.pipelining
+  (`Stack.pipelining == "torch"`, torchtitan) every rank is followed through its schedule
+  with what `PipelineStage` keeps, and the largest is taken (`tplab.cost.pp_ranks`).
 
 Data parallel: gradients reduced in fp32 (Megatron-LM's default under --bf16; torchtitan's
 reduce dtype), parameters gathered in bf16, over the dp x cp GPUs that hold the same shard;
@@ -47,6 +49,7 @@ from tplab.cost.memory import (
     op_sac_layer,
     state_bytes,
 )
+from tplab.cost.pp_ranks import StageBytes, most_held, torchtitan_split
 from tplab.cost.stacks import ZERO3_PREFETCH_ELEMENTS
 
 PARAM = PARAM_BYTES["mixed"]
@@ -241,6 +244,29 @@ def torch_cp_backward_bytes(run) -> float:
     return 4 * run.cp * e + 40 * e
 
 
+def linear_elements(run) -> float:
+    """Weight elements of one layer's linears on one GPU (1/t of wq, wk, wv, wo and the
+    MLP's), the weights torchao's Float8Linear all-gathers in fp8 under FSDP
+    (`Stack.fp8_gathers`)."""
+    h, f, kv = run.shape.hidden, run.shape.ffn_size, run.shape.kv_dim
+    return (h * (h + 2 * kv) + h * h + (3 if run.shape.gated else 2) * h * f) / run.tp
+
+
+def torch_stage_peak(run, local, layer: float, backward: float, per_logit: int):
+    """The largest rank's peak under torch.distributed.pipelining (`tplab.cost.pp_ranks`):
+    `layer`, one layer's saved bytes per micro-batch; `backward`, a layer's transient in
+    backward; `per_logit`, the loss's bytes a logit at its backward."""
+    shape, tp = run.shape, run.tp
+    io = local.tokens * shape.hidden * shape.dtype_bytes / tp
+    gathered = tp if run.settings.sp_saves == "gathered" else 1
+    vocab = local.tokens * -(-shape.vocab // tp) if shape.vocab else 0
+    split = torchtitan_split(shape.layers, run.pp * run.vpp)
+    stage = StageBytes(layer=layer, io=io, head=io + gathered * io,
+                       logits=shape.dtype_bytes * vocab, loss_saved=4 * vocab,
+                       loss_peak=per_logit * vocab, backward=backward)
+    return most_held(split, run.pp, run.vpp, run.micro_batches, stage)
+
+
 def memory(run) -> dict:
     """Bytes per GPU on the first (most loaded) stage, by kind (module doc)."""
     shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
@@ -268,8 +294,13 @@ def memory(run) -> dict:
     if run.recompute in ("full", "half_layers", "op"):   # one layer's, rebuilt for backward
         transient += layer_bytes(run, local, "selective" if run.attention == "flash"
                                  else "none")
+    fp8 = run.precision == "fp8" and run.settings.fp8_gathers
     if run.sharding in ("fsdp", "hsdp"):
-        transient += PARAM * gathered_elements(run, n / layers)
+        gathered = gathered_elements(run, n / layers)
+        transient += PARAM * gathered - (PARAM - 1) * min(
+            gathered, 2 * linear_elements(run) if fp8 else 0.0)
+    if fp8 and run.pp > 1 and run.sharding == "zero1":   # FSDP under PP: kept gathered
+        states["param_bytes"] -= (PARAM - 1) * linear_elements(run) * shape.layers / run.pp
     # the fp32 logits and their gradient live on the last stage, counted when it is also
     # the first (pp = 1); with pp > 1 the first stage's in-flight activations dominate
     per_logit = ((tp > 1 and run.settings.tp_logits_bytes) or run.settings.logits_bytes)
@@ -278,6 +309,9 @@ def memory(run) -> dict:
     # torch's ring-attention buffers live inside one attention backward, the loss's before
     # the first layer's backward starts: never at once, so the larger of the two counts
     transient += max(0.0, torch_cp_backward_bytes(run) - logits)
+    if run.pp > 1 and run.settings.pipelining == "torch":
+        peak = torch_stage_peak(run, local, layer, transient, per_logit)
+        acts, logits, transient = peak.activations, peak.logits, peak.transient
     headroom = FRAGMENTATION * (acts + transient + logits) + NCCL_RESERVE + hw.memory_reserve
     out = states | {"activation_bytes": acts, "transient_bytes": transient,
                     "logits_bytes": logits, "headroom_bytes": headroom}

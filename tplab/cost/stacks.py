@@ -51,6 +51,7 @@ KERNELS = ("fused", "eager")
 ATTENTIONS = ("flash", "unfused")
 BLOCKS = ("megatron", "mpt")
 GATHERS = ("layer", "parameter")
+PIPELININGS = ("megatron", "torch")
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
 """DeepSpeed 0.3.13's ZeRO-3 `prefetch_bucket_size` default, 5e7 elements (stage3.py; the
 `published.DEEPSPEED_ZERO3_2021` reading): the parameters gathered ahead of the one in use."""
@@ -101,6 +102,17 @@ class Stack:
     `attention_kernel`: the flash attention kernel the stack runs where its rate was
     measured by shape (`tplab.cost.attention_rates`: "fa2", torch's FlashAttention-2
     backend; "cudnn", cuDNN's fused attention).
+    `pipelining`: whose pipeline stages hold the activations ("megatron": the first stage's
+    in-flight micro-batches, `pipeline.in_flight`; "torch": torch.distributed.pipelining's
+    `PipelineStage` with torchtitan's split points, every rank through its schedule and
+    the largest taken, `tplab.cost.pp_ranks`).
+    `fp8_gathers`: under fp8, FSDP all-gathers each linear's weight in fp8 and keeps that
+    1-byte copy as the unsharded weight (torchtitan's `--float8.enable_fsdp_float8_all_gather`,
+    set by train_configs/llama3_405b.toml and the launch line of docs/float8.md at 9dec370;
+    torchao eab345c torchao/float8/fsdp_utils.py: `fsdp_pre_all_gather` returns the fp8
+    `_data`, `fsdp_post_all_gather` wraps the gathered bytes in a `Float8Tensor`): 1 byte a
+    gathered linear weight element, not bf16's 2, in FSDP's gathered layers and, under PP
+    (FSDP not resharding, "zero1"), in the whole stage's unsharded weights.
     `cites` says where each setting is read."""
 
     name: str
@@ -119,6 +131,8 @@ class Stack:
     gathers: str = "layer"
     grad_bytes: int = 4
     attention_kernel: str = "fa2"
+    pipelining: str = "megatron"
+    fp8_gathers: bool = False
     cites: str = ""
 
     def __post_init__(self):
@@ -140,6 +154,9 @@ class Stack:
         if self.attention_kernel not in attention_rates.KERNELS:
             raise ValueError(f"Stack.attention_kernel = {self.attention_kernel!r}: expected "
                              f"one of {attention_rates.KERNELS}")
+        if self.pipelining not in PIPELININGS:
+            raise ValueError(f"Stack.pipelining = {self.pipelining!r}: expected one of "
+                             f"{PIPELININGS}")
         if not 0 < self.attention_scale <= 1:
             raise ValueError(f"Stack.attention_scale = {self.attention_scale!r}: expected a "
                              "fraction in (0, 1]")
@@ -182,11 +199,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "at v25.01 and 1b9bb6b, nemo_megatron/cfg/gpt3_175b_hydra.yaml at 85380ffe; "
           "apex/contrib/optimizers/distributed_fused_adam.py)"),
     Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
-          sp_saves="gathered",
+          sp_saves="gathered", pipelining="torch", fp8_gathers=True,
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
           "context_parallel"),
     Stack("torchtitan+compile", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
-          sp_saves="gathered",
+          sp_saves="gathered", pipelining="torch", fp8_gathers=True,
           cites="pytorch/torchtitan with torch.compile: element-wise work fused"),
     Stack("llm-foundry-2023", kernels="eager", attention_scale=FA1_OVER_FA2,
           fsdp_exposed=True, logits_bytes=4, block="mpt",
