@@ -19,7 +19,16 @@ import contextlib
 import dataclasses
 import sys
 
-from tplab.cost import kernels, memory, pipeline, predict, published, scores, stacks
+from tplab.cost import (
+    attention_rates,
+    kernels,
+    memory,
+    pipeline,
+    predict,
+    published,
+    scores,
+    stacks,
+)
 from tplab.cost.hardware import HARDWARE
 
 
@@ -257,6 +266,19 @@ def main() -> None:
                  f"{held:.3f}, one H200 held 8 s at its 700 W cap (not kept)", base,
                  figures(), (published.DGXC, published.FOUNDRY, published.LLAMA3),
                  every_source=True)
+    with patched(attention_rates, "measured", lambda arch: False):
+        show("flash attention on Hopper at its kernel's measured rate for the call's rows of "
+             "work (attention_rates, one H200) vs the preset's one rate "
+             "(attention_efficiency 0.35)", base, figures(), (), every_source=True)
+    te = ("megatron-lm", "megatron-bridge")
+    with stack_as(te[0], attention_kernel="fa2"), stack_as(te[1], attention_kernel="fa2"):
+        show("Transformer Engine stacks on Hopper: cuDNN's fused attention vs "
+             "FlashAttention-2", base, figures(), (), every_source=True)
+    titans = ("torchtitan", "torchtitan+compile")
+    with stack_as(titans[0], attention_kernel="cudnn"), stack_as(titans[1],
+                                                                 attention_kernel="cudnn"):
+        show("torchtitan on Hopper: SDPA's FlashAttention-2 vs cuDNN's fused attention", base,
+             figures(), (), every_source=True)
     with runs_as(lambda r: r | {"hardware": "H100 SXM"} if r["hardware"] ==
                  "H100 96GB (500 W)" else r):
         show("torchtitan's H100s as the 500 W preset vs the 700 W H100 SXM", base,
