@@ -178,16 +178,24 @@ PP_MICROBATCHES = ("pipeline micro-batches = the PP degree: torchtitan at the co
 UNPRICED = ("AsyncTP", "Async TP")
 """Printed techniques `TrainingRun` has no field for (torchtitan's async TP: micro-pipelined
 all-gather/reduce-scatter matmuls)."""
+UNPRICED_STATES = ("bf16 PURE",)
+"""Printed precision modes whose states `TrainingRun` does not count: llm-foundry's "PURE"
+mixed precision keeps bf16 parameters, gradients and optimizer state (FSDP
+`MixedPrecision` PURE in llm-foundry), where the model counts fp32 master weights and
+moments; the rule that left llm-foundry's whole A100 40GB table out (docs/VALIDATION.md),
+applied to the two A100 80GB rows that print it (re-added by 722c6c43f)."""
 
 
 def exclusion(r: dict) -> str:
     """Why a row is left out of the goal set ("" if it is in): the rule reads the row only,
     and was declared before scoring (docs/VALIDATION.md, "Frozen protocol"). Two reasons:
     the row ran a stack whose collectives the model does not price (`ZERO3_2021`), or it
-    prints a technique `TrainingRun` has no field for (`UNPRICED`)."""
+    prints a technique `TrainingRun` has no field for (`UNPRICED`) or states it does not
+    count (`UNPRICED_STATES`)."""
     if r["stack"] == "deepspeed-2021":
         return ZERO3_2021
     named = [t for t in UNPRICED if t in r["where"]]
+    named += [t for t in UNPRICED_STATES if t in r.get("printed", "")]
     if named:
         return f"out of the goal set: prints {named[0]}, which TrainingRun cannot express"
     return ""

@@ -104,7 +104,8 @@ CAUSES = (
      "torch context_parallel past CP 2: no derivable term (docs/VALIDATION.md)"),
     (lambda r: r["source"] == published.FOUNDRY and r["hardware"] == "H100 SXM"
      and r["precision"] == "bf16",
-     "llm-foundry's 2023 stack ran H100 at an A100-like ratio: the same configurations "
+     "llm-foundry's stacks (2023's, and 2024's for the Large Scale table) ran H100 at an "
+     "A100-like ratio: the same configurations "
      "measured 2.1-2.5 x their A100 rows where the presets' GEMM rates are 3.1 x apart "
      "(published.FOUNDRY_STACK, published.foundry_pairs)"),
     (lambda r: r.get("fit_setting", {}).get("recompute") == "full",

@@ -37,6 +37,8 @@ What each setting mirrors:
   file scripts/train/benchmarking/larger_mb.md, commit beb8dee6) measures 7B on 8 A100s at
   micro-batch 1, 2, 4, 6: GPU-seconds per token fall as a + c / micro-batch tokens, c the
   FSDP traffic of one micro-batch, none of it hidden (`fsdp_exposed`).
+- llm-foundry of 2024 (the README's Large Scale table, #838): as 2023's but with
+  FlashAttention-2 (`attn_impl: flash`, flash-attn 2.4.2) for the 1B, 3B, 7B and 70B rows.
 - DeepSpeed of 2021 (Narayanan 2021's ZeRO-3 rows): the stack whose per-parameter
   collectives the model does not price (`published.ZERO3_2021`).
 """
@@ -210,6 +212,13 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           cites="mosaicml/llm-foundry attn_impl triton (FA1 class), MPT's block, "
           "flash-attn 1.0.9's fused cross entropy, "
           "Composer v0.16.3 FSDP syncs every micro-batch (larger_mb.md, llm-foundry #543)"),
+    Stack("llm-foundry-2024", kernels="eager", fsdp_exposed=True, logits_bytes=4, block="mpt",
+          cites="mosaicml/llm-foundry #838 (5e85bd62d, 2024-01), whose "
+          "scripts/train/benchmarking/sweep.py produced the README's Large Scale table: "
+          "llm-foundry main with the gpu-flash2 extra (flash-attn 2.4.2), `--attn_impl "
+          "flash` for 1b, 3b, 7b and 70b (13b and 30b keep `triton`, llm-foundry-2023), "
+          "MPT's block, Composer 0.17 (FSDP syncs every micro-batch: trainer.py "
+          "`_train_microbatches` at v0.17.2 uses ddp_sync_context for DDP only)"),
     Stack("deepspeed-2021", attention="unfused", grad_overlap=False, tp_overlap=False,
           p2p_overlap=False, gathers="parameter",
           cites="DeepSpeed ZeRO-3 of 2021 with Megatron-LM's layer "
