@@ -78,6 +78,14 @@ def uncapped_in_flight(pp: int, vpp: int, m: int) -> float:
     return min(pp, m) * (1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1)
 
 
+GB200_405B_FP8_CS = [r for r in published.RUNS if r["source"] == published.BRIDGE
+                     and r["hardware"] == "GB200 NVL72" and r["model"] == "Llama-3.1 405B"
+                     and r["precision"] == "fp8"]
+"""Megatron-Bridge's GB200 405B FP8 rows: LLAMA31_405B_PRETRAIN_CONFIG_GB200_FP8_CS_V2
+(scripts/performance/configs/llama/llama31_workload_base_configs.py, v0.3.0 to v0.5.0)
+sets no recomputation and no offload."""
+
+
 @contextlib.contextmanager
 def runs_as(change):
     old = list(published.RUNS)
@@ -230,6 +238,31 @@ def main() -> None:
         show("interleaved 1F1B holds at most the m micro-batches there are (the warm-up "
              "capped at all m v chunk-forwards) vs p + (p - 1) / v", base, figures(),
              (published.LLAMA3, titan_h100))
+    megatron = ("megatron-lm", "megatron-bridge")
+    te_rounds = (published.BRIDGE, published.DGXC, published.LLAMA3)
+    with stack_as(megatron[0], te_fp8=False), stack_as(megatron[1], te_fp8=False):
+        show("Transformer Engine keeps every linear's input in fp8 (FC2's SwiGLU output at 1 "
+             "byte, the projection's fp8 copy) vs the QKV and FC1 inputs only", base,
+             figures(), te_rounds, every_source=True)
+    with stack_as("megatron-bridge", fp8_params=False):
+        show("fp8 primary weights (fp8_param_gather) at 1 byte on Blackwell vs bf16", base,
+             figures(), te_rounds, every_source=True)
+    with stack_as(megatron[0], embedding_slot=False), \
+            stack_as(megatron[1], embedding_slot=False):
+        show("Megatron's most loaded rank under the embedding/loss split (its schedule, its "
+             "parameters) vs the first stage's ceil(L / p) x in-flight", base, figures(),
+             te_rounds, every_source=True)
+    with stack_as(megatron[0], te_fp8=False, embedding_slot=False), \
+            stack_as(megatron[1], te_fp8=False, fp8_params=False, embedding_slot=False):
+        show("round fourteen's three memory readings vs none of them", base, figures(),
+             te_rounds, every_source=True)
+    with runs_as(lambda r: r | {"assumed": tuple(a for a in r["assumed"]
+                                                 if a != "recompute none")}
+                 if r in GB200_405B_FP8_CS else r):
+        show("Megatron-Bridge's GB200 405B FP8 rows at their V2 config's setting (no "
+             "recomputation, read at v0.2.1-v0.5.0) vs the fitting fallback (not kept: the "
+             "model is 0.06 GiB over the card there)", base, figures(), te_rounds,
+             every_source=True)
     with patched(pipeline, "torch_cp_backward_bytes", lambda run: 0.0):
         show("torch context_parallel's backward: K/V all-gathered whole and fp32 gradient "
              "buffers vs none", base, figures(), (titan_h100,))

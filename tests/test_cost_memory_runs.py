@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tplab import cost
 from tplab.cost import (
     kernels,
+    megatron_ranks,
     memory,
     pipeline,
     published,
@@ -286,3 +287,92 @@ def test_torch_context_parallel_holds_the_gathered_kv_and_fp32_gradient_buffers(
     flat = [cost.predict(published.to_run(r)).memory_per_gpu for r in published.RUNS
             if r["peak_gib"] and r["pp"] == 1 and r["cp"] > 1 and "torchtitan" in r["stack"]]
     assert len(flat) == 3 and max(flat) == pytest.approx(min(flat))
+
+
+def bridge_405b_gb200_fp8(**changes):
+    """Megatron-Bridge's GB200 405B FP8-CS layout (LLAMA31_405B_PRETRAIN_CONFIG_GB200_FP8_CS_V2,
+    scripts/performance/configs/llama/llama31_workload_base_configs.py at v0.3.0: TP 4,
+    PP 16, VP 4, CP 1, 256 GPUs, GBS 1536, micro-batch 1, no recomputation, no offload);
+    `changes`: fields of the stack it runs on."""
+    run = cost.TrainingRun("Llama-3.1 405B", "GB200 NVL72", 256, tp=4, pp=16, vpp=4,
+                           global_batch=1536, seq_len=8192, precision="fp8",
+                           sharding="zero1", stack="megatron-bridge")
+    if changes:
+        object.__setattr__(run, "settings", dataclasses.replace(run.settings, **changes))
+    return run
+
+
+def test_transformer_engine_keeps_every_linears_input_in_fp8():
+    # TE's Linear saves its own quantised input (linear.py at TE 5671fd36): FC2 keeps the
+    # SwiGLU output at 1 byte (Megatron's fused SwiGLU keeps only its 2f input), the output
+    # projection an fp8 copy beside the attention kernel's bf16 output. Per token and layer
+    # at TP 4 with SP: the norms' bf16 input and fp32 rstd, the QKV and FC1 inputs (1 byte),
+    # q, k, v, the attention output (bf16), the logsumexp, the SwiGLU input (bf16, 2f),
+    # FC2's and the projection's fp8 inputs
+    run = bridge_405b_gb200_fp8()
+    s, t = run.shape, 4
+    h, f, kv, a = s.hidden, s.ffn_size, s.kv_dim, s.heads
+    per_token = (2 * (2 * h + 4) + 2 * h + 2 * (2 * h + 2 * kv) + 4 * a + 4 * f + f + h) / t
+    assert per_token == 112_770
+    local = s.with_(seq=s.seq)
+    assert pipeline.layer_bytes(run, local, "selective") == per_token * s.tokens
+    bf16_fc2 = bridge_405b_gb200_fp8(te_fp8=False)
+    assert pipeline.layer_bytes(bf16_fc2, local, "selective") == pytest.approx(
+        (per_token + (f - h) / t) * s.tokens)
+    # full recomputation keeps the layer input only, as before
+    assert pipeline.layer_bytes(run, local, "full") == 2 * h / t * s.tokens
+
+
+def test_megatrons_most_loaded_rank_under_the_embedding_and_loss_split():
+    # account_for_embedding/loss_in_pipeline_split (get_num_layers_to_build): L = 6 over
+    # p 2, v 2 is (6 + 2) / 4 = 2 a chunk, 1 in rank 0's first and rank 1's last. Megatron's
+    # schedule with m 4 (groups of p: chunks 0 0 1 1 0 0 1 1; backwards reversed): rank 0
+    # warms up 2 (p - 1) + (v - 1) p = 4 forwards (1 + 1 + 2 + 2) and peaks at 7 with the
+    # next chunk-0 forward; rank 1 warms up 2 (2 + 2) and peaks at 6
+    chunks = [megatron_ranks.chunk_layers(6, 2, 2, r, c) for r in (0, 1) for c in (0, 1)]
+    assert chunks == [1, 2, 2, 1]
+    assert megatron_ranks.rank_peak_layers(6, 2, 2, 4, 0) == 7
+    assert megatron_ranks.rank_peak_layers(6, 2, 2, 4, 1) == 6
+    # the GB200 405B layout: rank 1 holds 2 (p - 2) + (v - 1) p + 1 = 77 chunk-forwards of
+    # (126 + 2) / 64 = 2 layers, where the first stage's ceil(126 / 16) x (p + (p - 1) / v)
+    # is 158; rank 0 holds 31 one-layer first chunks among its 79
+    run = bridge_405b_gb200_fp8()
+    assert pipeline.held_layers(run) == (154, 1)
+    assert megatron_ranks.rank_peak_layers(126, 16, 4, 384, 0) == 79 * 2 - 31
+    assert pipeline.held_layers(bridge_405b_gb200_fp8(embedding_slot=False))[0] == 158
+    # the rank's own parameters: 8 layers, no embedding
+    layer = memory.param_count(run.shape.with_(layers=1, vocab=0), 4)
+    assert megatron_ranks.rank_params(run, 1) == pytest.approx(8 * layer)
+    # torchtitan splits its own way: unchanged
+    titan = cost.TrainingRun("Llama-3.1 405B", "H100 SXM", 512, tp=8, pp=8, global_batch=64,
+                             seq_len=8192, stack="torchtitan+compile", sharding="fsdp")
+    assert pipeline.held_layers(titan) == (16 * pipeline.in_flight(8, 1, titan.micro_batches),
+                                           None)
+
+
+def test_fp8_primary_weights_are_one_byte_on_blackwell_only():
+    # fp8_param_gather (bf16_with_fp8_current_scaling_mixed): the blocks' matrices are
+    # Float8Tensors; Blackwell keeps no transposed copy (quantizer.cpp, sm 10.x), Hopper does
+    run = bridge_405b_gb200_fp8()
+    s = run.shape
+    h, f, kv = s.hidden, s.ffn_size, s.kv_dim
+    matrices = h * (h + 2 * kv) + h * h + 3 * h * f
+    assert pipeline.fp8_param_saving(run, 1) == pytest.approx(8 * matrices / 4)
+    assert pipeline.fp8_param_saving(bridge_405b_gb200_fp8(fp8_params=False), 1) == 0
+    hopper = cost.TrainingRun("Llama-3.1 405B", "H100 SXM", 1024, tp=8, pp=8, vpp=8, cp=2,
+                              global_batch=1536, seq_len=8192, precision="fp8",
+                              sharding="zero1", stack="megatron-bridge")
+    assert pipeline.fp8_param_saving(hopper, 1) == 0
+
+
+def test_gb200_405b_fp8_at_its_own_setting_is_decided_by_the_fragmentation_headroom():
+    # with what TE keeps in fp8, fp8 weights and Megatron's most loaded rank the run's own
+    # setting (no recomputation) sits within the 10% fragmentation assumption of the card's
+    # 184.31 GiB: the readings no longer rule it out, nor does the model say it fits
+    run = bridge_405b_gb200_fp8()
+    p = cost.predict(run)
+    margin = p.memory["total_bytes"] - run.hw.memory
+    assert abs(margin) < pipeline.FRAGMENTATION * p.memory["activation_bytes"]
+    before = pipeline.memory(bridge_405b_gb200_fp8(te_fp8=False, fp8_params=False,
+                                                   embedding_slot=False))
+    assert before["total_bytes"] - run.hw.memory > 20 * 2**30

@@ -17,7 +17,8 @@ Pipeline (Narayanan et al. 2021, sections 2.2 and 4.1; Korthikanti et al. 2022, 
   interleaved schedule waits on each exchange: its warm-up's 2 (p - 1) + (v - 1) p, then
   one combined send/receive per forward chunk, m v.
 - First stage memory: 1F1B keeps min(p, m) micro-batches in flight, interleaving
-  p + (p-1)/v, at most m (`in_flight`). Under torch.distributed.pipelining
+  p + (p-1)/v, at most m (`in_flight`); under Megatron's embedding/loss split, its most
+  loaded rank as its schedule fills it (`held_layers`). Under torch.distributed.pipelining
   (`Stack.pipelining == "torch"`, torchtitan) every rank is followed through its schedule
   with what `PipelineStage` keeps, and the largest is taken (`tplab.cost.pp_ranks`).
 
@@ -40,10 +41,12 @@ from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware, sync_seconds
 from tplab.cost.hardware import GiB
 from tplab.cost.kernels import local_params
+from tplab.cost.megatron_ranks import chunk_layers, rank_params, rank_peak_layers
 from tplab.cost.memory import (
     OPTIMIZER_BYTES,
     PARAM_BYTES,
     ZERO_STAGES,
+    Saved,
     layer_saved,
     mpt_layer,
     op_sac_layer,
@@ -191,6 +194,44 @@ def in_flight(pp: int, vpp: int, m: int) -> float:
     return min(m, pp + (pp - 1) / vpp) if vpp > 1 else min(pp, m)
 
 
+def embedding_split(run) -> bool:
+    """Whether the run's stack splits L + 2 layers over the pipeline (`Stack.embedding_slot`:
+    the layers do not divide into p x v chunks, L + 2 do)."""
+    layers, slots = run.shape.layers, run.pp * run.vpp
+    return (run.settings.embedding_slot and run.pp > 1 and layers % slots != 0
+            and (layers + 2) % slots == 0)
+
+
+def held_layers(run) -> tuple[float, int | None]:
+    """Layer-micro-batches of activations the most loaded rank holds, and that rank: the
+    first stage's `ceil(L / p) x in_flight` (rank None: the model's average stage), or,
+    under `embedding_split`, the most loaded of ranks 0, 1 and p - 1 as Megatron's schedule
+    fills them (`rank_peak_layers`; ranks 1 to p - 2 hold full chunks, fewer of them the
+    later the rank)."""
+    layers, pp, vpp, m = run.shape.layers, run.pp, run.vpp, run.micro_batches
+    if not embedding_split(run):
+        return -(-layers // pp) * in_flight(pp, vpp, m), None
+    held, rank = max((rank_peak_layers(layers, pp, vpp, m, r), r) for r in {0, 1, pp - 1})
+    return held, rank
+
+
+def fp8_param_saving(run, rank: int | None = None) -> float:
+    """Bytes fp8 primary weights (`Stack.fp8_params`: `fp8_param_gather`) save against
+    bf16 on pipeline rank `rank` (None: the average stage): the blocks' matrices are TE
+    Float8Tensors, 1 byte, where fp8 GEMMs take any layout (`Hardware.fp8_any_layout`: TE
+    makes no transposed copy on compute capability 10.x, csrc/quantizer.cpp at 5671fd36;
+    Hopper keeps data and transpose, 2); Megatron's DDP buffer holds them as uint8
+    (distributed_data_parallel.py at b0cc2706). Norms and embedding stay bf16; not under
+    full sharding (Megatron-FSDP is not read)."""
+    shape = run.shape
+    if not (run.precision == "fp8" and run.settings.fp8_params and run.hw.fp8_any_layout
+            and ZERO_STAGES[run.sharding] < 3):
+        return 0.0
+    built = (shape.layers / run.pp if rank is None else
+             sum(chunk_layers(shape.layers, run.pp, run.vpp, rank, c) for c in range(run.vpp)))
+    return built * linear_elements(run) * (PARAM - 1)
+
+
 def layer_bytes(run, local, recompute: str) -> float:
     """Activation bytes one layer keeps per micro-batch on one rank: Megatron-LM's fused
     block for gated shapes, the paper's GPT layer otherwise, MPT's block where the stack
@@ -209,7 +250,24 @@ def layer_bytes(run, local, recompute: str) -> float:
                             sp_saves=run.settings.sp_saves, **opts)
     if run.precision == "fp8":
         items = [replace(i, element_bytes=1) if i.linear_input else i for i in items]
+        if run.settings.te_fp8 and local.gated and recompute != "full":
+            items = te_fp8_saves(items, local)
     return sum(i.local_bytes(local.tokens, run.tp, run.tp > 1) for i in items)
+
+
+def te_fp8_saves(items: list, shape) -> list:
+    """Megatron's fused block under Transformer Engine fp8 (`Stack.te_fp8`): TE's `Linear`
+    keeps for the weight gradient its own input quantised, 1 byte an element (
+    transformer_engine/pytorch/module/linear.py at TE 5671fd36, 2.12, the version
+    Megatron-Bridge v0.3.0 pins: `saved_inputmat = inputmat`, the quantised input, column-wise
+    data only). So FC2 keeps the SwiGLU output in fp8, and no bf16 copy stays: Megatron's
+    `bias_swiglu_impl` (megatron/core/fusions/fused_bias_swiglu.py) keeps only its input,
+    `activation_func_fp8_input_store` False (transformer_config.py at b0cc2706, not set by
+    Megatron-Bridge's recipes); and the output projection keeps an fp8 copy of the attention
+    output beside the bf16 one the attention kernel keeps for its own backward."""
+    out = [replace(i, element_bytes=1) if i.module.endswith("feed_forward.w2") else i
+           for i in items]
+    return out + [Saved("attention.wo", "input (fp8 copy)", shape.hidden, 1, tp=True)]
 
 
 def gathered_elements(run, per_layer: float) -> float:
@@ -270,7 +328,8 @@ def torch_stage_peak(run, local, layer: float, backward: float, per_logit: int):
 def memory(run) -> dict:
     """Bytes per GPU on the first (most loaded) stage, by kind (module doc)."""
     shape, hw, tp, cp = run.shape, run.hw, run.tp, run.cp
-    n = local_params(shape, tp, run.pp)
+    held, rank = held_layers(run)
+    n = rank_params(run, rank)
     group = run.dp * cp
     shard = {"ddp": 1, "hsdp": min(group, max(1, hw.gpus_per_node // (tp * cp)))}.get(
         run.sharding, group)
@@ -289,7 +348,8 @@ def memory(run) -> dict:
     else:
         layer = layer_bytes(run, local, kept)
     layers = -(-shape.layers // run.pp)
-    acts = layers * layer * in_flight(run.pp, run.vpp, run.micro_batches)
+    acts = held * layer
+    states["param_bytes"] -= fp8_param_saving(run, rank)
     transient = 0.0
     if run.recompute in ("full", "half_layers", "op"):   # one layer's, rebuilt for backward
         transient += layer_bytes(run, local, "selective" if run.attention == "flash"

@@ -113,7 +113,9 @@ CAUSES = (
      "(published.fitting): the model's memory refuses the setting the run used "
      "(Megatron-Bridge's GB200 405B FP8-CS config sets neither recomputation nor CPU "
      "offload, scripts/performance/configs/llama/llama31_workload_base_configs.py at "
-     "v0.3.0; Llama 3 prints neither; docs/VALIDATION.md)"),
+     "v0.3.0, and the model holds it 0.06 GiB over the card, inside its 10% "
+     "fragmentation headroom; Llama 3 prints neither; docs/VALIDATION.md, round "
+     "fourteen)"),
 )
 
 

@@ -115,6 +115,13 @@ class Stack:
     `_data`, `fsdp_post_all_gather` wraps the gathered bytes in a `Float8Tensor`): 1 byte a
     gathered linear weight element, not bf16's 2, in FSDP's gathered layers and, under PP
     (FSDP not resharding, "zero1"), in the whole stage's unsharded weights.
+    `te_fp8`: under fp8 every linear is Transformer Engine's and keeps its own input
+    quantised, 1 byte (`pipeline.te_fp8_saves`); `fp8_params`: fp8 primary weights
+    (`fp8_param_gather`), the blocks' matrices held in fp8 (`pipeline.fp8_param_saving`);
+    `embedding_slot`: where the layers do not divide into the pipeline's p x v chunks,
+    Megatron's `account_for_embedding_in_pipeline_split` and
+    `account_for_loss_in_pipeline_split` split L + 2 of them, and the memory counts the most
+    loaded rank as Megatron's schedule fills it (`pipeline.held_layers`).
     `cites` says where each setting is read."""
 
     name: str
@@ -135,6 +142,9 @@ class Stack:
     attention_kernel: str = "fa2"
     pipelining: str = "megatron"
     fp8_gathers: bool = False
+    te_fp8: bool = False
+    fp8_params: bool = False
+    embedding_slot: bool = False
     cites: str = ""
 
     def __post_init__(self):
@@ -169,7 +179,7 @@ FA1_OVER_FA2 = 32.5 / 50
 FA2's A100 rate as the presets take it, 0.5 of peak): the midpoint of FA1's range over it."""
 
 STACKS: dict[str, Stack] = {s.name: s for s in (
-    Stack("megatron-lm", attention_kernel="cudnn",
+    Stack("megatron-lm", attention_kernel="cudnn", te_fp8=True, embedding_slot=True,
           cites="Megatron-LM since 2023 (overlap_grad_reduce, "
           "overlap_p2p_comm, Transformer Engine, flash attention)"),
     Stack("megatron-lm-2022", attention="unfused", grad_overlap=False, tp_overlap=False,
@@ -184,7 +194,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack("megatron-lm-2021", attention="unfused", grad_overlap=False, tp_overlap=False,
           p2p_overlap=False, cites="Megatron-LM aed2f75 (2021-04-11), Narayanan et al. "
           "2021: synchronous TP all-reduce, gradients after the pipeline"),
-    Stack("megatron-bridge", grad_bytes=2, attention_kernel="cudnn",
+    Stack("megatron-bridge", grad_bytes=2, attention_kernel="cudnn", te_fp8=True,
+          fp8_params=True, embedding_slot=True,
           cites="NVIDIA-NeMo/Megatron-Bridge recipes and NeMo "
           "containers: Transformer Engine, flash attention, every overlap on; gradients "
           "reduced in bf16: Megatron-Bridge's performance configs set "
@@ -199,7 +210,14 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "`grad_sync_dtype: bf16` for Apex's distributed_fused_adam, whose contiguous "
           "gradient buffer takes that dtype (dgxc-benchmarking llama3.1_{8b,70b,405b}.yaml "
           "at v25.01 and 1b9bb6b, nemo_megatron/cfg/gpt3_175b_hydra.yaml at 85380ffe; "
-          "apex/contrib/optimizers/distributed_fused_adam.py)"),
+          "apex/contrib/optimizers/distributed_fused_adam.py); fp8 primary weights: "
+          "Megatron-Bridge's `bf16_with_fp8_current_scaling_mixed` sets "
+          "`fp8_param_gather = True` (src/megatron/bridge/training/mixed_precision.py at "
+          "v0.3.0), as NeMo 2's `bf16_with_fp8_mixed` does (nemo/collections/llm/recipes/"
+          "precision/mixed_precision.py at NeMo 1dd5fa11); the 405B recipe sets "
+          "`account_for_embedding_in_pipeline_split` and `..._loss_...` "
+          "(src/megatron/bridge/recipes/llama/llama3.py, llama31_405b_pretrain_config, "
+          "v0.3.0 and v0.5.0)"),
     Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
           sp_saves="gathered", pipelining="torch", fp8_gathers=True,
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
