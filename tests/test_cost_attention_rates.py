@@ -106,17 +106,3 @@ def test_the_model_meets_the_recorded_layer_on_the_h200():
         backward = lt.backward_s - 2 * lt.gemm_fwd_s - 2 * lt.elementwise_s
         assert backward * 1e3 == pytest.approx(measured["bwd"], rel=0.15)
 
-
-def test_llm_foundrys_large_scale_rows_name_the_kernel_their_sweep_ran():
-    # #838's sweep.py (5e85bd62d): attn_impl flash for 1b, 3b, 7b, 70b; triton for 13b, 30b
-    from tplab.cost import published
-
-    large = [r for r in published.ROWS if "Large Scale" in r["where"]]
-    assert len(large) == 18
-    for r in large:
-        flash = r["model"] in ("MPT 1B", "MPT 3B", "MPT 7B", "MPT 70B")
-        assert r["stack"] == ("llm-foundry-2024" if flash else "llm-foundry-2023"), r["where"]
-    new, old = cost.STACKS["llm-foundry-2024"], cost.STACKS["llm-foundry-2023"]
-    assert new.attention_scale == 1.0 > old.attention_scale
-    assert (new.kernels, new.fsdp_exposed, new.block, new.logits_bytes) == (
-        old.kernels, old.fsdp_exposed, old.block, old.logits_bytes)

@@ -98,6 +98,9 @@ def memory(rows: list[dict]) -> dict:
             "not_fitting": [r for r in rows if not r["fits"]]}
 
 
+DISAGREEING = {r["where"] for r in published.foundry_disagreeing(published.RUNS)}
+"""llm-foundry A100 rows their own table's pairs contradict (`published.foundry_disagreeing`)."""
+
 CAUSES = (
     (lambda r: r["stack"] == "deepspeed-2021", "DeepSpeed 2021 ZeRO-3 (published.ZERO3_2021)"),
     (lambda r: r["cp"] >= 4 and r["stack"].startswith("torchtitan"),
@@ -108,6 +111,9 @@ CAUSES = (
      "A100-like ratio: the same configurations "
      "measured 2.1-2.5 x their A100 rows where the presets' GEMM rates are 3.1 x apart "
      "(published.FOUNDRY_STACK, published.foundry_pairs)"),
+    (lambda r: r["where"] in DISAGREEING,
+     "the row disagrees with its own table: its H100 / A100 pair ratio lies past 3 median "
+     "absolute deviations of the table's 39 pairs (published.foundry_disagreeing)"),
     (lambda r: r.get("fit_setting", {}).get("recompute") == "full",
      "priced at full recomputation, the fastest unprinted setting that fits "
      "(published.fitting): the model's memory refuses the setting the run used "

@@ -1,0 +1,46 @@
+"""Rows of the published tables read as what ran (issue 35): which stack each ran, which a
+rule leaves out of the goal set, which its own table contradicts. Each rule reads the rows'
+printed data, never the model's error."""
+
+import statistics
+
+from tplab import cost
+from tplab.cost import published, scores
+
+
+def test_llm_foundrys_large_scale_rows_name_the_kernel_their_sweep_ran():
+    # #838's sweep.py (5e85bd62d): attn_impl flash for 1b, 3b, 7b, 70b; triton for 13b, 30b
+    large = [r for r in published.ROWS if "Large Scale" in r["where"]]
+    assert len(large) == 18
+    for r in large:
+        flash = r["model"] in ("MPT 1B", "MPT 3B", "MPT 7B", "MPT 70B")
+        assert r["stack"] == ("llm-foundry-2024" if flash else "llm-foundry-2023"), r["where"]
+    new, old = cost.STACKS["llm-foundry-2024"], cost.STACKS["llm-foundry-2023"]
+    assert new.attention_scale == 1.0 > old.attention_scale
+    assert (new.kernels, new.fsdp_exposed, new.block, new.logits_bytes) == (
+        old.kernels, old.fsdp_exposed, old.block, old.logits_bytes)
+
+
+def test_pure_bf16_states_leave_the_goal_set_as_the_40gb_table_did():
+    pure = [r for r in published.RUNS if "bf16 PURE" in r["printed"]]
+    assert [(r["model"], r["gpus"], r["hardware"]) for r in pure] == [
+        ("MPT 70B", 64, "A100 SXM"), ("MPT 70B", 32, "A100 SXM")]
+    assert all("bf16 PURE" in r["excluded"] for r in pure)
+    assert not any(r["excluded"] for r in published.RUNS
+                   if r["source"] == published.FOUNDRY and r not in pure)
+
+
+def test_a_row_its_own_table_contradicts_is_found_from_the_measurements_alone():
+    pairs = published.foundry_pairs(published.RUNS)
+    ratios = {a["where"]: h["measured"] / a["measured"] for h, a in pairs}
+    flagged = published.foundry_disagreeing(published.RUNS)
+    assert [r["model"] for r in flagged] == ["MPT 760M"] and flagged[0]["seq_len"] == 512
+    mid = statistics.median(ratios.values())
+    others = [x for w, x in ratios.items() if w != flagged[0]["where"]]
+    assert ratios[flagged[0]["where"]] > max(others) and ratios[flagged[0]["where"]] > 1.3 * mid
+    # the cause printed for it names the rule
+    assert "foundry_disagreeing" in scores.cause(flagged[0] | {"fit_setting": {}})
+    # a table whose pairs all agree flags nothing
+    same = [r | {"measured": 2.0 * a["measured"]} if r is h else r
+            for h, a in pairs for r in (h,)]
+    assert published.foundry_disagreeing(same + [a for _, a in pairs]) == []
