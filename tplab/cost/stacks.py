@@ -18,10 +18,14 @@ What each setting mirrors:
   Megatron-LM requires CUDA_DEVICE_MAX_CONNECTIONS=1, since "ordering isn't imposed by the
   scheduler"), so the 2022 stack does not count it hidden; `--overlap-p2p-comm` on 2023-05-31
   (f9283c5a), `--overlap-grad-reduce` on 2023-08-16 (2d5220a4).
-- Megatron-Bridge / NeMo containers: Transformer Engine's fused layers, flash attention,
-  every overlap on (the recipes' defaults).
+- Megatron-Bridge / NeMo containers: Transformer Engine's fused layers, every overlap on
+  (the recipes' defaults); attention in cuDNN's fused kernel on Hopper, which TE prefers
+  there over FlashAttention ("to give FusedAttention preference on Hopper+",
+  `get_attention_backend` from TE v1.2; `attention_kernel`, docs/VALIDATION.md round
+  fourteen), as Megatron-LM with TE does.
 - torchtitan (pytorch/torchtitan): eager PyTorch (or `torch.compile`, which fuses the
-  element-wise work), SDPA flash attention, FSDP2 prefetching behind compute, torch's
+  element-wise work), SDPA's FlashAttention-2 (torch 1963fc8 of its H100 tables orders
+  cuDNN last, #138522), FSDP2 prefetching behind compute, torch's
   `context_parallel` (`training_run.cp_exposed`).
 - llm-foundry of 2023 (mosaicml/llm-foundry, the README's tables): `attn_impl: triton`
   (scripts/train/benchmarking/submit_benchmarks.py), MPT's
