@@ -126,8 +126,9 @@ def show(name: str, chosen: dict, other: dict, sources: tuple[str, ...],
 @contextlib.contextmanager
 def unfused_fp8():
     """Round fourteen's alternative: every stack's fp8 as torchao's unfused recipe, the
-    dgxc rows' delayed scaling dropped (`Stack.fp8_recipe`)."""
+    dgxc rows' delayed scaling dropped (`Stack.fp8_recipe`), parameters gathered in bf16."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(pipeline, "FP8_PARAM_BYTES", pipeline.PARAM))
         for name, s in stacks.STACKS.items():
             if s.fp8_recipe != "unfused":
                 stack.enter_context(stack_as(name, fp8_recipe="unfused"))

@@ -86,12 +86,14 @@ def test_te_gathers_its_tp_inputs_in_fp8(recipe, in_fp8):
     assert training_run.layer_times(run).tp_exposed_s == pytest.approx(want)
 
 
-def test_te_fp8_gathers_the_parameters_in_one_byte():
+def test_fp8_primary_weights_are_gathered_in_one_byte(monkeypatch):
     run = dict(model="Llama-3 8B", hardware="H100 SXM", gpus=64, precision="fp8",
                stack="megatron-bridge", global_batch=64, grad_overlap=False)
-    te = cost.predict(cost.TrainingRun(**run)).breakdown["dp_comm_s"]
-    bf16_params = cost.predict(cost.TrainingRun(**run, fp8_recipe="unfused"))
+    assert cost.STACKS["megatron-bridge"].fp8_params            # fp8_param_gather
+    fp8 = cost.predict(cost.TrainingRun(**run)).breakdown["dp_comm_s"]
+    monkeypatch.setitem(cost.STACKS, "megatron-bridge", dataclasses.replace(
+        cost.STACKS["megatron-bridge"], fp8_params=False))
+    bf16 = cost.predict(cost.TrainingRun(**run)).breakdown["dp_comm_s"]
     # ZeRO-1: one reduce-scatter of bf16 gradients and one all-gather of the parameters,
     # the same bytes in bf16, half of them in fp8
-    assert te < bf16_params.breakdown["dp_comm_s"]
-    assert te == pytest.approx(0.75 * bf16_params.breakdown["dp_comm_s"], rel=0.05)
+    assert fp8 == pytest.approx(0.75 * bf16, rel=0.05)
