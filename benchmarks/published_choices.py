@@ -7,7 +7,8 @@ alternative gives (docs/VALIDATION.md, "Frozen protocol"):
 `--before` prices the same rows with every term issue 35 added switched off at once
 (llm-foundry at FA2's rate with its FSDP traffic hidden, `recompute="op"` as Korthikanti's
 selective in memory and half the GEMMs in time, 8 bytes per logit, fp32 gradients on every
-stack, rows priced as assumed whether they fit or not) and prints the goal figures: the
+stack, fp8 quantised unfused on every stack, rows priced as assumed whether they fit or
+not) and prints the goal figures: the
 "before" of docs/VALIDATION.md.
 
 For each: the median |error| over all rows, the source(s) the choice was read from, and
@@ -123,6 +124,20 @@ def show(name: str, chosen: dict, other: dict, sources: tuple[str, ...],
 
 
 @contextlib.contextmanager
+def unfused_fp8():
+    """Round fourteen's alternative: every stack's fp8 as torchao's unfused recipe, the
+    dgxc rows' delayed scaling dropped (`Stack.fp8_recipe`), parameters gathered in bf16."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(pipeline, "FP8_PARAM_BYTES", pipeline.PARAM))
+        for name, s in stacks.STACKS.items():
+            if s.fp8_recipe != "unfused":
+                stack.enter_context(stack_as(name, fp8_recipe="unfused"))
+        stack.enter_context(runs_as(lambda r: {k: v for k, v in r.items()
+                                               if k != "fp8_recipe"}))
+        yield
+
+
+@contextlib.contextmanager
 def issue_26_model():
     """Every term issue 35 added, switched off (module doc)."""
     layer_bytes, recomputed = pipeline.layer_bytes, kernels.op_sac_recomputed_gemms
@@ -139,7 +154,7 @@ def issue_26_model():
                 stack_as("torchtitan+compile", logits_bytes=8, tp_logits_bytes=0,
                          sp_saves="shard"), \
                 stack_as("deepspeed-2021", gathers="layer"), fsdp_states_as(2, 12), \
-                stack_as("megatron-bridge", grad_bytes=4), peaks_as_total():
+                stack_as("megatron-bridge", grad_bytes=4), peaks_as_total(), unfused_fp8():
             yield
     finally:
         pipeline.layer_bytes, kernels.op_sac_recomputed_gemms = layer_bytes, recomputed
@@ -234,6 +249,21 @@ def main() -> None:
         show("megatron-bridge (NeMo 1 yamls, NeMo 2 and Megatron-Bridge recipes): "
              "gradients reduced in bf16 vs fp32", base, figures(),
              (published.BRIDGE, published.DGXC))
+    te_fp8 = (published.DGXC, published.BRIDGE)
+    with unfused_fp8():
+        show("fp8 on Transformer Engine's stacks as TE quantises (weights once a step, the "
+             "norm's output in fp8, no amax pass under delayed scaling, fp8 TP all-gathers "
+             "and parameter gather) vs every operand's amax pass and cast each micro-batch "
+             "(torchao's tensorwise recipe)", base, figures(), te_fp8, every_source=True)
+    with patched(kernels, "FP8_TP_ROLES", dict.fromkeys(kernels.FP8_TP_ROLES, ())):
+        show("TE fp8: TP all-gathers (and delayed scaling's fp8_buf reduce-scatter) in fp8 "
+             "vs in bf16", base, figures(), te_fp8, every_source=True)
+    with patched(pipeline, "FP8_PARAM_BYTES", pipeline.PARAM):
+        show("TE fp8: the distributed optimizer gathers fp8 parameters (1 byte) vs bf16",
+             base, figures(), te_fp8)
+    with runs_as(lambda r: {k: v for k, v in r.items() if k != "fp8_recipe"}):
+        show("dgxc-benchmarking's FP8 rows at NeMo's delayed scaling vs the megatron-bridge "
+             "stack's current scaling", base, figures(), (published.DGXC,))
     with patched(pipeline, "in_flight", uncapped_in_flight):
         show("interleaved 1F1B holds at most the m micro-batches there are (the warm-up "
              "capped at all m v chunk-forwards) vs p + (p - 1) / v", base, figures(),

@@ -239,6 +239,7 @@ def dgxc_row(c: dict, size: str, precision: str, gpus: int, step: float, where: 
             "recompute": "none", "sharding": "fsdp" if c.get("FSDP", "0") not in ("0", "False")
             else "zero1", "precision": precision.lower(),
             "stack": "megatron-bridge",
+            **({"fp8_recipe": "te-delayed"} if precision == "FP8" else {}),
             "printed": f"{step} s per step", "measured": round(seq * gbs / (step * gpus), 4),
             "assumed": ["recompute none"] + notes + (["FP8 delayed scaling as fp8"]
                                                      if precision == "FP8" else [])}

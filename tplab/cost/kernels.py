@@ -34,9 +34,10 @@ Element-wise bytes per token per layer, forward, 2-byte activations, by `kernels
   MPT runs in low precision in one kernel (4h), so it is priced as "fused".
 
 The backward pass moves twice the forward's bytes. Under fp8 each linear's operands are
-quantised (`fp8_cast_bytes`: FP8_CAST_BYTES per element, plus the transposed copy Hopper's
-fp8 GEMMs need). The loss reads and writes the fp32
-logits: 12 bytes per logit.
+quantised (`fp8_cast_bytes`, by the stack's `fp8_recipe`: "unfused", FP8_CAST_BYTES per
+element of every operand, weights included, plus the transposed copy Hopper's fp8 GEMMs
+need; "te-delayed" and "te-current", what Transformer Engine's modules do, `te_cast_bytes`).
+The loss reads and writes the fp32 logits: 12 bytes per logit.
 
 Attention, by `attention=`: "flash" (FlashAttention: causal tiles skipped, half of
 4 b s^2 h, at `Hardware.attention_efficiency`; its backward recomputes the scores, 5
@@ -54,6 +55,7 @@ import math
 from tplab.cost.hardware import Hardware
 from tplab.cost.memory import param_count
 from tplab.cost.shapes import BlockShape
+from tplab.cost.stacks import FP8_RECIPES
 from tplab.cost.validate import check_int, check_type
 
 TILES = ((128, 256), (128, 128))
@@ -177,15 +179,97 @@ def linear_time(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
     return sum(gemm_time(m, n, k, hw, precision) for m, n, k in linear_gemms(shape, tokens, tp))
 
 
-def fp8_cast_bytes(shape: BlockShape, tokens: int, tp: int, hw: Hardware) -> tuple[float, float]:
-    """(forward, backward) bytes one rank's fp8 quantisation moves in one layer: each
-    linear's input and weight (forward) and output gradient (backward) quantised once,
-    FP8_CAST_BYTES per element (module doc), one more where the fp8 GEMMs need the
-    transposed copy too (Hopper: `Hardware.fp8_any_layout` False)."""
+def fp8_cast_bytes(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
+                   recipe: str = "unfused") -> tuple[float, float]:
+    """(forward, backward) bytes one rank's fp8 quantisation moves in one layer. "unfused"
+    (torchao's float8 tensorwise recipe as torchtitan runs it): each linear's input and
+    weight (forward) and output gradient (backward) quantised once, FP8_CAST_BYTES per
+    element (module doc), one more where the fp8 GEMMs need the transposed copy too
+    (Hopper: `Hardware.fp8_any_layout` False). "te-delayed", "te-current": `te_cast_bytes`."""
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"recipe = {recipe!r}: expected one of {FP8_RECIPES}")
+    if recipe != "unfused":
+        return te_cast_bytes(shape, tokens, tp, hw, recipe)
     per = FP8_CAST_BYTES + (0 if hw.fp8_any_layout else 1)
     gemms = linear_gemms(shape, tokens, tp)
     forward = sum(m * k + k * n for m, n, k in gemms)
     return per * forward, per * sum(m * n for m, n, _ in gemms)
+
+
+FP8_TP_ROLES = {"unfused": (), "te-delayed": ("fwd_in", "fwd_out", "bwd_out", "regather"),
+                "te-current": ("fwd_in", "bwd_out", "regather")}
+"""The TP collectives (`transformer.block_collectives` roles) that move fp8, 1 byte an
+element, under each recipe. Transformer Engine quantises before it gathers: LayerNormLinear's
+norm writes its output in fp8 into the all-gather's buffer, and backward re-gathers that
+saved fp8 shard (TransformerEngine 3b2a7b00, v1.14, module/layernorm_linear.py: `ln_out =
+ub_obj_lnout.get_ubuf_output(0)`, `ub_obj_lnout.copy_input_to_ubuf(ln_out, 1)`; v2.9
+`gather_along_first_dim(ln_out, tp_group, quantizer=quantizer)`); the row-parallel
+linears' output gradient is cast to fp8 and then gathered (module/base.py
+`grad_output_preprocess`, "FP8 case with gather"). The forward reduce-scatter moves fp8
+only where the GEMM can write fp8 before it knows the output's amax, delayed scaling with
+`fp8_buf=True` on proj_fprop and fc2_fprop (NeMo d2b21556 recipes/tp_overlap_configs/
+userbuffers.py, `userbuffers_fp8_h100_*`, which dgxc-benchmarking v25.04.01 sets; its
+v25.01 configure.sh `proj_fprop.fp8_buf=$FP8_ENABLED`; TE 1.14 comm_gemm_overlap.cpp
+`reducescatter2_userbuff_stridedoutput_fp8`); Megatron-Bridge's current-scaling H100
+config has no fp8 buffer there (v0.2.0 training/comm_overlap.py
+`userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192`: RingExchangeOverlapCfg, fp8_buf False).
+The input-gradient reduce-scatter stays bf16 in both."""
+
+
+def te_cast_bytes(shape: BlockShape, tokens: int, tp: int, hw: Hardware,
+                  recipe: str = "te-delayed") -> tuple[float, float]:
+    """(forward, backward) bytes Transformer Engine's quantisation moves in one layer on one
+    rank, Megatron's TE layer (LayerNormLinear for QKV and FC1, Linear for the output
+    projection and FC2: core/models/gpt/gpt_layer_specs.py at ee6737da; sequence parallel
+    when tp > 1), read in TransformerEngine 3b2a7b00
+    (v1.14, NeMo d2b21556's manifest; delayed scaling) and v2.9 (Megatron-Bridge v0.2.0's
+    pin; current scaling), Hopper's transposed copies where `hw.fp8_any_layout` is False:
+
+    - weights: none per micro-batch. Megatron's TE wrappers pass `is_first_microbatch`
+      (Megatron-LM ee6737da, core/pipeline_parallel/schedules.py `set_is_first_microbatch`),
+      so TE casts a bf16 weight once a step (module/linear.py `get_fp8_workspace(...,
+      update_workspace=is_first_microbatch)`), and with fp8 parameters (the recipes'
+      `fp8_params`, `fp8_param_gather`) the weight is fp8 already and its transpose cached
+      (tensor/float8_tensor.py `transpose_2d(fill_cache=True)`).
+    - a cast reads bf16 (2) and writes fp8 (1); current scaling first reads the tensor for
+      its amax (2 more), delayed scaling takes the scale from the amax history and records
+      the amax inside the cast kernel (no extra pass).
+    - the norm-fed inputs (QKV, FC1): delayed, the norm kernel writes fp8 itself (no cast);
+      current, the norm computes the amax as it writes bf16 (v2.9
+      csrc/extensions/normalization.cpp FUSED_NORM_AMAX_FP8), then one cast.
+    - the transposed copy: written by the same kernel as the cast (+1) where nothing is
+      gathered in between (`fp8_cast_transpose_fused`; v2.9 a quantizer with rowwise and
+      columnwise usage), else a separate fp8 transpose of the gathered tensor (read 1,
+      write 1): the norm-fed inputs (v1.14 `tex.fp8_transpose(ln_out_total)` always; v2.9
+      when gathered, "All-gather is not supported with FP8 column-wise data"), the
+      row-parallel output gradients under sequence parallelism, and, in v1.14, the
+      row-parallel inputs under it (`cast_to_fp8` when `sequence_parallel`, transposed in
+      backward)."""
+    h = shape.hidden
+    sp, t_cols = tp > 1, 0 if hw.fp8_any_layout else 1
+    amax, delayed = (0, True) if recipe == "te-delayed" else (2, False)
+    (_, qkv, _), (_, _, attn), (_, fc1, _), (_, _, fc2) = linear_gemms(shape, tokens, tp)
+    local = tokens * h / (tp if sp else 1)        # a sequence shard of an h-wide tensor
+    # QKV's and FC1's inputs, the norm's output: delayed, written in fp8 by the norm and
+    # transposed in backward; current, cast on the shard, transposed once gathered (in the
+    # cast's pass when nothing is gathered)
+    if delayed:
+        forward, backward = 0.0, 2 * 2 * t_cols * tokens * h
+    elif sp:
+        forward, backward = 2 * 3 * local, 2 * 2 * t_cols * tokens * h
+    else:
+        forward, backward = 2 * (3 + t_cols) * tokens * h, 0.0
+    # the output projection's and FC2's inputs (bf16 from attention and the activation)
+    row_in = tokens * (attn + fc2)
+    split = delayed and sp                         # v1.14: cast now, transpose in backward
+    forward += (amax + 3 + (0 if split else t_cols)) * row_in
+    backward += 2 * t_cols * row_in if split else 0.0
+    # output gradients: QKV's and FC1's on this rank; the projection's and FC2's gathered
+    col_out = tokens * (qkv + fc1)
+    backward += (amax + 3 + t_cols) * col_out
+    backward += 2 * ((amax + 3) * local + 2 * t_cols * tokens * h if sp
+                     else (amax + 3 + t_cols) * tokens * h)
+    return forward, backward
 
 
 def elementwise_bytes(shape: BlockShape, tokens: int, tp: int, kernels: str = "fused") -> float:

@@ -56,6 +56,10 @@ from tplab.cost.pp_ranks import StageBytes, most_held, torchtitan_split
 from tplab.cost.stacks import ZERO3_PREFETCH_ELEMENTS
 
 PARAM = PARAM_BYTES["mixed"]
+FP8_PARAM_BYTES = 1
+"""Bytes a parameter is all-gathered in by the distributed optimizer under fp8 where the
+stack holds fp8 primary weights (`Stack.fp8_params`: NeMo 2's `fp8_params = True`,
+Megatron-Bridge's `fp8_param_gather = True`; the stacks module cites them)."""
 STATES = OPTIMIZER_BYTES["adam"]["mixed"]
 """Bytes per parameter of a run (Megatron-LM's bf16 recipe, `tplab.cost.memory`'s "mixed"
 with Adam: bf16 parameters, fp32 master and moments; the gradients' bytes are the stack's,
@@ -159,7 +163,10 @@ def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
         return collective_time(op, nbytes, size, view, "auto") if size > 1 else 0.0
 
     grad = run.settings.grad_bytes
-    rs, ag = t("reduce_scatter", grad * n), t("all_gather", PARAM * n)
+    # fp8 primary weights gathered as fp8 (Stack.fp8_params, fp8_param_gather)
+    fp8_params = run.precision == "fp8" and run.settings.fp8_params
+    param = FP8_PARAM_BYTES if fp8_params else PARAM
+    rs, ag = t("reduce_scatter", grad * n), t("all_gather", param * n)
     ar = t("all_reduce", grad * n) if run.sharding == "ddp" else 0.0
     # the rule dp_times uses (data_parallel.sync_seconds); grad_overlap=False: reduced
     # after the last backward, gathered after the step; FSDP without PP reshards after

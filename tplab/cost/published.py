@@ -239,10 +239,12 @@ UNSCORED: list[tuple[dict, str]] = [(r, unexpressible(r)) for r in ROWS if unexp
 
 
 def to_run(r: dict, **changes) -> TrainingRun:
-    """The `TrainingRun` a published row describes (its stack included); `changes` replace
-    fields, e.g. another stack."""
+    """The `TrainingRun` a published row describes (its stack, and its fp8 recipe where
+    the row names one, included); `changes` replace fields, e.g. another stack."""
     fields = {k: r[k] for k in KEYS} | {"precision": r["precision"], "stack": r["stack"]}
     fields["model"] = r.get("shape", r["model"])
+    if r.get("fp8_recipe"):         # a recipe the row's source names (Stack.fp8_recipe)
+        fields["fp8_recipe"] = r["fp8_recipe"]
     return TrainingRun(**(fields | changes))
 
 

@@ -56,6 +56,8 @@ from tplab.cost import attention_rates
 KERNELS = ("fused", "eager")
 ATTENTIONS = ("flash", "unfused")
 BLOCKS = ("megatron", "mpt")
+FP8_RECIPES = ("unfused", "te-delayed", "te-current")
+"""`Stack.fp8_recipe`'s values (`tplab.cost.kernels.fp8_cast_bytes` prices each)."""
 GATHERS = ("layer", "parameter")
 PIPELININGS = ("megatron", "torch")
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
@@ -126,6 +128,20 @@ class Stack:
     Megatron's `account_for_embedding_in_pipeline_split` and
     `account_for_loss_in_pipeline_split` split L + 2 of them, and the memory counts the most
     loaded rank as Megatron's schedule fills it (`pipeline.held_layers`).
+    `fp8_recipe`: how the linears' operands are quantised under fp8 (`kernels.FP8_RECIPES`,
+    `kernels.fp8_cast_bytes`): "unfused" (torchao's tensorwise recipe as torchtitan runs
+    it: every operand, weights included, read for its amax and cast each forward),
+    "te-delayed" (Transformer Engine's delayed scaling: Megatron-LM's only fp8 recipe at
+    ee6737da, core/extensions/transformer_engine.py `TEDelayedScaling`; NeMo's
+    `bf16_with_fp8_mixed`), "te-current" (TE's current scaling, Megatron-Bridge's
+    `bf16_with_fp8_current_scaling_mixed`); a published row may name its own
+    (`fp8_recipe` in its data: dgxc-benchmarking's NeMo recipes run delayed scaling on the
+    megatron-bridge stack). Under the TE recipes the TP all-gathers move fp8
+    (`kernels.FP8_TP_ROLES`), and where the stack holds fp8 primary weights (`fp8_params`)
+    so does the distributed optimizer's parameter all-gather (NeMo 2's `fp8_params = True`,
+    mixed_precision.py at d2b21556; Megatron-Bridge's `fp8_param_gather = True`,
+    training/mixed_precision.py at v0.2.0; NeMo 1's distributed_fused_adam casts the shards
+    into a "Raw UINT8 buffer" it gathers, nemo/core/optim/distributed_adam.py at d2b21556).
     `cites` says where each setting is read."""
 
     name: str
@@ -149,6 +165,7 @@ class Stack:
     te_fp8: bool = False
     fp8_params: bool = False
     embedding_slot: bool = False
+    fp8_recipe: str = "unfused"
     cites: str = ""
 
     def __post_init__(self):
@@ -173,6 +190,9 @@ class Stack:
         if self.pipelining not in PIPELININGS:
             raise ValueError(f"Stack.pipelining = {self.pipelining!r}: expected one of "
                              f"{PIPELININGS}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"Stack.fp8_recipe = {self.fp8_recipe!r}: expected one of "
+                             f"{FP8_RECIPES}")
         if not 0 < self.attention_scale <= 1:
             raise ValueError(f"Stack.attention_scale = {self.attention_scale!r}: expected a "
                              "fraction in (0, 1]")
@@ -184,8 +204,10 @@ FA2's A100 rate as the presets take it, 0.5 of peak): the midpoint of FA1's rang
 
 STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack("megatron-lm", attention_kernel="cudnn", te_fp8=True, embedding_slot=True,
+          fp8_recipe="te-delayed",
           cites="Megatron-LM since 2023 (overlap_grad_reduce, "
-          "overlap_p2p_comm, Transformer Engine, flash attention)"),
+          "overlap_p2p_comm, Transformer Engine, flash attention; fp8 by TE's delayed "
+          "scaling, core/extensions/transformer_engine.py TEDelayedScaling at ee6737da)"),
     Stack("megatron-lm-2022", attention="unfused", grad_overlap=False, tp_overlap=False,
           p2p_overlap=False,
           cites="Megatron-LM f602ac56 (2022-04-11) and the sequence-parallel branch "
@@ -200,6 +222,7 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "2021: synchronous TP all-reduce, gradients after the pipeline"),
     Stack("megatron-bridge", grad_bytes=2, attention_kernel="cudnn", te_fp8=True,
           fp8_params=True, embedding_slot=True,
+          fp8_recipe="te-current",
           cites="NVIDIA-NeMo/Megatron-Bridge recipes and NeMo "
           "containers: Transformer Engine, flash attention, every overlap on; gradients "
           "reduced in bf16: Megatron-Bridge's performance configs set "
@@ -221,7 +244,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "precision/mixed_precision.py at NeMo 1dd5fa11); the 405B recipe sets "
           "`account_for_embedding_in_pipeline_split` and `..._loss_...` "
           "(src/megatron/bridge/recipes/llama/llama3.py, llama31_405b_pretrain_config, "
-          "v0.3.0 and v0.5.0)"),
+          "v0.3.0 and v0.5.0); fp8 by TE's current scaling "
+          "(scripts/performance/utils/helpers.py `get_precision_config('fp8_cs')` "
+          "at v0.2.0, TE release_v2.9 in its uv.lock); dgxc-benchmarking's NeMo rows name "
+          "delayed scaling (NeMo bf16_with_fp8_mixed at d2b21556; NeMo 1 yamls "
+          "fp8_amax_history_len 1024)"),
     Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
           sp_saves="gathered", pipelining="torch", fp8_gathers=True,
           cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "

@@ -54,7 +54,15 @@ from tplab.cost.collectives import collective_time
 from tplab.cost.data_parallel import dp_group_hardware
 from tplab.cost.hardware import HARDWARE, Hardware
 from tplab.cost.shapes import MODELS, BlockShape
-from tplab.cost.stacks import ATTENTIONS, DEFAULT_STACK, KERNELS, STACKS, Stack, get_stack
+from tplab.cost.stacks import (
+    ATTENTIONS,
+    DEFAULT_STACK,
+    FP8_RECIPES,
+    KERNELS,
+    STACKS,
+    Stack,
+    get_stack,
+)
 from tplab.cost.transformer import block_collectives, tp_allowed
 from tplab.cost.validate import (
     check_bool,
@@ -85,7 +93,8 @@ class TrainingRun:
     parallelism as torch's `context_parallel` runs it (`cp_exposed`). `p2p_overlap` False:
     the interleaved schedule waits on its stage-to-stage transfers (`pipeline` module doc:
     Megatron-LM before 2023). `grad_bytes` (4 or 2): the gradient buffer's bytes per
-    parameter, fp32 or reduced in bf16 (`Stack.grad_bytes`)."""
+    parameter, fp32 or reduced in bf16 (`Stack.grad_bytes`). `fp8_recipe`: how fp8
+    quantises (`Stack.fp8_recipe`: "unfused", "te-delayed", "te-current")."""
 
     model: str | BlockShape
     hardware: str | Hardware
@@ -112,6 +121,7 @@ class TrainingRun:
     p2p_overlap: bool | None = None
     grad_bytes: int | None = None
     attention_kernel: str | None = None
+    fp8_recipe: str | None = None
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
     settings: Stack = field(init=False, repr=False)
@@ -157,7 +167,7 @@ class TrainingRun:
 
 
 OVERRIDES = ("kernels", "attention", "grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap",
-             "grad_bytes", "attention_kernel")
+             "grad_bytes", "attention_kernel", "fp8_recipe")
 
 
 def resolve_stack(run: TrainingRun) -> None:
@@ -177,6 +187,8 @@ def resolve_stack(run: TrainingRun) -> None:
     for k in ("grad_overlap", "tp_overlap", "torch_cp", "p2p_overlap"):
         if k in changes:
             check_bool(k, changes[k])
+    if "fp8_recipe" in changes:
+        check_choice("fp8_recipe", changes["fp8_recipe"], FP8_RECIPES)
     if "grad_bytes" in changes and changes["grad_bytes"] not in (2, 4):
         raise ValueError(f"grad_bytes = {changes['grad_bytes']!r}: expected 4 (fp32 "
                          "gradients) or 2 (reduced in bf16)")
@@ -270,9 +282,11 @@ def layer_times(run: TrainingRun) -> LayerTimes:
     attn_bwd = kernels.attention_backward(shape, cp, tp, hw, run.attention, bwd_rate)
     elem = kernels.elementwise_bytes(shape, tokens, tp, run.kernels) / hw.achievable_bandwidth
     cast = (0.0, 0.0)
+    recipe = run.settings.fp8_recipe
     if run.precision == "fp8":   # the linears' operands quantised (kernels.fp8_cast_bytes)
         cast = tuple(b / hw.achievable_bandwidth
-                     for b in kernels.fp8_cast_bytes(shape, tokens, tp, hw))
+                     for b in kernels.fp8_cast_bytes(shape, tokens, tp, hw, recipe))
+    in_fp8 = kernels.FP8_TP_ROLES[recipe] if run.precision == "fp8" else ()
     forward = fwd + attn_s + elem + cast[0]
     backward = bwd_dgrad + bwd_wgrad + attn_bwd + 2 * elem + cast[1]
     if run.recompute == "full":
@@ -287,7 +301,8 @@ def layer_times(run: TrainingRun) -> LayerTimes:
     local = shape.with_(seq=shape.seq // cp)
     exposed = 0.0
     for r in block_collectives(local, tp, True, sp_saves="shard") if tp > 1 else []:
-        t = collective_time(r["op"], r["bytes"], tp, hw, "auto")
+        size = r["bytes"] / shape.dtype_bytes if r["role"] in in_fp8 else r["bytes"]
+        t = collective_time(r["op"], size, tp, hw, "auto")
         hidden_by = bwd_wgrad / 2 if r["role"] == "bwd_in" and run.tp_overlap else 0.0
         again = {"full": 1.0, "half_layers": 0.5}.get(run.recompute, 0.0)
         exposed += max(0.0, t - hidden_by) * (1 + again * (r["phase"] == "forward"))
