@@ -22,6 +22,7 @@ import sys
 
 from tplab.cost import (
     attention_rates,
+    hardware,
     kernels,
     memory,
     pipeline,
@@ -322,13 +323,13 @@ def main() -> None:
     with presets_as([n for n in every if n != "H200 SXM"], lambda hw: {"memory_efficiency": 1}):
         show("HBM_EFFICIENCY on every preset vs on the H200 SXM alone (no scored row ran on "
              "an H200)", base, figures(), (), every_source=True)
-    held = 667.3 / 755       # one H200 held 8 s at 700 W / the preset's MSMF (round 13)
+    msmf = 755 / hardware.HOPPER_HELD   # mamf-finder's MSMF (H200, siblings loaded) / held
     for names in (("H100 SXM", "H200 SXM"), ("H100 SXM", "H200 SXM", "H100 96GB (500 W)")):
-        with presets_as(names, lambda hw: {"sustained": hw.sustained * held}):
-            show(f"{', '.join(names)}: sustained at mamf-finder's MSMF (755 of 794.5) vs x "
-                 f"{held:.3f}, one H200 held 8 s at its 700 W cap (not kept)", base,
-                 figures(), (published.DGXC, published.FOUNDRY, published.LLAMA3),
-                 every_source=True)
+        with presets_as(names, lambda hw: {"sustained": hw.sustained * msmf}):
+            show(f"{', '.join(names)}: sustained at one H200 held 8 s at its 700 W cap "
+                 f"({hardware.HOPPER_HELD} of 794.5, round fourteen) vs mamf-finder's MSMF "
+                 "(755, round thirteen's)", base, figures(),
+                 (published.DGXC, published.FOUNDRY, published.LLAMA3), every_source=True)
     with patched(attention_rates, "measured", lambda arch: False):
         show("flash attention on Hopper at its kernel's measured rate for the call's rows of "
              "work (attention_rates, one H200) vs the preset's one rate "

@@ -132,13 +132,13 @@ FOUNDRY_STACK = (
     "submit_benchmarks.py of the README's commit (b2a43a147) runs llm-foundry v0.3.0 with "
     "attn_impl 'triton' (MPT's flash_attn_triton.py on the triton-pre-mlir fork's sm90 "
     "branch, setup.py), low_precision_layernorm and FSDP FULL_SHARD, MP mode DEFAULT. On "
-    "the six configurations both tables ran (`foundry_pairs`: model, GPUs, sequence, "
-    "micro-batch, recomputation) the H100 trained 2.1-2.5 x the A100's tokens/s, where the "
-    "presets' sustained GEMM rates (mamf-finder's MSMF) are 3.1 x apart and the model, "
-    "which meets the A100 rows, gives 2.8-3.0 x: what held that stack on H100 to an "
-    "A100-like ratio is no constant of the H100 preset")
-"""Why llm-foundry's H100 rows err high (+23% to +73%) while its A100 rows agree: a
-property of the published pairs themselves (`foundry_pairs`, tests/test_cost_runs.py)."""
+    "the configurations both tables ran (`foundry_pairs`: model, GPUs, sequence, "
+    "micro-batch, recomputation) the H100 trained 1.8-2.6 x the A100's tokens/s; the model "
+    "gave 2.8-3.0 x with mamf-finder's MSMF as the Hopper clock, and gives 1.9-2.6 x (median "
+    "6% from each pair) with one H200's held rate and the attention kernels' measured rates "
+    "(docs/VALIDATION.md, round fourteen)")
+"""The one stack behind llm-foundry's H100 and A100 rows, and what their pairs say (a
+property of the published pairs themselves, `foundry_pairs`, tests/test_cost_runs.py)."""
 
 
 def foundry_pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
