@@ -4,9 +4,9 @@
 For each kernel (torch's FlashAttention-2 backend, "fa2"; cuDNN's fused attention,
 "cudnn"), causal, bf16, head width 128, over micro-batch b x heads h x sequence s: the
 forward and backward rates as fractions of the GPU's dense bf16 peak, at the model's FLOP
-counts (forward 2 b s^2 h_dim, backward `kernels.FLASH_BACKWARD` times that). The rate
-depends mostly on the rows of work, x = b h s (the kernels' grid: one block of 128 query
-rows of one head per CTA): at each measured x the median over every (b, h, s) with that x.
+counts (forward 2 b s^2 h_dim, backward `kernels.FLASH_BACKWARD` times that), by sequence
+and b h (the kernels' grid: one CTA per 128 query rows of one head, each CTA's work
+growing with s): at each (s, b h) the median over the shapes with that product.
 
     python benchmarks/attention_table.py [RESULTS_JSON] [--check]
 
@@ -32,25 +32,28 @@ def derive(results: dict) -> dict:
 
     kernels = {}
     for backend, name in NAMES.items():
-        by_x: dict[int, list[tuple[float, float]]] = {}
+        cells: dict[int, dict[int, list[tuple[float, float]]]] = {}
         for r in results["attention"]:
             if r["backend"] != backend or "error" in r:
                 continue
             b, h, s = r["batch"], r["heads"], r["seq"]
             flops = 2 * b * s * s * h * 128
-            by_x.setdefault(b * h * s, []).append(
+            cells.setdefault(s, {}).setdefault(b * h, []).append(
                 (flops / (r["fwd_ms"] * 1e-3) / PEAK,
                  FLASH_BACKWARD * flops / (r["bwd_ms"] * 1e-3) / PEAK))
-        xs = sorted(by_x)
-        kernels[name] = {
-            "rows": xs,
-            "forward": [round(statistics.median(f for f, _ in by_x[x]), 4) for x in xs],
-            "backward": [round(statistics.median(b for _, b in by_x[x]), 4) for x in xs],
-            "shapes": [len(by_x[x]) for x in xs]}
+        by_seq = {}
+        for s in sorted(cells):
+            bhs = sorted(cells[s])
+            by_seq[str(s)] = {
+                "batch_heads": bhs,
+                "forward": [round(statistics.median(f for f, _ in cells[s][x]), 4) for x in bhs],
+                "backward": [round(statistics.median(b for _, b in cells[s][x]), 4)
+                             for x in bhs]}
+        kernels[name] = {"seqs": sorted(cells), "by_seq": by_seq}
     env = results["environment"]
     return {"what": "flash attention's forward and backward rates / dense bf16 peak, causal, "
-                    "bf16, head width 128, by rows of work x = micro-batch x heads x sequence "
-                    "(the median over the measured shapes with that x)",
+                    "bf16, head width 128, by sequence and micro-batch x heads (the median "
+                    "over the measured shapes with that product)",
             "measured": f"one {env.get('gpu')}, torch {env['torch']} (CUDA {env['cuda']}, "
                         f"cuDNN {env['cudnn']}), CUDA events, a cool card (burst clocks), "
                         "2026-12-04",
@@ -69,8 +72,9 @@ def main() -> int:
         return 0 if same else 1
     TABLE.write_text(json.dumps(table, indent=1) + "\n")
     for name, k in table["kernels"].items():
-        print(name, " ".join(f"{x}:{f:.2f}/{b:.2f}" for x, f, b in
-                             zip(k["rows"], k["forward"], k["backward"], strict=True)))
+        for seq, cell in k["by_seq"].items():
+            print(name, seq, " ".join(f"{x}:{f:.2f}/{b:.2f}" for x, f, b in zip(
+                cell["batch_heads"], cell["forward"], cell["backward"], strict=True)))
     return 0
 
 

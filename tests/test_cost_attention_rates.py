@@ -4,6 +4,7 @@ kernel on Hopper; other architectures keep the preset's one rate."""
 
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 
 from tplab import cost
 from tplab.cost import attention_rates
+from tplab.cost.attention_rates import KERNELS
 from tplab.cost.training_run import attention_rates_of, layer_times
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -29,25 +31,33 @@ def test_the_table_is_the_one_the_recorded_run_gives():
 def test_fraction_is_the_median_at_a_measured_point_and_between_neighbours_elsewhere():
     results = json.loads(RESULTS.read_text())
     rows = [r for r in results["attention"] if r["backend"] == "flash"
-            and r["batch"] * r["heads"] * r["seq"] == 65536]
-    fwd = sorted(2 * r["batch"] * r["seq"] ** 2 * r["heads"] * 128 / (r["fwd_ms"] * 1e-3)
-                 / 989e12 for r in rows)
-    assert len(fwd) == 12
-    assert attention_rates.fraction("fa2", 65536) == pytest.approx((fwd[5] + fwd[6]) / 2,
-                                                                   abs=1e-4)
-    lo, hi = attention_rates.fraction("fa2", 65536), attention_rates.fraction("fa2", 131072)
-    assert lo < attention_rates.fraction("fa2", 98304) < hi
+            and r["batch"] * r["heads"] == 8 and r["seq"] == 8192]
+    fwd = [2 * r["batch"] * r["seq"] ** 2 * r["heads"] * 128 / (r["fwd_ms"] * 1e-3) / 989e12
+           for r in rows]
+    assert len(fwd) == 3                        # b1 h8, b2 h4, b4 h2
+    assert attention_rates.fraction("fa2", 8, 8192) == pytest.approx(
+        statistics.median(fwd), abs=1e-4)
+    # between the measured points, in each direction
+    lo, hi = attention_rates.fraction("fa2", 8, 8192), attention_rates.fraction("fa2", 16, 8192)
+    assert lo < attention_rates.fraction("fa2", 12, 8192) < hi
+    short, long_ = (attention_rates.fraction("cudnn", 16, s) for s in (4096, 8192))
+    assert short < attention_rates.fraction("cudnn", 16, 6000) < long_
     # the ends are held
-    assert attention_rates.fraction("cudnn", 1) == attention_rates.fraction("cudnn", 4096)
-    big = attention_rates.fraction("cudnn", 1e9, backward=True)
-    assert big == attention_rates.TABLE["kernels"]["cudnn"]["backward"][-1]
+    assert attention_rates.fraction("cudnn", 1, 512) == attention_rates.fraction("cudnn", 2, 2048)
+    big = attention_rates.fraction("fa2", 1e4, 1e6, backward=True)
+    assert big == attention_rates.TABLE["kernels"]["fa2"]["by_seq"]["32768"]["backward"][-1]
 
 
 def test_cudnn_runs_about_twice_fa2_on_large_calls_and_both_fall_on_small_ones():
     for backward in (False, True):
-        fa2, cudnn = (attention_rates.fraction(k, 2 ** 20, backward) for k in ("fa2", "cudnn"))
-        assert 1.6 < cudnn / fa2 < 2.1
-        assert attention_rates.fraction("fa2", 2 ** 15, backward) < 0.65 * fa2
+        for bh, seq in ((64, 8192), (32, 16384)):
+            fa2, cudnn = (attention_rates.fraction(k, bh, seq, backward) for k in KERNELS)
+            assert 1.5 < cudnn / fa2 < 2.2
+        assert attention_rates.fraction("fa2", 2, 8192, backward) < 0.65 * \
+            attention_rates.fraction("fa2", 64, 8192, backward)
+    # at one b h s, a shorter sequence is slower: each CTA's work grows with s
+    assert attention_rates.fraction("cudnn", 32, 2048) < 0.7 * attention_rates.fraction(
+        "cudnn", 2, 32768)
 
 
 def test_few_heads_per_rank_price_attention_slower_per_flop_on_hopper_only():
@@ -58,7 +68,7 @@ def test_few_heads_per_rank_price_attention_slower_per_flop_on_hopper_only():
         return layer_times(run).attention_s / flops
 
     for kernel in ("fa2", "cudnn"):
-        # 70B at TP 8 keeps 8 of 64 heads: 32,768 rows of work, TP 1 262,144
+        # 70B at TP 8 keeps 8 of 64 heads, TP 1 all 64, at 4096 tokens
         assert per_flop("H100 SXM", 8, kernel) > 1.5 * per_flop("H100 SXM", 1, kernel)
     assert per_flop("A100 SXM", 8, "fa2") == pytest.approx(per_flop("A100 SXM", 1, "fa2"))
     assert per_flop("A100 SXM", 8, "cudnn") == per_flop("A100 SXM", 8, "fa2")
@@ -84,9 +94,11 @@ def test_bad_kernel_names_are_refused_with_the_field_named():
     with pytest.raises(ValueError, match="attention_kernel"):
         cost.Stack("mine", attention_kernel="triton")
     with pytest.raises(ValueError, match="attention kernel"):
-        attention_rates.fraction("xformers", 1024)
-    with pytest.raises(ValueError, match="rows"):
-        attention_rates.fraction("fa2", -1)
+        attention_rates.fraction("xformers", 8, 1024)
+    with pytest.raises(ValueError, match="batch_heads"):
+        attention_rates.fraction("fa2", -1, 1024)
+    with pytest.raises(ValueError, match="seq"):
+        attention_rates.fraction("fa2", 8, 0)
 
 
 def test_the_model_meets_the_recorded_layer_on_the_h200():

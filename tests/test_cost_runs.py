@@ -2,8 +2,6 @@
 pipeline terms, and the NCCL findings of the third review (nccl#1455, auto vs ring)."""
 
 import dataclasses
-import json
-import pathlib
 import statistics
 
 import pytest
@@ -21,7 +19,6 @@ from tplab.cost import (
 
 MiB = 2**20
 H100 = cost.HARDWARE["H100 SXM"]
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("kwargs, rule", [
@@ -245,7 +242,12 @@ def short(figure: str):
     return pytest.mark.xfail(strict=True, reason=f"issue 35 goal not met: {figure}")
 
 
-@pytest.mark.parametrize("way", ["all", "goal"])   # met since round fourteen: 5.4% / 16.8%
+@pytest.mark.parametrize("way", [
+    pytest.param("all", marks=short("all 343 rows: median |error| 10.0% (<= 8%), p90 21.5% "
+                                    "(<= 20%); 5.4% / 16.8% at one H200's held clock, 7.5% / "
+                                    "19.9% at its training mix's (not kept)")),
+    pytest.param("goal", marks=short("goal set of 327: median |error| 9.9% (<= 8%), p90 "
+                                     "20.3% (<= 20%)"))])
 def test_goal_median_and_p90_over_every_scored_row(scored, way):
     e = scored[way]
     assert e["rows"] >= 200
@@ -253,8 +255,9 @@ def test_goal_median_and_p90_over_every_scored_row(scored, way):
 
 
 @pytest.mark.parametrize("way", [
-    pytest.param("all", marks=short("sources past +-8%: Llama 3 -13.9%, Narayanan "
-                                    "+10.9%, torchtitan A100 +8.7%")),
+    pytest.param("all", marks=short("sources past +-8%: dgxc +9.2%, Llama 3 -10.8%, "
+                                    "llm-foundry +8.9%, Narayanan +10.9%, torchtitan +8.7%, "
+                                    "+17.6%")),
     pytest.param("goal", marks=short("the same sources, goal set"))])
 def test_goal_each_sources_signed_median_within_8_percent(scored, way):
     off = {s[:30]: f"{m:+.1%}" for s, m in scored[way]["signed"].items() if abs(m) > 0.08}
@@ -272,7 +275,7 @@ def test_goal_same_source_pairs_ordered(scored):
     assert total > 5000 and good / total >= 0.95
 
 
-@short("held out: Llama 3 15.5% (<= 12%); every other source 3.5-10.3%")
+@short("held out: Llama 3 18.0% (<= 12%); every other source 1.7-10.6%")
 def test_goal_leave_one_source_out(scored):
     loso = scored["loso_goal"]
     assert all(0.85 < v["factor"] < 1.0 for v in loso.values())   # one bias, one sign
@@ -303,18 +306,17 @@ def test_goal_every_published_run_fits(scored):
     assert not scored["memory"]["not_fitting"], len(scored["memory"]["not_fitting"])
 
 
-@short("8 rows over 25% without a named cause: dgxc's three GB200 405B FP8 rows (+31% to "
-       "+34%; their BF16 twins +11% to +15%), llm-foundry's Large Scale 1B and 3B on 256-512 "
-       "H100s (+29% to +37%) and 760M at 2048 on 8 H100s (+26%), its 760M at 1024 on A100")
+@short("4 rows over 25% without a named cause: dgxc's three GB200 405B FP8 rows (+29% to "
+       "+32%; their BF16 twins +11% to +15%) and llm-foundry's 760M at 1024 on A100")
 def test_goal_every_row_over_25_percent_has_a_named_cause(scored):
     unexplained = [r["where"] for r, why in scored["over"] if why == "unexplained"]
     assert not unexplained, len(unexplained)
 
 
 def test_llm_foundry_ran_h100_at_an_a100_like_ratio_on_one_stack():
-    # FOUNDRY_STACK: the same configurations on both GPUs, measured 1.8-2.5 x apart (but the
+    # FOUNDRY_STACK: the same configurations on both GPUs, measured 1.8-2.6 x apart (but the
     # one row its own table contradicts, published.foundry_disagreeing), where the presets'
-    # sustained GEMM rates are 2.7 x apart (H100 at one H200's held rate, round fourteen)
+    # sustained GEMM rates are 3.1 x apart and the model gives a median 16% more a pair
     pairs = published.foundry_pairs(published.RUNS)
     assert len(pairs) == 39
     odd = {r["where"] for r in published.foundry_disagreeing(published.RUNS)}
@@ -325,7 +327,11 @@ def test_llm_foundry_ran_h100_at_an_a100_like_ratio_on_one_stack():
         return hw.flops * hw.matmul_efficiency * hw.sustained
 
     preset = gemm(H100) / gemm(cost.HARDWARE["A100 SXM"])
-    assert preset > 2.7 > max(measured)
+    assert preset > 3.0 > max(measured)
+    over = [cost.predict(published.to_run(h)).tokens_per_s_per_gpu
+            / cost.predict(published.to_run(a)).tokens_per_s_per_gpu
+            / (h["measured"] / a["measured"]) - 1 for h, a in pairs]
+    assert 0.10 < statistics.median(over) < 0.25
 
 
 def test_torch_context_parallel_moves_every_query_head_and_fp32_gradients():
@@ -495,12 +501,9 @@ def test_the_gemm_kernel_rate_against_xla_s_measured_h100_table():
     t = kernels.gemm_time(8192, 8192, 8192, H100, sustained=False)
     assert 2 * 8192**3 / t / H100.flops == pytest.approx(
         H100.matmul_efficiency * 8192 / (8192 + kernels.GEMM_K0), rel=0.01)
-    # in a run, at the power cap: what one H200 held for 8 s at 700 W (same die, same cap;
-    # benchmarks/results/gpu-2026-12-04.json), 667.3 TFLOP/s
+    # in a run, at the power cap: H200's published MSMF, 755 TFLOP/s (same die, same 700 W)
     held = 2 * 8192**3 / kernels.gemm_time(8192, 8192, 8192, H100)
-    recorded = json.loads((ROOT / "benchmarks" / "results" / "gpu-2026-12-04.json").read_text())
-    rate = recorded["rates"]["gemm_sustained"]["last_half_tflops"] * 1e12
-    assert held == pytest.approx(rate * 8192 / (8192 + kernels.GEMM_K0), rel=0.01)
+    assert held == pytest.approx(755e12 * 8192 / (8192 + kernels.GEMM_K0), rel=0.01)
 
 
 def test_k_and_v_are_whole_heads_past_n_kv_heads():
@@ -509,15 +512,9 @@ def test_k_and_v_are_whole_heads_past_n_kv_heads():
     assert kernels.linear_gemms(shape, 4096, 16)[0][1] == 8192 // 16 + 2 * 128   # not 64
 
 
-def test_llm_foundrys_h100_over_a100_ratio_is_no_longer_a_cause(scored):
-    # round fourteen: with one H200's held clock and the measured attention rates the model
-    # gives each pair's H100 / A100 ratio within a median 6% (it gave 2.8-3.0 x against the
-    # measured 1.8-2.6 x), so no row is named by FOUNDRY_STACK any more; the H100 rows still
-    # over 25% (the Large Scale table's 1B and 3B on 256-512 GPUs, 760M at 2048 on 8) are
-    # counted as unexplained
-    pairs = published.foundry_pairs(published.RUNS)
-    off = sorted(abs(cost.predict(published.to_run(h)).tokens_per_s_per_gpu
-                     / cost.predict(published.to_run(a)).tokens_per_s_per_gpu
-                     / (h["measured"] / a["measured"]) - 1) for h, a in pairs)
-    assert statistics.median(off) < 0.08 and sum(e < 0.12 for e in off) >= 35
-    assert not any("FOUNDRY_STACK" in why for _, why in scored["over"])
+def test_llm_foundrys_h100_rows_over_25_percent_are_named_by_the_stacks_h100_ratio(scored):
+    # FOUNDRY_STACK (the pairs property asserted above) is the cause printed for them
+    h100 = [(r, why) for r, why in scored["over"]
+            if r["source"] == published.FOUNDRY and r["hardware"] == "H100 SXM"]
+    assert len(h100) >= 10
+    assert all("FOUNDRY_STACK" in why for _, why in h100)

@@ -7,14 +7,17 @@ causal bf16 attention with heads of width 128:
 
 - torch's FlashAttention-2 backend ("fa2") reaches 0.35 of the dense bf16 peak forward and
   0.31 backward on large calls, the 0.35 `Hardware.attention_efficiency` held for every
-  Hopper shape, but 0.22 / 0.23 at 65,536 rows of work and 0.11 at 16,384;
+  Hopper shape, but about 0.22 with 8 heads at 8192 tokens and 0.11 with 2;
 - cuDNN's fused attention ("cudnn", the kernel class Transformer Engine runs on Hopper)
-  reaches 0.61-0.65 forward and 0.55 backward on large calls, falling likewise on small ones.
+  reaches 0.61-0.67 forward and 0.55 backward on large calls, 1.5-2.2 x FA2, falling
+  likewise on small ones.
 
-The rows of work are x = micro-batch x query heads on the rank x the rank's sequence: the
-kernels' grid holds one CTA per 128 query rows of one head, and at each x the rate varies
-little with how x is made up (fa2 forward within 0.20-0.24 over twelve shapes at x = 65,536).
-`fraction` interpolates the medians linearly in log x and holds the ends. Measured on the
+The kernels' grid holds one CTA per 128 query rows of one head, and each CTA's work grows
+with the sequence: the rate depends on micro-batch x query heads on the rank and on the
+rank's sequence, each on its own (at 65,536 rows of work, b h s, cuDNN's forward runs at
+0.31 of peak with s = 2048 and 0.56 with s = 32768). `fraction` interpolates the measured
+medians linearly in log (b h) at each measured sequence, then in log sequence, and holds
+the ends. Measured on the
 Hopper architecture (`Hardware.arch` "hopper"), as fractions of the peak, so every Hopper
 preset uses it; other architectures keep `attention_efficiency` (no measurement here).
 """
@@ -33,20 +36,30 @@ TABLE: dict = json.loads(TABLE_PATH.read_text())
 MEASURED_ARCHS = ("hopper",)
 
 
-def fraction(kernel: str, rows: float, backward: bool = False) -> float:
-    """`kernel`'s measured rate / dense bf16 peak for a call with `rows` = micro-batch x
-    heads x sequence (module doc), forward or backward."""
-    check_choice("attention kernel", kernel, KERNELS)
-    check_number("rows", rows, strict=True)
-    k = TABLE["kernels"][kernel]
-    xs, ys = k["rows"], k["backward" if backward else "forward"]
-    if rows <= xs[0]:
+def _along(xs: list[float], ys: list[float], x: float) -> float:
+    """ys at x, linear in log x between the measured points, held past the ends."""
+    if x <= xs[0]:
         return ys[0]
-    if rows >= xs[-1]:
+    if x >= xs[-1]:
         return ys[-1]
-    i = next(j for j in range(1, len(xs)) if xs[j] >= rows)
-    t = (math.log(rows) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
+    i = next(j for j in range(1, len(xs)) if xs[j] >= x)
+    t = (math.log(x) - math.log(xs[i - 1])) / (math.log(xs[i]) - math.log(xs[i - 1]))
     return ys[i - 1] + t * (ys[i] - ys[i - 1])
+
+
+def fraction(kernel: str, batch_heads: float, seq: float, backward: bool = False) -> float:
+    """`kernel`'s measured rate / dense bf16 peak for a call of `batch_heads` = micro-batch x
+    query heads on the rank over a sequence of `seq` (module doc), forward or backward: at
+    each of the two measured sequences around `seq`, interpolated in log (batch x heads);
+    then between them in log sequence."""
+    check_choice("attention kernel", kernel, KERNELS)
+    check_number("batch_heads", batch_heads, strict=True)
+    check_number("seq", seq, strict=True)
+    k = TABLE["kernels"][kernel]
+    part = "backward" if backward else "forward"
+    at = [_along(k["by_seq"][str(s)]["batch_heads"], k["by_seq"][str(s)][part], batch_heads)
+          for s in k["seqs"]]
+    return _along(k["seqs"], at, seq)
 
 
 def measured(arch: str) -> bool:

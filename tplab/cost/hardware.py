@@ -303,22 +303,23 @@ _NV5 = _NV4.with_(name="NVLink 5 (NVLink 4's measured fractions)",
 # GB200 too; A100 SXM takes the A100 PCIe's measured 258 / 285 (no SXM MSMF is published).
 # One factor per preset, on every Tensor Core rate a training step uses (bf16 and fp8 GEMMs,
 # flash attention): a clock, not a kernel (H200 fp8: 1354 / 1525, near bf16's 755 / 850).
-# Hopper (H100 SXM, H200, and the 500 W H100 under its NVL scaling) holds instead what one
-# H200 held for 8 s of back-to-back 8192^3 bf16 GEMMs at its 700 W cap: 667.3 TFLOP/s over
-# the last half (SM clock 1425-1545 MHz; benchmarks/results/gpu-2026-12-04.json,
-# "gemm_sustained"), HOPPER_HELD / 794.5 of the MAMF. Round thirteen tried it and did not
-# keep it (7 of 8 sources worse held out then); with round fourteen's attention and fp8
-# terms the same alternative gives every H100 source's median |error| lower but Llama 3's
-# (10.8% -> 13.9%), all rows 10.8% -> 5.4%, worst source held out 18.9% -> 15.5%, and is
-# kept (docs/VALIDATION.md, round fourteen; `benchmarks/published_choices.py` prints MSMF's
-# 755 as the alternative).
+# One H200 alone gave lower rates at its 700 W cap (docs/VALIDATION.md, rounds thirteen and
+# fourteen; benchmarks/gpu_rates.py, gpu_held.py): back-to-back 8192^3 GEMMs held 8 s,
+# 667.3 TFLOP/s (HOPPER_HELD; 659.9 at a median 1470 MHz in a later run); four Llama-3 8B
+# layers held 24 s as a training step runs them sat at a median 1560 MHz, which at that
+# GEMM loop's rate per MHz is 700.3 (HOPPER_MIX; gpu-held-2026-12-04.json).
+# Both were tried under the frozen protocol and are not the presets' rate: held out, each
+# makes four of eight sources better and four worse, and one card's window does not settle
+# what eight loaded H100s hold (`benchmarks/published_choices.py` prints both).
 # fp8 layouts: on Hopper cuBLASLt's fp8 kernels need "A transposed and B non-transposed (the
 # TN format)" (cuBLAS docs, cublasLtMatmul), so a quantised tensor used by two GEMMs is
 # also written transposed (Transformer Engine docs, "Performance considerations: handling
 # transposes"); Blackwell "supports any GEMM layout for FP8" (TransformerEngine #2514).
 H100_NVL_BF16 = 835e12   # H100 NVL datasheet: 1,671 bf16 TFLOP/s with sparsity, 835 dense
-HOPPER_HELD = 667.3      # bf16 TFLOP/s one H200 held at 700 W (the comment above)
-HOPPER_SUSTAINED = HOPPER_HELD / 794.5
+HOPPER_MSMF = 755.0      # bf16 TFLOP/s: mamf-finder's MSMF, H200, siblings loaded
+HOPPER_HELD = 667.3      # one H200 alone, 8192^3 GEMMs held at 700 W (not the presets')
+HOPPER_MIX = 700.3       # one H200 alone, a training mix held at 700 W (not the presets')
+HOPPER_SUSTAINED = HOPPER_MSMF / 794.5
 HARDWARE: dict[str, Hardware] = {
     "H100 SXM": Hardware("H100 SXM", 989e12, _NV4, _NDR, fp8_flops=1979e12,
                          matmul_efficiency=794.5 / 989, fp8_matmul_efficiency=1402.6 / 1979,

@@ -312,17 +312,17 @@ def layer_times(run: TrainingRun) -> LayerTimes:
 
 def attention_rates_of(run: TrainingRun) -> tuple[float, float]:
     """(forward, backward) flash attention rate / peak on one rank: the stack's kernel
-    (`Stack.attention_kernel`) at the call's rows of work where it was measured on the
-    GPU's architecture (`tplab.cost.attention_rates`), else the preset's
+    (`Stack.attention_kernel`) at the call's micro-batch x heads and sequence where it was
+    measured on the GPU's architecture (`tplab.cost.attention_rates`), else the preset's
     `attention_efficiency`; times the stack's `attention_scale` (its kernel class against
     FlashAttention-2)."""
     shape, hw, scale = run.shape, run.hw, run.settings.attention_scale
     if run.attention != "flash" or not attention_rates.measured(hw.arch):
         return hw.attention_efficiency * scale, hw.attention_efficiency * scale
-    rows = shape.batch * max(1, shape.heads // run.tp) * (shape.seq // run.cp)
+    batch_heads, seq = shape.batch * max(1, shape.heads // run.tp), shape.seq // run.cp
     kernel = run.attention_kernel
-    return (attention_rates.fraction(kernel, rows) * scale,
-            attention_rates.fraction(kernel, rows, backward=True) * scale)
+    return (attention_rates.fraction(kernel, batch_heads, seq) * scale,
+            attention_rates.fraction(kernel, batch_heads, seq, backward=True) * scale)
 
 
 def cp_exposed(run: TrainingRun, attn_s: float, attn_bwd: float) -> float:
