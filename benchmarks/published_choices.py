@@ -345,6 +345,18 @@ def main() -> None:
                                                                  attention_kernel="cudnn"):
         show("torchtitan on Hopper: SDPA's FlashAttention-2 vs cuDNN's fused attention", base,
              figures(), (), every_source=True)
+    titan_both = (titan_h100, published.TITAN)
+    with stack_as(titans[0], optimizer=""), stack_as(titans[1], optimizer=""):
+        show("torchtitan's optimizer: torch.optim.AdamW foreach (8 passes, 80 bytes, and "
+             "clipping's 12) vs the step its kernels name (eager 4, compile Megatron's 14)",
+             base, figures(), titan_both, every_source=True)
+    with stack_as(titans[0], gather_copy=False), stack_as(titans[1], gather_copy=False):
+        show("torchtitan's FSDP2: each all-gather copied out on the compute stream vs not "
+             "priced", base, figures(), titan_both, every_source=True)
+    with stack_as(titans[0], optimizer="", gather_copy=False), stack_as(
+            titans[1], optimizer="", gather_copy=False):
+        show("round fourteen's torchtitan re-read, both terms vs neither", base, figures(),
+             titan_both, every_source=True)
     with runs_as(lambda r: r | {"hardware": "H100 SXM"} if r["hardware"] ==
                  "H100 96GB (500 W)" else r):
         show("torchtitan's H100s as the 500 W preset vs the 700 W H100 SXM", base,

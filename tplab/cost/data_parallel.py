@@ -121,3 +121,18 @@ def sync_seconds(zero: int, ar: float, rs: float, ag: float, fwd: float, bwd: fl
     per_mb = (gathers * ag + rs if waits
               else max(0.0, ag - fwd) + max(0.0, (gathers - 1) * ag + rs - bwd))
     return m * (gathers * ag + rs), m * per_mb
+
+
+def gather_copy_seconds(elements: float, fp8_elements: float, hw: Hardware) -> float:
+    """Seconds FSDP2 copies one all-gather's output into the unsharded parameters on the
+    compute stream (`Stack.gather_copy`; torch's `foreach_all_gather_copy_out`,
+    torch/distributed/_composable/fsdp/_fsdp_collectives.py at 01d66d21: the current stream
+    waits on the all-gather's event, then `torch.split_with_sizes_copy` reads the gathered
+    buffer and writes each parameter): `elements` gathered, `fp8_elements` of them in fp8
+    (1 byte, `Stack.fp8_gathers`), the rest in bf16, each read once and written once, at
+    the memory bandwidth."""
+    check_number("elements", elements)
+    check_number("fp8_elements", fp8_elements, maximum=elements)
+    check_type("hw", hw, Hardware, "a tplab.cost.Hardware")
+    bf16 = PARAM_BYTES["mixed"] * (elements - fp8_elements)
+    return 2 * (bf16 + fp8_elements) / hw.achievable_bandwidth

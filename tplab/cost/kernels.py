@@ -88,7 +88,7 @@ matmuls to 2 (Dao-AILab/flash-attention benchmarks/benchmark_flash_attention.py,
 ADAM_BYTES = 28
 """Bytes Adam moves per local parameter per step: reads fp32 master, m, v and gradient (16),
 writes master, m and v (12)."""
-OPTIMIZER_EXTRA = {"fused": 14, "eager": 4}
+OPTIMIZER_EXTRA = {"fused": 14, "eager": 4, "foreach": (80 - 28) + 12}
 """Bytes per local parameter the rest of the optimizer step moves, by `kernels=`. "fused"
 (Megatron-LM, megatron/core/optimizer/optimizer.py): the gradient norm for clipping reads
 the fp32 main gradients (4), `_copy_main_params_to_model_params` copies the fp32 master
@@ -96,7 +96,17 @@ weights into the bf16 model weights (`_multi_tensor_copy_this_to_that`: read 4, 
 and the fp32 gradient buffer is zeroed for the next step (4). "eager" (PyTorch FSDP2 with
 torch.optim.AdamW, torchtitan): the gradient norm reads the fp32 sharded gradients (4); the
 sharded parameters are the fp32 master, cast to bf16 when gathered, and the gradients are
-freed (`zero_grad(set_to_none=True)`), not zeroed."""
+freed (`zero_grad(set_to_none=True)`), not zeroed. "foreach" (`Stack.optimizer`,
+torchtitan: torch.optim.AdamW with foreach=True on FSDP2's fp32 shards): `_multi_tensor_adamw`
+(torch/optim/adamw.py, read at 002d2f0b; the version torchtitan's tables ran, 1963fc8, is
+not stored here) makes eight passes, each reading and writing whole fp32 tensors: the
+decay `_foreach_mul_` of the parameters (read 4, write 4), `_foreach_lerp_` of m toward the
+gradient (8, 4), `_foreach_mul_` of v (4, 4), `_foreach_addcmul_` of v with the gradient
+squared (8, 4), `_foreach_sqrt` of v into a new list (4, 4), `_foreach_div_` and
+`_foreach_add_` of it (4, 4 each), `_foreach_addcdiv_` of the parameters (12, 4): 80 bytes
+where a fused step moves ADAM_BYTES' 28, 52 more; torchtitan's `clip_grad_norm_`
+(torchtitan/utils.py at 9dec370) reads the gradients for `get_total_norm` (4) and
+`clip_grads_with_norm_` scales them in place (`_foreach_mul_`, read 4, write 4): 12."""
 
 
 def quantisation(m: int, n: int, k: int, hw: Hardware) -> float:

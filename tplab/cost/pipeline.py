@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tplab.cost.collectives import collective_time
-from tplab.cost.data_parallel import dp_group_hardware, sync_seconds
+from tplab.cost.data_parallel import dp_group_hardware, gather_copy_seconds, sync_seconds
 from tplab.cost.hardware import GiB
 from tplab.cost.kernels import local_params
 from tplab.cost.megatron_ranks import chunk_layers, rank_params, rank_peak_layers
@@ -178,6 +178,11 @@ def data_parallel(run, stage: Stage, lt, m: int) -> DataParallel:
     if run.sharding == "hsdp" and group > shard:
         ar = t("all_reduce", grad * n / shard, group // shard)
         comm, exposed = comm + ar, exposed + max(0.0, ar - bwd)
+    copies = {3: m * (1 if run.pp > 1 else 2), 1: 1}.get(ZERO_STAGES[run.sharding], 0)
+    if run.settings.gather_copy:   # FSDP2's copy-out, on the compute stream
+        fp8 = linear_elements(run) * stage.layers if run.precision == "fp8" and \
+            run.settings.fp8_gathers else 0.0
+        exposed += copies * gather_copy_seconds(n, min(fp8, n), hw)
     return DataParallel(comm, exposed)
 
 

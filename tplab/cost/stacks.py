@@ -59,6 +59,9 @@ BLOCKS = ("megatron", "mpt")
 FP8_RECIPES = ("unfused", "te-delayed", "te-current")
 """`Stack.fp8_recipe`'s values (`tplab.cost.kernels.fp8_cast_bytes` prices each)."""
 GATHERS = ("layer", "parameter")
+OPTIMIZERS = ("", "foreach")
+"""`Stack.optimizer`'s values: "" (the step `kernels` names), "foreach" (torch.optim.AdamW's
+foreach implementation, `kernels.OPTIMIZER_EXTRA["foreach"]`)."""
 PIPELININGS = ("megatron", "torch")
 ZERO3_PREFETCH_ELEMENTS = 50_000_000
 """DeepSpeed 0.3.13's ZeRO-3 `prefetch_bucket_size` default, 5e7 elements (stage3.py; the
@@ -142,6 +145,17 @@ class Stack:
     mixed_precision.py at d2b21556; Megatron-Bridge's `fp8_param_gather = True`,
     training/mixed_precision.py at v0.2.0; NeMo 1's distributed_fused_adam casts the shards
     into a "Raw UINT8 buffer" it gathers, nemo/core/optim/distributed_adam.py at d2b21556).
+    `optimizer`: whose optimizer step the stack runs where it is not the one its `kernels`
+    name ("": `kernels.OPTIMIZER_EXTRA[kernels]`; "foreach": torch.optim.AdamW's foreach
+    implementation, which torchtitan builds whether or not it compiles: optimizer.py at
+    9dec370, `build_optimizers`, `"fused": fused, "foreach": not fused` with
+    `--optimizer.fused` off by default in config_manager.py, and torch.compile wraps only
+    the TransformerBlocks, `apply_compile`).
+    `gather_copy`: FSDP2 copies every all-gather's output into the unsharded parameters on
+    the compute stream (torch's `foreach_all_gather_copy_out`,
+    torch/distributed/_composable/fsdp/_fsdp_collectives.py at 01d66d21: the current
+    stream waits on the all-gather's event, then `torch.split_with_sizes_copy`;
+    `pipeline.data_parallel`).
     `cites` says where each setting is read."""
 
     name: str
@@ -166,6 +180,8 @@ class Stack:
     fp8_params: bool = False
     embedding_slot: bool = False
     fp8_recipe: str = "unfused"
+    optimizer: str = ""
+    gather_copy: bool = False
     cites: str = ""
 
     def __post_init__(self):
@@ -193,6 +209,9 @@ class Stack:
         if self.fp8_recipe not in FP8_RECIPES:
             raise ValueError(f"Stack.fp8_recipe = {self.fp8_recipe!r}: expected one of "
                              f"{FP8_RECIPES}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"Stack.optimizer = {self.optimizer!r}: expected one of "
+                             f"{OPTIMIZERS}")
         if not 0 < self.attention_scale <= 1:
             raise ValueError(f"Stack.attention_scale = {self.attention_scale!r}: expected a "
                              "fraction in (0, 1]")
@@ -250,12 +269,15 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
           "delayed scaling (NeMo bf16_with_fp8_mixed at d2b21556; NeMo 1 yamls "
           "fp8_amax_history_len 1024)"),
     Stack("torchtitan", kernels="eager", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
-          sp_saves="gathered", pipelining="torch", fp8_gathers=True,
-          cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch, torch "
-          "context_parallel"),
+          sp_saves="gathered", pipelining="torch", fp8_gathers=True, optimizer="foreach",
+          gather_copy=True,
+          cites="pytorch/torchtitan eager: SDPA flash, FSDP2 prefetch (its gathers copied "
+          "out on the compute stream), torch context_parallel, foreach AdamW"),
     Stack("torchtitan+compile", torch_cp=True, logits_bytes=12, tp_logits_bytes=16,
-          sp_saves="gathered", pipelining="torch", fp8_gathers=True,
-          cites="pytorch/torchtitan with torch.compile: element-wise work fused"),
+          sp_saves="gathered", pipelining="torch", fp8_gathers=True, optimizer="foreach",
+          gather_copy=True,
+          cites="pytorch/torchtitan with torch.compile: element-wise work fused; the "
+          "optimizer and FSDP2 as eager's"),
     Stack("llm-foundry-2023", kernels="eager", attention_scale=FA1_OVER_FA2,
           fsdp_exposed=True, logits_bytes=4, block="mpt",
           cites="mosaicml/llm-foundry attn_impl triton (FA1 class), MPT's block, "

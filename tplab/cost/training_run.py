@@ -39,7 +39,7 @@ How a step is priced (one set of constants per hardware preset, each cited where
 - The optimizer step: Adam reads 16 and writes 12 bytes per local parameter (fp32 master,
   m, v, grad), and the rest of the step (the gradient norm, Megatron-LM's copy into the
   bf16 weights and its zeroing of the gradient buffer) moves `kernels.OPTIMIZER_EXTRA`
-  more, at the memory bandwidth.
+  more, at the memory bandwidth (torchtitan's foreach AdamW: `Stack.optimizer`).
 
 MFU (`Prediction.mfu`) is end to end: the model's FLOPs (6 N per token plus causal
 attention, no recomputation) over the step time x peak, communication and bubbles included.
@@ -364,8 +364,8 @@ def predict(run: TrainingRun) -> Prediction:
     p2p = pipeline.p2p_time(shape, run.tp, run.cp, hw)
     pipe = pipeline.schedule(stage.slowest_s, run.pp, run.vpp, m, p2p, run.p2p_overlap)
     data = pipeline.data_parallel(run, stage, lt, m)
-    optimizer = kernels.optimizer_time(shape, run.tp, run.pp, run.dp * run.cp,
-                                       run.sharding, hw, run.kernels)
+    optimizer = kernels.optimizer_time(shape, run.tp, run.pp, run.dp * run.cp, run.sharding,
+                                       hw, run.settings.optimizer or run.kernels)
     step = pipe.compute_s + pipe.bubble_s + pipe.p2p_s + data.exposed_s + optimizer
     tokens = run.global_batch * shape.seq
     flops = model_flops_per_token(shape) * tokens
