@@ -361,6 +361,10 @@ def main() -> None:
                  "H100 96GB (500 W)" else r):
         show("torchtitan's H100s as the 500 W preset vs the 700 W H100 SXM", base,
              figures(), (titan_h100, published.TITAN))
+    with runs_as(lambda r: {k: v for k, v in r.items() if k != "expandable_segments"}):
+        show("Megatron-Bridge's GB200 405B FP8 rows with the expandable segments their "
+             "recipe sets (no fragmentation slack in what must fit) vs the 10% slack",
+             base, figures(), (published.BRIDGE,), every_source=True)
     with runs_as(lambda r: r | {"excluded": ""}):
         show("goal set without the exclusion rule (every row in)", base, figures(),
              (published.NARAYANAN,))

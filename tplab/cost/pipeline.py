@@ -31,6 +31,13 @@ torchtitan's PP default).
 Memory headroom (each an assumption, stated): activation and transient memory x
 (1 + FRAGMENTATION) for the caching allocator's fragmentation, NCCL_RESERVE for NCCL's
 buffers (and NVLS's), plus `Hardware.memory_reserve` (CUDA context, cuBLAS workspaces).
+A run with `expandable_segments` counts no fragmentation: torch's allocator, before it
+raises out-of-memory, frees its cached blocks and retries (CUDACachingAllocator.cpp,
+`malloc`: `release_available_cached_blocks`, then `release_cached_blocks`), and with
+expandable segments that includes the free pages between live blocks, which it unmaps
+(`release_expandable_segment`, `unmap_block`): Megatron-Bridge sets it for the recipes
+that otherwise hit "allocator fragmentation OOM" ("expandable_segments lets the allocator
+reclaim fragmented physical memory", scripts/performance/perf_plugins.py at v0.4.0).
 """
 
 from __future__ import annotations
@@ -384,7 +391,8 @@ def memory(run) -> dict:
     if run.pp > 1 and run.settings.pipelining == "torch":
         peak = torch_stage_peak(run, local, layer, transient, per_logit)
         acts, logits, transient = peak.activations, peak.logits, peak.transient
-    headroom = FRAGMENTATION * (acts + transient + logits) + NCCL_RESERVE + hw.memory_reserve
+    slack = 0.0 if run.expandable_segments else FRAGMENTATION
+    headroom = slack * (acts + transient + logits) + NCCL_RESERVE + hw.memory_reserve
     out = states | {"activation_bytes": acts, "transient_bytes": transient,
                     "logits_bytes": logits, "headroom_bytes": headroom}
     out["total_bytes"] = sum(out.values())

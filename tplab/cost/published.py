@@ -246,6 +246,8 @@ def to_run(r: dict, **changes) -> TrainingRun:
     fields["model"] = r.get("shape", r["model"])
     if r.get("fp8_recipe"):         # a recipe the row's source names (Stack.fp8_recipe)
         fields["fp8_recipe"] = r["fp8_recipe"]
+    if r.get("expandable_segments"):   # the allocator setting its recipe sets (data file)
+        fields["expandable_segments"] = True
     return TrainingRun(**(fields | changes))
 
 

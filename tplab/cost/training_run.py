@@ -94,7 +94,10 @@ class TrainingRun:
     the interleaved schedule waits on its stage-to-stage transfers (`pipeline` module doc:
     Megatron-LM before 2023). `grad_bytes` (4 or 2): the gradient buffer's bytes per
     parameter, fp32 or reduced in bf16 (`Stack.grad_bytes`). `fp8_recipe`: how fp8
-    quantises (`Stack.fp8_recipe`: "unfused", "te-delayed", "te-current")."""
+    quantises (`Stack.fp8_recipe`: "unfused", "te-delayed", "te-current").
+    `expandable_segments` True: the run sets `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`,
+    so the caching allocator can unmap the free pages between live blocks when memory runs
+    short, and the memory it needs counts no fragmentation slack (`pipeline.memory`)."""
 
     model: str | BlockShape
     hardware: str | Hardware
@@ -122,6 +125,7 @@ class TrainingRun:
     grad_bytes: int | None = None
     attention_kernel: str | None = None
     fp8_recipe: str | None = None
+    expandable_segments: bool = False
     shape: BlockShape = field(init=False, repr=False)
     hw: Hardware = field(init=False, repr=False)
     settings: Stack = field(init=False, repr=False)
@@ -153,6 +157,7 @@ class TrainingRun:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("recompute", self.recompute, RECOMPUTES)
         check_choice("sharding", self.sharding, SHARDINGS)
+        check_bool("expandable_segments", self.expandable_segments)
         resolve_stack(self)
         check_rules(self)
 
