@@ -365,6 +365,11 @@ def main() -> None:
         show("Megatron-Bridge's GB200 405B FP8 rows with the expandable segments their "
              "recipe sets (no fragmentation slack in what must fit) vs the 10% slack",
              base, figures(), (published.BRIDGE,), every_source=True)
+    with runs_as(lambda r: r | {"assumed": r["assumed"] + ("recompute none",), "tried": {}}
+                 if r["source"] == published.LLAMA3 and r["cp"] == 1 else r):
+        show("Llama 3's 8K rows as its section 3.3.2 reads them (no recomputation, an "
+             "interleaved schedule) vs both unprinted (the fastest setting that fits)", base,
+             figures(), (published.LLAMA3,), every_source=True)
     with runs_as(lambda r: r | {"excluded": ""}):
         show("goal set without the exclusion rule (every row in)", base, figures(),
              (published.NARAYANAN,))

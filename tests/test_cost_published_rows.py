@@ -44,3 +44,28 @@ def test_a_row_its_own_table_contradicts_is_found_from_the_measurements_alone():
     same = [r | {"measured": 2.0 * a["measured"]} if r is h else r
             for h, a in pairs for r in (h,)]
     assert published.foundry_disagreeing(same + [a for _, a in pairs]) == []
+
+
+def test_llama_3s_8k_rows_are_priced_as_its_text_reads_them():
+    # section 3.3.2: "we use an interleaved schedule ... with V pipeline stages on one
+    # pipeline rank" and "we could pre-train Llama 3 on sequences of 8K tokens without
+    # activation checkpointing": no recomputation is read, not assumed, and V >= 2 is tried
+    rows = {r["where"]: r for r in published.RUNS if r["source"] == published.LLAMA3}
+    for where in ("8192 GPUs, CP 1", "16384 GPUs, CP 1"):
+        r = rows[where]
+        assert r["recompute"] == "none" and published.unprinted(r) == ["vpp"]
+        assert published.tried(r, "vpp") == (4, 3, 2)
+    assert published.unprinted(rows["16384 GPUs, CP 16"]) == ["recompute", "vpp"]
+    assert published.tried(rows["16384 GPUs, CP 16"], "recompute") == published.TRIED[
+        "recompute"]
+    # the 8K-GPU row (m = 32 micro-batches a pipeline) fits at no V >= 2 in the model: the
+    # model says a run that ran cannot run, and the row is priced as read, not at a
+    # recomputation the paper rules out
+    setting, p = published.fitting(rows["8192 GPUs, CP 1"])
+    assert setting == {} and not p.fits and p.run.recompute == "none" and p.run.vpp == 4
+    for vpp in (2, 4):
+        assert not cost.predict(published.to_run(rows["8192 GPUs, CP 1"], vpp=vpp)).fits
+    # at 16K GPUs (m = 16 = p) the first rank holds m micro-batches and the row fits
+    assert published.fitting(rows["16384 GPUs, CP 1"])[1].fits
+    out = published.compare([rows["8192 GPUs, CP 1"]])
+    assert out["rows"][0]["fit_setting"] == {} and not out["rows"][0]["fits"]

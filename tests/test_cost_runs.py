@@ -243,7 +243,7 @@ def short(figure: str):
 
 
 @pytest.mark.parametrize("way", [
-    pytest.param("all", marks=short("all 343 rows: median |error| 9.6% (<= 8%), p90 20.5% "
+    pytest.param("all", marks=short("all 343 rows: median |error| 9.5% (<= 8%), p90 20.5% "
                                     "(<= 20%); 5.0% / 13.6% at one H200's held clock, 5.6% / "
                                     "14.3% at its training mix's (three Hopper presets, not "
                                     "kept)")),
@@ -256,7 +256,7 @@ def test_goal_median_and_p90_over_every_scored_row(scored, way):
 
 
 @pytest.mark.parametrize("way", [
-    pytest.param("all", marks=short("sources past +-8%: dgxc +9.2%, Llama 3 -10.8%, "
+    pytest.param("all", marks=short("sources past +-8%: dgxc +9.2%, Llama 3 -9.4%, "
                                     "llm-foundry +8.9%, Narayanan +10.9%, torchtitan's H100 "
                                     "tables +15.2%")),
     pytest.param("goal", marks=short("the same sources, goal set"))])
@@ -276,7 +276,7 @@ def test_goal_same_source_pairs_ordered(scored):
     assert total > 5000 and good / total >= 0.95
 
 
-@short("held out: Llama 3 18.0% (<= 12%); every other source 2.2-7.8%")
+@short("held out: Llama 3 16.8% (<= 12%); every other source 2.2-7.8%")
 def test_goal_leave_one_source_out(scored):
     loso = scored["loso_goal"]
     assert all(0.85 < v["factor"] < 1.0 for v in loso.values())   # one bias, one sign
@@ -301,8 +301,10 @@ def test_goal_memory_within_10_percent_of_every_printed_peak(scored):
     assert m["within_10"] == 19, (m["within_10"], m["worst"])
 
 
-@short("1 published run the model says does not fit: llm-foundry's 3B at 8192 on H100 "
-       "(79.7 GiB of 79.6, decided by the headroom assumption)")
+@short("2 published runs the model says do not fit: llm-foundry's 3B at 8192 on H100 "
+       "(79.7 GiB of 79.6, decided by the headroom assumption) and Llama 3's 8K-GPU row "
+       "(93.8 GiB at V 4, no recomputation as its section 3.3.2 says; its own schedule "
+       "is not modelled)")
 def test_goal_every_published_run_fits(scored):
     assert not scored["memory"]["not_fitting"], len(scored["memory"]["not_fitting"])
 

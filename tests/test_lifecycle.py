@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -113,6 +115,24 @@ def lab_in_kernel(kc) -> tuple[int, str, list[int]]:
     return tuple(json.loads(text.strip().splitlines()[-1]))
 
 
+def free_ports_below_the_ephemeral_range(n: int) -> list[int]:
+    """n loopback ports free now, below the kernel's ephemeral range (so no connection and
+    no port-0 bind is given one)."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0]) \
+        if os.path.exists("/proc/sys/net/ipv4/ip_local_port_range") else 32768
+    found: list[int] = []
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == n:
+            return found
+    raise RuntimeError(f"fewer than {n} free ports below {low}")
+
+
 def test_kernel_restart_ends_the_lab(tmp_path):
     """A Jupyter kernel that starts a lab, then is restarted politely; the new kernel
     starts a lab, then is restarted at once (its process group SIGKILLed, as Jupyter does
@@ -120,10 +140,20 @@ def test_kernel_restart_ends_the_lab(tmp_path):
     each costs seconds). The forced restart is test_processes_exit_when_the_owner_is_sigkilled
     at world 2: no lab process is in the kernel's group, so the SIGKILL ends the owner only,
     and the lab's processes and state folder go by its owner watch."""
-    from jupyter_client.manager import start_new_kernel
+    from jupyter_client.manager import KernelManager
 
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    # A restarted kernel binds its old ports again. Jupyter picks them in the ephemeral
+    # range, where any process's outgoing connection or port-0 bind (the other test worker's
+    # labs) can take one in the moment between the old kernel's exit and the new one's bind
+    # (CI saw "Address already in use"): take free ports below that range instead.
+    km = KernelManager(kernel_name="python3", **dict(zip(
+        ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port"),
+        free_ports_below_the_ephemeral_range(5), strict=True)))
+    km.start_kernel(cwd=str(tmp_path))
+    kc = km.client()
+    kc.start_channels()
     try:
+        kc.wait_for_ready(timeout=120)
         for now in (False, True):
             kernel, state_dir, pids = lab_in_kernel(kc)
             assert os.path.isdir(state_dir)

@@ -261,6 +261,13 @@ def unprinted(r: dict) -> list[str]:
     return [k for k in TRIED if any(a.split(" ")[0] == k for a in r["assumed"])]
 
 
+def tried(r: dict, name: str) -> tuple:
+    """The values `fitting` tries for an unprinted field: `TRIED`'s, or those the row's
+    source leaves open (its "tried" entry: Llama 3's "interleaved schedule with V pipeline
+    stages" leaves V >= 2)."""
+    return tuple(r.get("tried", {}).get(name, TRIED[name]))
+
+
 def fitting(r: dict, **changes) -> tuple[dict, object]:
     """The unprinted settings the row ran with, and its prediction: the assumed ones if they
     fit, else, of the combinations of `TRIED` values that fit, the fastest (what a recipe
@@ -271,7 +278,7 @@ def fitting(r: dict, **changes) -> tuple[dict, object]:
     if first.fits or not fields:
         return {}, first
     best: tuple[dict, object] = ({}, first)
-    for vals in itertools.product(*(TRIED[k] for k in fields)):
+    for vals in itertools.product(*(tried(r, k) for k in fields)):
         setting = dict(zip(fields, vals, strict=True))
         try:
             p = predict(to_run(r, **(changes | setting)))
