@@ -323,14 +323,19 @@ def main() -> None:
     with presets_as([n for n in every if n != "H200 SXM"], lambda hw: {"memory_efficiency": 1}):
         show("HBM_EFFICIENCY on every preset vs on the H200 SXM alone (no scored row ran on "
              "an H200)", base, figures(), (), every_source=True)
-    for rate, what in ((hardware.HOPPER_HELD, "back-to-back 8192^3 GEMMs held 8 s"),
-                       (hardware.HOPPER_MIX, "a training mix held 24 s, at its clock")):
+    for rate, what, kept in (
+            (hardware.HOPPER_NODE_MSMF, "mamf-finder's later node MSMF (a one-wave, short-K "
+             "shape at 1850+ MHz)", "kept before round fifteen"),
+            (hardware.HOPPER_HELD, "one H200 alone at its 700 W cap, back-to-back 8192^3 "
+             "GEMMs held 8 s", "not kept"),
+            (hardware.HOPPER_MIX, "one H200 alone at its 700 W cap, a training mix held 24 s, "
+             "at its clock", "not kept")):
         for names in (("H100 SXM", "H200 SXM"), ("H100 SXM", "H200 SXM", "H100 96GB (500 W)")):
             with presets_as(names, lambda hw, r=rate: {"sustained": hw.sustained * r
                                                        / hardware.HOPPER_MSMF}):
-                show(f"{', '.join(names)}: sustained at mamf-finder's MSMF "
-                     f"({hardware.HOPPER_MSMF:.0f} of 794.5) vs {rate} TFLOP/s, one H200 "
-                     f"alone at its 700 W cap, {what} (not kept)", base, figures(),
+                show(f"{', '.join(names)}: sustained at mamf-finder's MSMF with 8 H200s "
+                     f"computing ({hardware.HOPPER_MSMF} of 794.5) vs {rate} TFLOP/s, "
+                     f"{what} ({kept})", base, figures(),
                      (published.DGXC, published.FOUNDRY, published.LLAMA3), every_source=True)
     with patched(attention_rates, "measured", lambda arch: False):
         show("flash attention on Hopper at its kernel's measured rate for the call's rows of "

@@ -242,13 +242,7 @@ def short(figure: str):
     return pytest.mark.xfail(strict=True, reason=f"issue 35 goal not met: {figure}")
 
 
-@pytest.mark.parametrize("way", [
-    pytest.param("all", marks=short("all 343 rows: median |error| 9.5% (<= 8%), p90 20.5% "
-                                    "(<= 20%); 5.0% / 13.6% at one H200's held clock, 5.6% / "
-                                    "14.3% at its training mix's (three Hopper presets, not "
-                                    "kept)")),
-    pytest.param("goal", marks=short("goal set of 327: median |error| 9.5% (<= 8%); its p90 "
-                                     "19.3% is within 20%"))])
+@pytest.mark.parametrize("way", ["all", "goal"])
 def test_goal_median_and_p90_over_every_scored_row(scored, way):
     e = scored[way]
     assert e["rows"] >= 200
@@ -256,10 +250,10 @@ def test_goal_median_and_p90_over_every_scored_row(scored, way):
 
 
 @pytest.mark.parametrize("way", [
-    pytest.param("all", marks=short("sources past +-8%: dgxc +9.2%, Llama 3 -9.4%, "
-                                    "llm-foundry +8.9%, Narayanan +10.9%, torchtitan's H100 "
-                                    "tables +15.2%")),
-    pytest.param("goal", marks=short("the same sources, goal set"))])
+    pytest.param("all", marks=short("sources past +-8%: Llama 3 -11.2%, Narayanan +10.9% "
+                                    "(torchtitan's H100 tables +7.99%)")),
+    pytest.param("goal", marks=short("goal set: Llama 3 -11.2%, Narayanan +9.8%, "
+                                     "torchtitan's H100 tables +8.7%"))])
 def test_goal_each_sources_signed_median_within_8_percent(scored, way):
     off = {s[:30]: f"{m:+.1%}" for s, m in scored[way]["signed"].items() if abs(m) > 0.08}
     assert not off, off
@@ -276,7 +270,7 @@ def test_goal_same_source_pairs_ordered(scored):
     assert total > 5000 and good / total >= 0.95
 
 
-@short("held out: Llama 3 16.8% (<= 12%); every other source 2.2-7.8%")
+@short("held out: Llama 3 14.5% (<= 12%); every other source 2.1-6.4%")
 def test_goal_leave_one_source_out(scored):
     loso = scored["loso_goal"]
     assert all(0.85 < v["factor"] < 1.0 for v in loso.values())   # one bias, one sign
@@ -319,7 +313,8 @@ def test_goal_every_row_over_25_percent_has_a_named_cause(scored):
 def test_llm_foundry_ran_h100_at_an_a100_like_ratio_on_one_stack():
     # FOUNDRY_STACK: the same configurations on both GPUs, measured 1.8-2.6 x apart (but the
     # one row its own table contradicts, published.foundry_disagreeing), where the presets'
-    # sustained GEMM rates are 3.1 x apart and the model gives a median 16% more a pair
+    # sustained GEMM rates are 2.85 x apart and the model gives a median 8% more a pair
+    # (3.1 x and 16% with the later node MSMF's 755 on Hopper)
     pairs = published.foundry_pairs(published.RUNS)
     assert len(pairs) == 39
     odd = {r["where"] for r in published.foundry_disagreeing(published.RUNS)}
@@ -330,11 +325,11 @@ def test_llm_foundry_ran_h100_at_an_a100_like_ratio_on_one_stack():
         return hw.flops * hw.matmul_efficiency * hw.sustained
 
     preset = gemm(H100) / gemm(cost.HARDWARE["A100 SXM"])
-    assert preset > 3.0 > max(measured)
+    assert preset > 2.8 > 2.7 >= max(measured)
     over = [cost.predict(published.to_run(h)).tokens_per_s_per_gpu
             / cost.predict(published.to_run(a)).tokens_per_s_per_gpu
             / (h["measured"] / a["measured"]) - 1 for h, a in pairs]
-    assert 0.10 < statistics.median(over) < 0.25
+    assert 0.04 < statistics.median(over) < 0.15
 
 
 def test_torch_context_parallel_moves_every_query_head_and_fp32_gradients():
@@ -504,9 +499,10 @@ def test_the_gemm_kernel_rate_against_xla_s_measured_h100_table():
     t = kernels.gemm_time(8192, 8192, 8192, H100, sustained=False)
     assert 2 * 8192**3 / t / H100.flops == pytest.approx(
         H100.matmul_efficiency * 8192 / (8192 + kernels.GEMM_K0), rel=0.01)
-    # in a run, at the power cap: H200's published MSMF, 755 TFLOP/s (same die, same 700 W)
+    # in a run, at the power cap: H200's published MSMF with all 8 GPUs computing, 698.6
+    # TFLOP/s (same die, same 700 W)
     held = 2 * 8192**3 / kernels.gemm_time(8192, 8192, 8192, H100)
-    assert held == pytest.approx(755e12 * 8192 / (8192 + kernels.GEMM_K0), rel=0.01)
+    assert held == pytest.approx(698.6e12 * 8192 / (8192 + kernels.GEMM_K0), rel=0.01)
 
 
 def test_k_and_v_are_whole_heads_past_n_kv_heads():
@@ -519,7 +515,8 @@ def test_llm_foundrys_h100_rows_over_25_percent_are_named_by_the_stacks_h100_rat
     # FOUNDRY_STACK (the pairs property asserted above) is the cause printed for them
     h100 = [(r, why) for r, why in scored["over"]
             if r["source"] == published.FOUNDRY and r["hardware"] == "H100 SXM"]
-    assert len(h100) >= 10
+    # three since round fifteen's Hopper rate (the Large Scale table's 1B and 3B at 2048)
+    assert len(h100) >= 3
     assert all("FOUNDRY_STACK" in why for _, why in h100)
 
 

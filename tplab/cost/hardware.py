@@ -294,31 +294,46 @@ _NV5 = _NV4.with_(name="NVLink 5 (NVLink 4's measured fractions)",
 # on A100" (Dao 2023, abstract; its backward is the slower part: 0.5 on A100) and "only 35%
 # utilization on the H100 GPU" (Shah et al. 2024, FlashAttention-3, abstract): 0.35 on
 # Hopper, and on Blackwell, where no published figure is used (an assumption).
-# Sustained rate (`sustained`): MAMF is a boost-clock burst; a GPU whose siblings all compute
-# settles at its power cap, and the same table's MSMF ("Maximum Achievable and Sustainable
-# Matmul FLOPS comparison table", stas00/ml-engineering compute/accelerator/README.md at
-# 0359db8: "use MSMF for training throughput") is what it holds: H200 755 bf16 TFLOP/s
-# (siblings loaded), which the H100 SXM (the same GH100 die at the same 700 W) takes as its
-# own: 755 / 794.5 of its MAMF; B200 1439 of its MAMF 1737 (siblings loaded), taken for
-# GB200 too; A100 SXM takes the A100 PCIe's measured 258 / 285 (no SXM MSMF is published).
+# Sustained rate (`sustained`): MAMF is a boost-clock burst; a dense training step keeps
+# the SMs busy, draws the card's power limit and runs at the clock that settles there.
+# mamf-finder (stas00/ml-engineering) measures that as MSMF ("Maximum Sustainable Matmul
+# FLOPS"; compute/accelerator/README.md: "for training-throughput reasoning use MSMF").
+# Hopper (H100 SXM, H200 SXM; the 500 W H100 below from it): 698.6 bf16 TFLOP/s, the MSMF
+# mean of all 8 H200s of a node computing at once, 5 rounds (n=40), SM clock 1405-1527 MHz
+# (compute/accelerator/benchmarks/README.md on branch fast-mamf, 082816f, "What we
+# measured: alone vs all-8 concurrent"; one GPU alone 702.9; the branch's table, siblings
+# idle: 708.5 at 8192x8448x20480, ~693 W, 1465 MHz). Its MSMF then left out any shape
+# clocked above the saturated shapes' clock (mamf-finder.py's --msmf_clock_ratio): fat
+# shapes at the power cap, as a training step's GEMMs are (M = 8192 or more tokens, N and K
+# in the thousands). The H100 SXM (the same GH100 die at the same 700 W, five HBM3 stacks
+# drawing less of it than the H200's six) takes it as its own: for it likely a lower bound.
+# Checked on fp8 in absolute terms: the preset's fp8 MAMF 1453.4 x 698.6 / 794.5 = 1278
+# against the branch's fp8 MSMF 1288.7 (8448x8192x16384, ~693 W, 1374 MHz, siblings idle).
+# Not the 755 of the later protocol (master's later benchmarks/README.md: "a node MSMF of
+# 755"; the 8-GPU MSMF clock 1850-1938 MHz, GPU0 alone 745 at 1536x2816x6144): it says
+# "Power doesn't enter the definition" and walks K down because "a shorter K lets the same
+# (M,N) hold a higher clock" (2816x1536: 727 at K=20480, 749 at K=6144, 1879 MHz), so it
+# selects a one-wave, short-K shape no training GEMM is. (Why that shape holds 1879 MHz at
+# 685 W, an inference: each timed matmul there is ~70 us beside an untimed 256 MiB L2 flush
+# of about as long.) One H200 alone (docs/VALIDATION.md, rounds thirteen to fifteen;
+# benchmarks/gpu_rates.py, gpu_held.py): back-to-back 8192^3 GEMMs held 8 s, 667.3 TFLOP/s
+# (HOPPER_HELD; 659.9 at a median 1470 MHz in a later run); four Llama-3 8B layers held
+# 24 s sat at a median 1560 MHz, 692 W, which at that GEMM loop's rate per MHz is 700.3
+# (HOPPER_MIX: a conversion that assumes the GEMMs ran at the mix's median clock).
+# B200: 1439 of its MAMF 1737 (master's node figure, all 8 computing; its n=40 study held
+# 1437.5 at 1368-1527 MHz), taken for GB200 too. A100 SXM takes the A100
+# PCIe's measured 258 / 285 (no SXM MSMF is published: an assumption, stated).
 # One factor per preset, on every Tensor Core rate a training step uses (bf16 and fp8 GEMMs,
-# flash attention): a clock, not a kernel (H200 fp8: 1354 / 1525, near bf16's 755 / 850).
-# One H200 alone gave lower rates at its 700 W cap (docs/VALIDATION.md, rounds thirteen and
-# fourteen; benchmarks/gpu_rates.py, gpu_held.py): back-to-back 8192^3 GEMMs held 8 s,
-# 667.3 TFLOP/s (HOPPER_HELD; 659.9 at a median 1470 MHz in a later run); four Llama-3 8B
-# layers held 24 s as a training step runs them sat at a median 1560 MHz, which at that
-# GEMM loop's rate per MHz is 700.3 (HOPPER_MIX; gpu-held-2026-12-04.json).
-# Both were tried under the frozen protocol and are not the presets' rate: held out, each
-# makes four of eight sources better and four worse, and one card's window does not settle
-# what eight loaded H100s hold (`benchmarks/published_choices.py` prints both).
+# flash attention): a clock, not a kernel.
 # fp8 layouts: on Hopper cuBLASLt's fp8 kernels need "A transposed and B non-transposed (the
 # TN format)" (cuBLAS docs, cublasLtMatmul), so a quantised tensor used by two GEMMs is
 # also written transposed (Transformer Engine docs, "Performance considerations: handling
 # transposes"); Blackwell "supports any GEMM layout for FP8" (TransformerEngine #2514).
 H100_NVL_BF16 = 835e12   # H100 NVL datasheet: 1,671 bf16 TFLOP/s with sparsity, 835 dense
-HOPPER_MSMF = 755.0      # bf16 TFLOP/s: mamf-finder's MSMF, H200, siblings loaded
+HOPPER_MSMF = 698.6      # bf16 TFLOP/s: mamf-finder's MSMF, 8 H200s computing at once
+HOPPER_NODE_MSMF = 755.0  # the later node MSMF: a 1-wave short-K shape at 1850+ MHz (not kept)
 HOPPER_HELD = 667.3      # one H200 alone, 8192^3 GEMMs held at 700 W (not the presets')
-HOPPER_MIX = 700.3       # one H200 alone, a training mix held at 700 W (not the presets')
+HOPPER_MIX = 700.3       # one H200 alone, a training mix held at 700 W, per-MHz converted
 HOPPER_SUSTAINED = HOPPER_MSMF / 794.5
 HARDWARE: dict[str, Hardware] = {
     "H100 SXM": Hardware("H100 SXM", 989e12, _NV4, _NDR, fp8_flops=1979e12,

@@ -134,10 +134,11 @@ FOUNDRY_STACK = (
     "branch, setup.py), low_precision_layernorm and FSDP FULL_SHARD, MP mode DEFAULT. On "
     "the configurations both tables ran (`foundry_pairs`: model, GPUs, sequence, "
     "micro-batch, recomputation) the H100 trained 1.8-2.6 x the A100's tokens/s, where the "
-    "presets' sustained GEMM rates (mamf-finder's MSMF) are 3.1 x apart and the model, with "
-    "the attention kernels' measured rates, gives 2.3-2.8 x (a median 16% above each pair): "
-    "what held that stack on H100 to an A100-like ratio is no constant of the H100 preset "
-    "read so far (one H200's held rate would close it: docs/VALIDATION.md, round fourteen)")
+    "presets' sustained GEMM rates (mamf-finder's MSMF: 8 H200s at the power cap, and the "
+    "A100 PCIe's) are 2.85 x apart and the model, with the attention kernels' measured "
+    "rates, gives 2.1-2.6 x (a median 8% above each pair): what held that stack on H100 to an "
+    "A100-like ratio is no constant of the H100 preset read so far (docs/VALIDATION.md, "
+    "rounds fourteen and fifteen)")
 """Why llm-foundry's H100 rows err high while its A100 rows agree: a property of the
 published pairs themselves (`foundry_pairs`, tests/test_cost_runs.py)."""
 

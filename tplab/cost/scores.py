@@ -109,7 +109,7 @@ CAUSES = (
      and r["precision"] == "bf16",
      "llm-foundry's stacks (2023's, and 2024's for the Large Scale table) ran H100 at an "
      "A100-like ratio: the same configurations measured 1.8-2.6 x their A100 rows where the "
-     "presets' GEMM rates are 3.1 x apart (published.FOUNDRY_STACK, published.foundry_pairs)"),
+     "presets' GEMM rates are 2.85 x apart (published.FOUNDRY_STACK, published.foundry_pairs)"),
     (lambda r: r["where"] in DISAGREEING,
      "the row disagrees with its own table: its H100 / A100 pair ratio lies past 3 median "
      "absolute deviations of the table's 39 pairs (published.foundry_disagreeing)"),
