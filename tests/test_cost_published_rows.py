@@ -46,6 +46,31 @@ def test_a_row_its_own_table_contradicts_is_found_from_the_measurements_alone():
     assert published.foundry_disagreeing(same + [a for _, a in pairs]) == []
 
 
+def test_a_row_slower_than_its_own_sweeps_longer_sequence_is_found_from_the_measurements():
+    flagged = published.slower_with_less_work(published.RUNS)
+    assert sorted((r["model"], r["seq_len"], r["hardware"]) for r in flagged) == [
+        ("MPT 760M", 512, "A100 SXM"), ("MPT 760M", 1024, "A100 SXM")]
+    # the 1024-token row is the one no other rule names, and its cause names this one
+    at_1024 = next(r for r in flagged if r["seq_len"] == 1024)
+    assert at_1024["where"] not in scores.DISAGREEING
+    assert "slower_with_less_work" in scores.cause(at_1024 | {"fit_setting": {}})
+    # the row it is measured against: same tokens per micro-batch and per step, 2048 tokens
+    longer = [r for r in published.RUNS if r["source"] == at_1024["source"]
+              and r["model"] == at_1024["model"] and r["hardware"] == at_1024["hardware"]
+              and r["seq_len"] == 2048 and r["gpus"] == at_1024["gpus"]]
+    assert len(longer) == 1
+    assert longer[0]["micro_batch"] * 2048 == at_1024["micro_batch"] * 1024
+    assert longer[0]["measured"] > at_1024["measured"]
+    # the sweep as physics orders it (the shorter row at least as fast) flags nothing
+    fixed = [r | {"measured": 1.1 * longer[0]["measured"]} if r in flagged else r
+             for r in published.RUNS]
+    assert published.slower_with_less_work(fixed) == []
+    # and only rows with the same tokens per micro-batch are compared
+    halved = [r | {"micro_batch": r["micro_batch"] // 2} if r is at_1024 else r
+              for r in published.RUNS]
+    assert at_1024["where"] not in {r["where"] for r in published.slower_with_less_work(halved)}
+
+
 def test_llama_3s_8k_rows_are_priced_as_its_text_reads_them():
     # section 3.3.2: "we use an interleaved schedule ... with V pipeline stages on one
     # pipeline rank" and "we could pre-train Llama 3 on sequences of 8K tokens without

@@ -170,6 +170,29 @@ def foundry_disagreeing(rows: list[dict]) -> list[dict]:
     return [a for (_, a), x in zip(pairs, ratio, strict=True) if abs(x - mid) > 3 * mad]
 
 
+def slower_with_less_work(rows: list[dict]) -> list[dict]:
+    """Rows their own sweep contradicts: a row measured slower than a row of the same
+    source, model, hardware, GPUs, layout, stack, precision and recomputation at a longer
+    sequence with the same tokens per micro-batch and per step. Such a row does the other's
+    work with less attention (the same GEMMs, collectives and micro-batches; attention's
+    score FLOPs in proportion to the sequence), so it cannot take longer. Over every source's 133 such pairs this finds llm-foundry's 760M
+    A100 rows at 1024 and 512 tokens (29,765 and 29,446 tokens/s/GPU against 32,434 at 2048;
+    its 1B, 350M and 125M sweeps rise 8-10% from 2048 to 1024). A rule on the measurements
+    alone, not on the model."""
+    def same(r):
+        return (r["source"], r["hardware"], str(r["model"]), r["gpus"], r["stack"],
+                r["precision"], r["recompute"], r["tp"], r["pp"], r["vpp"], r["cp"],
+                r["sharding"])
+
+    def tokens(r):
+        return r["micro_batch"] * r["seq_len"], r["global_batch"] * r["seq_len"]
+
+    return [a for a in rows
+            if any(same(b) == same(a) and b["seq_len"] > a["seq_len"]
+                   and tokens(b) == tokens(a) and b["measured"] > a["measured"]
+                   for b in rows)]
+
+
 def step_seconds(r: dict) -> float:
     """The measured seconds per optimizer step of a row: global batch x seq over
     (tokens/s/GPU x GPUs)."""

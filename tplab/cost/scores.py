@@ -101,6 +101,9 @@ def memory(rows: list[dict]) -> dict:
 DISAGREEING = {r["where"] for r in published.foundry_disagreeing(published.RUNS)}
 """llm-foundry A100 rows their own table's pairs contradict (`published.foundry_disagreeing`)."""
 
+SLOWER = {r["where"] for r in published.slower_with_less_work(published.RUNS)}
+"""Rows their own sweep contradicts (`published.slower_with_less_work`)."""
+
 CAUSES = (
     (lambda r: r["stack"] == "deepspeed-2021", "DeepSpeed 2021 ZeRO-3 (published.ZERO3_2021)"),
     (lambda r: r["cp"] >= 4 and r["stack"].startswith("torchtitan"),
@@ -113,6 +116,10 @@ CAUSES = (
     (lambda r: r["where"] in DISAGREEING,
      "the row disagrees with its own table: its H100 / A100 pair ratio lies past 3 median "
      "absolute deviations of the table's 39 pairs (published.foundry_disagreeing)"),
+    (lambda r: r["where"] in SLOWER,
+     "the row disagrees with its own sweep: measured slower than the same run at a longer "
+     "sequence with the same tokens per micro-batch and per step, which does more work "
+     "(published.slower_with_less_work)"),
     (lambda r: r.get("fit_setting", {}).get("recompute") == "full",
      "priced at full recomputation, the fastest unprinted setting that fits "
      "(published.fitting): the model's memory refuses the setting the run used "
