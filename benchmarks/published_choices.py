@@ -375,6 +375,12 @@ def main() -> None:
         show("Llama 3's 8K rows as its section 3.3.2 reads them (no recomputation, an "
              "interleaved schedule) vs both unprinted (the fastest setting that fits)", base,
              figures(), (published.LLAMA3,), every_source=True)
+    with runs_as(lambda r: r | {"sharding": "zero1"} if r["source"] == published.LLAMA3
+                 else r):
+        show("Llama 3's gradients reduce-scattered every micro-batch (ZeRO-2, 'shards "
+             "optimizer states and gradients') vs once per step, whole gradients kept (as "
+             "torch.distributed.pipelining runs FSDP under PP)", base, figures(),
+             (published.LLAMA3,), every_source=True)
     with runs_as(lambda r: r | {"excluded": ""}):
         show("goal set without the exclusion rule (every row in)", base, figures(),
              (published.NARAYANAN,))
